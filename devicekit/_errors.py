@@ -1,0 +1,47 @@
+"""The exception hierarchy: every error devicekit raises on purpose derives from one base."""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeviceKitError",
+    "DeviceMismatchError",
+    "DeviceUnavailableError",
+    "TransferError",
+]
+
+
+class DeviceKitError(RuntimeError):
+    """Base class of every error devicekit raises on purpose.
+
+    It derives from :class:`RuntimeError`, the class PyTorch raises for device
+    problems, so code that already catches PyTorch's errors keeps working.
+    """
+
+    __module__ = "devicekit"
+
+
+class DeviceUnavailableError(DeviceKitError):
+    """A device was asked for that cannot be used here.
+
+    Raised for device specifications that do not parse (``"gpu"``,
+    ``"cuda:abc"``) and for devices this machine does not have (``"cuda:7"``
+    with one GPU). The message lists the devices that are available.
+    """
+
+    __module__ = "devicekit"
+
+
+class DeviceMismatchError(DeviceKitError):
+    """Tensors that must share one device were found on several."""
+
+    __module__ = "devicekit"
+
+
+class TransferError(DeviceKitError):
+    """Data could not be moved to a device.
+
+    The message names the path of the offending object inside the data
+    (for example ``data['batch'][3]``) and says what was expected there.
+    """
+
+    __module__ = "devicekit"

@@ -1,0 +1,45 @@
+"""Shared test configuration: Hypothesis profiles, the cuda marker, and fixtures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# "ci" runs each property on at least 200 examples; "dev" keeps the local loop quick.
+# CI=true (set by CI services and by .ci/run) selects "ci" unless HYPOTHESIS_PROFILE says.
+settings.register_profile(
+    "ci",
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is visible")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def swap_module_params() -> Iterator[None]:
+    """Make Module.to keep its Parameter objects on every device pair.
+
+    On CUDA, Module.to moves parameters in place, so an optimizer built before the move
+    still holds them. Between cpu and meta PyTorch makes new Parameter objects instead,
+    unless this flag is set; the optimizer tests need the CUDA behaviour on the CPU.
+    """
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
