@@ -15,12 +15,14 @@ import argparse
 import statistics
 import timeit
 from collections import namedtuple
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import devicekit as dk
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 Inputs = namedtuple("Inputs", ["input_ids", "attention_mask"])
 Target = namedtuple("Target", ["boxes", "labels"])
@@ -131,10 +133,14 @@ def compare(device: torch.device, label: str, repeat: int, budget_s: float) -> l
     contenders = {"devicekit.to_device": dk.to_device, **peers()}
     for workload, (make, handwritten) in WORKLOADS.items():
         batch = make()
-        hand = median_us(lambda: handwritten(batch, device), repeat, budget_s)
+        hand = median_us(
+            lambda batch=batch, handwritten=handwritten: handwritten(batch, device),
+            repeat,
+            budget_s,
+        )
         rows.append(f"{workload:<20} {'handwritten':<32} {hand:>10.1f} {1.0:>7.2f}")
         for name, move in contenders.items():
-            took = median_us(lambda move=move: move(batch, device), repeat, budget_s)  # type: ignore[misc]
+            took = median_us(lambda move=move, batch=batch: move(batch, device), repeat, budget_s)
             rows.append(f"{workload:<20} {name:<32} {took:>10.1f} {took / hand:>7.2f}")
     return rows
 
@@ -155,7 +161,10 @@ def packed_vs_per_tensor(device: torch.device, repeat: int, budget_s: float) -> 
     return [
         f"\n1000 x 4 KiB host tensors -> {device}",
         f"per-tensor non_blocking copies {one_by_one:>10.1f} us",
-        f"devicekit packed copy          {together:>10.1f} us   ({one_by_one / together:.1f}x faster)",
+        (
+            f"devicekit packed copy          {together:>10.1f} us"
+            f"   ({one_by_one / together:.1f}x faster)"
+        ),
     ]
 
 

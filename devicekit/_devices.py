@@ -8,7 +8,7 @@ everywhere, with the valid choices listed, before any data moves.
 from __future__ import annotations
 
 import functools
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 import torch
 
@@ -79,7 +79,10 @@ def _parse(spec: object) -> torch.device:
         try:
             return torch.device(spec)
         except RuntimeError:
-            msg = f"Expected a device such as {_EXAMPLES}, got {spec!r}. Available here: {_choices()}."
+            msg = (
+                f"Expected a device such as {_EXAMPLES}, got {spec!r}. "
+                f"Available here: {_choices()}."
+            )
             raise DeviceUnavailableError(msg) from None
     if isinstance(spec, int) and not isinstance(spec, bool):
         accelerator = next((kind for kind in _ACCELERATORS if _device_count(kind)), None)
@@ -110,17 +113,18 @@ def _check_available(device: torch.device, spec: object) -> torch.device:
     if count == 0:
         why = (
             "this PyTorch build has no CUDA support"
-            if device.type == "cuda" and not torch.backends.cuda.is_built()
+            if device.type == "cuda" and torch.version.cuda is None and torch.version.hip is None
             else f"no {device.type} device is visible"
         )
         msg = (
             f"Expected an available device, got {spec!r}, but {why}. Available here: {_choices()}."
         )
         raise DeviceUnavailableError(msg)
-    if device.index is None:
+    index = cast("int | None", device.index)  # None for "cuda", whatever the stubs say
+    if index is None:
         index = 0 if device.type == "mps" else int(getattr(torch, device.type).current_device())
         return torch.device(device.type, index)
-    if device.index >= count:
+    if index >= count:
         msg = (
             f"Expected a {device.type} index from 0 to {count - 1}, got {spec!r}. "
             f"Available here: {_choices()}."
@@ -140,7 +144,7 @@ def resolve_device(spec: DeviceLike | None) -> torch.device:
     >>> resolve_device("gpu")
     Traceback (most recent call last):
     ...
-    devicekit.DeviceUnavailableError: Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta', got 'gpu'. Available here: ...
+    devicekit.DeviceUnavailableError: Expected a device such as 'cpu', ... got 'gpu'. ...
 
     Args:
         spec: A :class:`torch.device`, a string such as ``"cuda:1"``, an accelerator

@@ -17,7 +17,7 @@ from typing import Final
 
 import torch
 
-__all__ = ["PACK_MAX_BYTES", "PACKABLE_DEVICE_TYPES", "is_packable", "packed_copy"]
+__all__ = ["PACKABLE_DEVICE_TYPES", "PACK_MAX_BYTES", "is_packable", "packed_copy"]
 
 PACK_MAX_BYTES: Final = 256 * 1024
 """Tensors up to this size are packed; larger ones are bandwidth-bound and go alone."""

@@ -89,8 +89,8 @@ def register_transfer(cls: type) -> Callable[[C], C]:
         TypeError: ``cls`` is not a class, or is :class:`torch.Tensor` itself, whose move
             is built in.
     """
-    if not isinstance(cls, type):
-        msg = f"Expected a class to register a transfer rule for, got {type(cls).__name__} {cls!r}."
+    if not isinstance(cls, type):  # for callers without a type checker
+        msg = f"Expected a class to register a transfer rule for, got {type(cls).__name__} {cls!r}."  # type: ignore[unreachable]
         raise TypeError(msg)
     if cls is torch.Tensor:
         msg = (
@@ -103,7 +103,7 @@ def register_transfer(cls: type) -> Callable[[C], C]:
         _rules[cls] = fn
         # Rules are looked up once per type and cached: a new rule invalidates both caches.
         _walker.forget_types()
-        _leaf_rule.cache_clear()
+        _leaf_rules.clear()
         return fn
 
     return decorator
@@ -122,6 +122,8 @@ class _Transfer:
     __slots__ = (
         "copy",
         "device",
+        "device_is_meta",
+        "device_is_mps",
         "dtype",
         "memo",
         "memory_format",
@@ -129,8 +131,6 @@ class _Transfer:
         "non_blocking",
         "remember",
         "strict",
-        "device_is_meta",
-        "device_is_mps",
         "to_accelerator",
         "trivial",
         "wait_for",
@@ -139,12 +139,12 @@ class _Transfer:
     def __init__(
         self,
         device: torch.device,
+        *,
         non_blocking: NonBlocking,
         dtype: torch.dtype | None,
         copy: bool,
         memory_format: torch.memory_format | None,
         strict: bool,
-        *,
         remember: bool = False,
     ) -> None:
         self.device = device
@@ -204,6 +204,18 @@ class _Transfer:
 
         return move
 
+    def remembering(self) -> _Transfer:
+        """A fresh transfer with the same options that looks every tensor up in the memo."""
+        return _Transfer(
+            self.device,
+            non_blocking=self.non_blocking,
+            dtype=self.dtype,
+            copy=self.copy,
+            memory_format=self.memory_format,
+            strict=self.strict,
+            remember=True,
+        )
+
     def moved_a_tensor_twice(self) -> bool:
         """Whether the optimistic walk moved some tensor more than once."""
         return len(self.moved_ids) > 1 and len(set(self.moved_ids)) < len(self.moved_ids)
@@ -212,7 +224,8 @@ class _Transfer:
         """Move one leaf of the data, whatever the options."""
         if type(obj) is _Tensor:
             return self.tensor(obj)
-        return _leaf_rule(type(obj))(obj, self)
+        rule = _leaf_rules.get(type(obj)) or _choose_leaf_rule(type(obj))
+        return rule(obj, self)
 
     def meta_error(self, tensor: torch.Tensor) -> Exception:
         if not tensor.is_meta:
@@ -305,10 +318,9 @@ class _Transfer:
             return
         non_blocking = self.non_blocking != False  # noqa: E712 - "auto" counts as True here
         copies = packed_copy(small, self.device, non_blocking=non_blocking)
-        for tensor, moved in zip(small, copies, strict=True):
-            if self.dtype is not None and moved.is_floating_point():
-                moved = moved.to(self.dtype)
-            self.memo[id(tensor)] = moved
+        for tensor, copy in zip(small, copies, strict=True):
+            cast = self.dtype is not None and copy.is_floating_point()
+            self.memo[id(tensor)] = copy.to(self.dtype) if cast else copy
 
     def finish(self) -> None:
         """Wait once per source device for the asynchronous copies that need it."""
@@ -352,7 +364,8 @@ def _refuse(obj: Any, transfer: _Transfer) -> Any:
     raise LeafError(msg)
 
 
-def _in_place_only(kind: str, obj: Any) -> LeafError:
+def _in_place_only(obj: torch.nn.Module | torch.optim.Optimizer) -> LeafError:
+    kind = "the module" if isinstance(obj, torch.nn.Module) else "the optimizer"
     msg = (
         f"Cannot copy {{path}}: {kind} {type(obj).__name__} moves in place, so copy=True "
         "cannot give a separate copy. Use copy.deepcopy on it first, then move the copy."
@@ -362,7 +375,7 @@ def _in_place_only(kind: str, obj: Any) -> LeafError:
 
 def _move_module(module: torch.nn.Module, transfer: _Transfer) -> torch.nn.Module:
     if transfer.copy:
-        raise _in_place_only("the module", module)
+        raise _in_place_only(module)
     options: dict[str, Any] = {"non_blocking": transfer.opaque_non_blocking}
     if transfer.dtype is not None:
         options["dtype"] = transfer.dtype
@@ -373,7 +386,7 @@ def _move_module(module: torch.nn.Module, transfer: _Transfer) -> torch.nn.Modul
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, transfer: _Transfer) -> Any:
     if transfer.copy:
-        raise _in_place_only("the optimizer", optimizer)
+        raise _in_place_only(optimizer)
     # The state follows the parameters it belongs to; the parameters are the model's and
     # move with it, so parameters elsewhere mean the model was not moved first.
     for group_index, group in enumerate(optimizer.param_groups):
@@ -454,8 +467,17 @@ def _to_method_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
     return move
 
 
-@functools.cache
-def _leaf_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
+_LeafRule: TypeAlias = Callable[[Any, _Transfer], Any]
+_leaf_rules: dict[type, _LeafRule] = {}
+
+
+def _choose_leaf_rule(cls: type) -> _LeafRule:
+    """Decide once per type how its instances move, and remember it."""
+    rule = _leaf_rules[cls] = _leaf_rule(cls)
+    return rule
+
+
+def _leaf_rule(cls: type) -> _LeafRule:
     for klass in cls.__mro__:
         if klass in _rules:
             return _registered_rule(_rules[klass])
@@ -472,10 +494,10 @@ def _leaf_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
     return _refuse
 
 
-def _check_options(
-    non_blocking: object, dtype: object, memory_format: object
-) -> None:
-    if non_blocking not in ("auto", True, False) or isinstance(non_blocking, int | float) and not isinstance(non_blocking, bool):
+def _check_options(non_blocking: object, dtype: object, memory_format: object) -> None:
+    if non_blocking not in ("auto", True, False) or (
+        isinstance(non_blocking, int | float) and not isinstance(non_blocking, bool)
+    ):
         msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
         raise ValueError(msg)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -553,13 +575,20 @@ def to_device(
     if non_blocking != "auto" or dtype is not None or memory_format is not None:
         _check_options(non_blocking, dtype, memory_format)
     target = resolve_device(device)
-    transfer = _Transfer(target, non_blocking, dtype, copy, memory_format, strict)
+    transfer = _Transfer(
+        target,
+        non_blocking=non_blocking,
+        dtype=dtype,
+        copy=copy,
+        memory_format=memory_format,
+        strict=strict,
+    )
     if transfer.to_accelerator and type(data) is not torch.Tensor:
         transfer.pack_small_tensors(data)
     moved = _walker.map(transfer.leaf_function(), data)
     if transfer.moved_a_tensor_twice():
         # Some tensor occurs twice: walk again, moving each tensor once through the memo.
-        transfer = _Transfer(target, non_blocking, dtype, copy, memory_format, strict, remember=True)
+        transfer = transfer.remembering()
         moved = _walker.map(transfer.leaf_function(), data)
     if transfer.wait_for:
         transfer.finish()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, Final, NamedTuple, TypeAlias
 
@@ -192,7 +193,7 @@ _Frame: TypeAlias = tuple[Node, Any, Iterator[Any], list[Any]]
 def _key_of(frame: _Frame, child: Any) -> str:
     """The path fragment under which ``child`` sits in the frame's container."""
     node, container = frame[0], frame[1]
-    pairs = zip(node.keys(container), node.children(container))
+    pairs = zip(node.keys(container), node.children(container), strict=True)
     return next((key for key, value in pairs if value is child), "[?]")
 
 
@@ -324,7 +325,7 @@ class Walker:
     # Errors: the stack is the path, so it is only read here, once something failed.
 
     def _path(self, stack: list[_Frame], last: Any) -> str:
-        fragments = [_key_of(parent, child[1]) for parent, child in zip(stack, stack[1:])]
+        fragments = [_key_of(parent, child[1]) for parent, child in itertools.pairwise(stack)]
         if stack:
             fragments.append(_key_of(stack[-1], last))
         return format_path(self._root, fragments)

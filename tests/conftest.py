@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 # "ci" runs each property on at least 200 examples; "dev" keeps the local loop quick.
 # CI=true (set by CI services and by .ci/run) selects "ci" unless HYPOTHESIS_PROFILE says.

@@ -40,12 +40,12 @@ def assert_same_structure(actual: Any, expected: Any, path: str = "data") -> Non
 
 def snapshot(data: Any) -> list[tuple[int, torch.device, torch.Tensor | None]]:
     """Identity, device and value (where readable) of every tensor, to prove nothing changed."""
-    return [
-        (id(t), t.device, None if t.is_meta else t.clone()) for t in tensor_leaves(data)
-    ]
+    return [(id(t), t.device, None if t.is_meta else t.clone()) for t in tensor_leaves(data)]
 
 
-def assert_unchanged(data: Any, before: list[tuple[int, torch.device, torch.Tensor | None]]) -> None:
+def assert_unchanged(
+    data: Any, before: list[tuple[int, torch.device, torch.Tensor | None]]
+) -> None:
     after = list(tensor_leaves(data))
     assert [id(t) for t in after] == [entry[0] for entry in before]
     for tensor, (_, device, value) in zip(after, before, strict=True):

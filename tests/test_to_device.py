@@ -540,13 +540,17 @@ def test_errors_from_user_code_keep_their_type_and_gain_the_path() -> None:
         ({"non_blocking": 1}, "Expected non_blocking to be 'auto', True or False, got 1."),
         (
             {"dtype": torch.int64},
-            "Expected dtype to be None or a floating-point dtype such as torch.float16 or "
-            "torch.bfloat16, got torch.int64",
+            (
+                "Expected dtype to be None or a floating-point dtype such as torch.float16 or "
+                "torch.bfloat16, got torch.int64"
+            ),
         ),
         (
             {"memory_format": "channels_last"},
-            "Expected memory_format to be None or a torch.memory_format such as "
-            "torch.channels_last, got 'channels_last'.",
+            (
+                "Expected memory_format to be None or a torch.memory_format such as "
+                "torch.channels_last, got 'channels_last'."
+            ),
         ),
     ],
 )
@@ -564,13 +568,17 @@ def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
         ),
         (
             "cuda:abc",
-            "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta', "
-            "got 'cuda:abc'.",
+            (
+                "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta', "
+                "got 'cuda:abc'."
+            ),
         ),
         (
             "cuda:-1",
-            "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta', "
-            "got 'cuda:-1'.",
+            (
+                "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta', "
+                "got 'cuda:-1'."
+            ),
         ),
     ],
 )

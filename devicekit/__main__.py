@@ -1,0 +1,5 @@
+"""``python -m devicekit``: the command line."""
+
+from devicekit.cli import main
+
+raise SystemExit(main())

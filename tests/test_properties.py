@@ -1,0 +1,56 @@
+"""Properties of to_device over random nested batches (st.recursive over every container kind)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import devicekit as dk
+
+from .helpers import assert_same_structure, assert_unchanged, snapshot, tensor_leaves
+from .strategies import batches, tensors
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+
+
+@given(batches())
+def test_structure_and_container_types_are_preserved(batch: Any) -> None:
+    assert_same_structure(dk.to_device(batch, META), batch)
+
+
+@given(batches())
+def test_every_tensor_lands_on_the_target(batch: Any) -> None:
+    moved = dk.to_device(batch, META)
+    assert all(tensor.device == META for tensor in tensor_leaves(moved))
+
+
+@given(batches(), st.sampled_from([None, torch.float64, torch.float16]))
+def test_values_are_equal_after_a_cpu_round_trip(batch: Any, dtype: torch.dtype | None) -> None:
+    moved = dk.to_device(batch, CPU, dtype=dtype, copy=True)
+    for before, after in zip(tensor_leaves(batch), tensor_leaves(moved), strict=True):
+        expected = before.to(dtype) if dtype is not None and before.is_floating_point() else before
+        assert after.dtype == expected.dtype
+        assert torch.equal(after, expected)
+
+
+@given(batches())
+def test_the_input_is_unchanged(batch: Any) -> None:
+    before = snapshot(batch)
+    dk.to_device(batch, META, dtype=torch.float16)
+    assert_unchanged(batch, before)
+
+
+@given(st.lists(tensors(), min_size=1, max_size=4), st.data())
+def test_aliasing_is_preserved(pool: list[torch.Tensor], data: st.DataObject) -> None:
+    # Build a batch whose leaves are drawn, with repeats, from a small pool of tensors.
+    batch = data.draw(batches(leaves=st.sampled_from(pool)))
+    moved = dk.to_device(batch, META)
+    originals = list(tensor_leaves(batch))
+    copies = list(tensor_leaves(moved))
+    for i, a in enumerate(originals):
+        for j, b in enumerate(originals):
+            assert (a is b) == (copies[i] is copies[j])

@@ -1,0 +1,37 @@
+"""The public surface: every name importable, documented, and errors in one hierarchy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import devicekit as dk
+
+
+def test_all_is_sorted_and_every_name_is_importable() -> None:
+    assert dk.__all__ == sorted(dk.__all__)
+    for name in dk.__all__:
+        assert getattr(dk, name) is not None, name
+
+
+def test_every_public_callable_has_a_docstring_with_an_example() -> None:
+    for name in ("to_device", "register_transfer"):
+        doc = getattr(dk, name).__doc__
+        assert doc is not None
+        assert ">>>" in doc, name
+
+
+def test_errors_derive_from_one_base_and_say_they_are_devicekit_s() -> None:
+    for error in (dk.DeviceUnavailableError, dk.DeviceMismatchError, dk.TransferError):
+        assert issubclass(error, dk.DeviceKitError)
+        assert error.__module__ == "devicekit"
+        assert error.__doc__
+    assert issubclass(dk.DeviceKitError, RuntimeError)
+
+
+def test_importing_devicekit_creates_no_cuda_context() -> None:
+    code = "import devicekit, torch; print(torch.cuda.is_initialized())"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

@@ -1,0 +1,93 @@
+"""The traversal engine on its own: container rules, leaves, paths and guards."""
+
+from __future__ import annotations
+
+import re
+from collections import namedtuple
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+import devicekit as dk
+from devicekit._tree import Walker, container_node, format_path
+
+Pair = namedtuple("Pair", ["left", "right"])
+everything_walks = Walker(lambda cls: False)
+
+
+def test_leaves_come_in_map_order_with_repeats() -> None:
+    shared = [1]
+    data = {"a": shared, "b": (shared, "s"), "c": None}
+    assert list(everything_walks.leaves(data)) == [1, 1, "s", None]
+
+
+def test_leaves_with_paths_name_keys_indices_and_fields() -> None:
+    data = {"image": 1, "targets": [Pair(2, {"boxes": 3})], "ids": {7}}
+    assert dict(everything_walks.leaves_with_paths(data)) == {
+        "['image']": 1,
+        "['targets'][0].left": 2,
+        "['targets'][0].right['boxes']": 3,
+        "['ids']{0}": 7,
+    }
+
+
+def test_a_leaf_root_has_the_empty_path() -> None:
+    assert list(everything_walks.leaves_with_paths(5)) == [("", 5)]
+
+
+def test_the_leaf_policy_overrides_container_rules() -> None:
+    tuples_are_leaves = Walker(lambda cls: issubclass(cls, tuple))
+    assert tuples_are_leaves.map(lambda x: "leaf", [(1, 2), [3]]) == ["leaf", ["leaf"]]
+
+
+def test_forget_types_drops_cached_decisions() -> None:
+    policy: dict[str, bool] = {"tuple_is_leaf": False}
+    walker = Walker(lambda cls: cls is tuple and policy["tuple_is_leaf"])
+    assert walker.map(str, (1,)) == ("1",)
+    policy["tuple_is_leaf"] = True
+    assert walker.map(str, (1,)) == ("1",)  # still cached
+    walker.forget_types()
+    assert walker.map(str, (1,)) == "(1,)"
+
+
+def test_container_rules_cover_the_builtin_kinds() -> None:
+    for cls in (dict, list, tuple, set, frozenset, Pair):
+        assert container_node(cls) is not None, cls
+    for cls in (str, bytes, bytearray, int, type(None)):
+        assert container_node(cls) is None, cls
+
+
+def test_a_cycle_found_while_listing_leaves_names_its_path() -> None:
+    loop: list[Any] = []
+    loop.append({"self": loop})
+    msg = "but data[0]['self'] is the list data itself, which contains it."
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        list(everything_walks.leaves(loop))
+
+
+def test_long_paths_elide_their_middle() -> None:
+    fragments = [f"[{i}]" for i in range(40)]
+    path = format_path("data", fragments)
+    assert path.startswith("data[0][1]")
+    assert "...<24 more levels>..." in path
+    assert path.endswith("[38][39]")
+
+
+def test_a_read_only_mapping_that_cannot_be_rebuilt_is_refused() -> None:
+    class Frozen(Mapping[str, Any]):
+        def __init__(self, *, items: dict[str, Any]) -> None:
+            self._items = items
+
+        def __getitem__(self, key: str) -> Any:
+            return self._items[key]
+
+        def __iter__(self) -> Any:
+            return iter(self._items)
+
+        def __len__(self) -> int:
+            return len(self._items)
+
+    msg = "Cannot rebuild data['x']: Frozen is a read-only Mapping that cannot be built from a dict"
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        everything_walks.map(str, {"x": Frozen(items={"a": 1})})
