@@ -67,15 +67,15 @@ def register_transfer(cls: type) -> Callable[[C], C]:
     A registered rule wins over the type's ``.to()`` method and over the container
     rules, so it also serves containers that must not be rebuilt item by item.
 
-    >>> import dataclasses
+    >>> import dataclasses, torch, devicekit as dk
     >>> @dataclasses.dataclass
     ... class Boxes:
     ...     xyxy: torch.Tensor
     ...     image_size: tuple[int, int]
-    >>> @register_transfer(Boxes)
-    ... def _move_boxes(boxes, device, **options):
+    >>> @dk.register_transfer(Boxes)
+    ... def move_boxes(boxes, device, **options):
     ...     return Boxes(boxes.xyxy.to(device), boxes.image_size)
-    >>> to_device(Boxes(torch.zeros(1, 4), (32, 32)), "meta").xyxy.device
+    >>> dk.to_device(Boxes(torch.zeros(1, 4), (32, 32)), "meta").xyxy.device
     device(type='meta')
 
     Args:

@@ -1,0 +1,79 @@
+"""Offline intersphinx inventories for the Python and PyTorch objects these docs cite.
+
+The docs build on machines without network access, where intersphinx cannot fetch
+the real inventories. conf.py writes these small ones first and lists them before
+the online ones, so links resolve the same way either way.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+PYTHON = {
+    "RuntimeError": ("py:exception", "library/exceptions.html#RuntimeError"),
+    "TypeError": ("py:exception", "library/exceptions.html#TypeError"),
+    "ValueError": ("py:exception", "library/exceptions.html#ValueError"),
+    "RecursionError": ("py:exception", "library/exceptions.html#RecursionError"),
+    "str": ("py:class", "library/stdtypes.html#str"),
+    "int": ("py:class", "library/functions.html#int"),
+    "bool": ("py:class", "library/functions.html#bool"),
+    "bytes": ("py:class", "library/stdtypes.html#bytes"),
+    "dict": ("py:class", "library/stdtypes.html#dict"),
+    "list": ("py:class", "library/stdtypes.html#list"),
+    "tuple": ("py:class", "library/stdtypes.html#tuple"),
+    "set": ("py:class", "library/stdtypes.html#set"),
+    "type": ("py:class", "library/functions.html#type"),
+    "object": ("py:class", "library/functions.html#object"),
+    "collections.OrderedDict": ("py:class", "library/collections.html#collections.OrderedDict"),
+    "collections.defaultdict": ("py:class", "library/collections.html#collections.defaultdict"),
+    "collections.namedtuple": ("py:function", "library/collections.html#collections.namedtuple"),
+    "collections.abc.Callable": (
+        "py:class",
+        "library/collections.abc.html#collections.abc.Callable",
+    ),
+    "collections.abc.Mapping": ("py:class", "library/collections.abc.html#collections.abc.Mapping"),
+    "dataclasses.replace": ("py:function", "library/dataclasses.html#dataclasses.replace"),
+    "typing.Any": ("py:data", "library/typing.html#typing.Any"),
+    "typing.Literal": ("py:data", "library/typing.html#typing.Literal"),
+    "typing.Protocol": ("py:class", "library/typing.html#typing.Protocol"),
+}
+
+TORCH = {
+    "torch.Tensor": ("py:class", "tensors.html#torch.Tensor"),
+    "torch.Tensor.to": ("py:method", "generated/torch.Tensor.to.html#torch.Tensor.to"),
+    "torch.device": ("py:class", "tensor_attributes.html#torch.device"),
+    "torch.dtype": ("py:class", "tensor_attributes.html#torch.dtype"),
+    "torch.memory_format": ("py:class", "tensor_attributes.html#torch.memory_format"),
+    "torch.nn.Module": ("py:class", "generated/torch.nn.Module.html#torch.nn.Module"),
+    "torch.nn.Module.to": ("py:method", "generated/torch.nn.Module.html#torch.nn.Module.to"),
+    "torch.optim.Optimizer": ("py:class", "optim.html#torch.optim.Optimizer"),
+    "torch.utils.data.DataLoader": (
+        "py:class",
+        "data.html#torch.utils.data.DataLoader",
+    ),
+}
+
+
+def write(path: Path, project: str, objects: dict[str, tuple[str, str]]) -> None:
+    """Write a Sphinx objects.inv (version 2) listing ``objects``."""
+    header = (
+        "# Sphinx inventory version 2\n"
+        f"# Project: {project}\n"
+        "# Version: \n"
+        "# The remainder of this file is compressed using zlib.\n"
+    )
+    lines = "".join(f"{name} {role} 1 {uri} -\n" for name, (role, uri) in objects.items())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header.encode() + zlib.compress(lines.encode()))
+
+
+def write_all(folder: Path) -> dict[str, Path]:
+    """Write both inventories into ``folder``; return their paths by name."""
+    paths = {"python": folder / "python.inv", "torch": folder / "torch.inv"}
+    write(paths["python"], "Python", PYTHON)
+    write(paths["torch"], "PyTorch", TORCH)
+    return paths
