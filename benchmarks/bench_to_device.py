@@ -12,6 +12,7 @@ where a GPU exists) <= 1.3x; faster than every peer on every workload. On a GPU,
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import timeit
 from collections import namedtuple
@@ -119,28 +120,39 @@ def peers() -> dict[str, Callable[[Any, torch.device], Any]]:
     return found
 
 
-def median_us(fn: Callable[[], Any], repeat: int, budget_s: float) -> float:
-    """Median microseconds per call, over ``repeat`` rounds sized to fit the budget."""
-    fn()  # warm caches (per-type decisions, allocator) before timing
-    once = timeit.timeit(fn, number=5) / 5
-    number = max(1, int(budget_s / repeat / max(once, 1e-7)))
-    rounds = timeit.repeat(fn, number=number, repeat=repeat)
-    return statistics.median(rounds) / number * 1e6
+def race(
+    contenders: dict[str, Callable[[], Any]], repeat: int, budget_s: float
+) -> dict[str, float]:
+    """Median microseconds per call of each contender, timed in interleaved rounds.
+
+    Each round times every contender once, so drift in the machine's speed during the
+    run (other load, frequency changes) reaches all of them alike and the ratios hold.
+    """
+    numbers = {}
+    for name, fn in contenders.items():
+        fn()  # warm caches (per-type decisions, allocator) before timing
+        once = timeit.timeit(fn, number=5) / 5
+        numbers[name] = max(1, int(budget_s / repeat / len(contenders) / max(once, 1e-7)))
+    rounds: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeat):
+        for name, fn in contenders.items():
+            took = timeit.timeit(fn, number=numbers[name])
+            rounds[name].append(took / numbers[name] * 1e6)
+    return {name: statistics.median(times) for name, times in rounds.items()}
 
 
 def compare(device: torch.device, label: str, repeat: int, budget_s: float) -> list[str]:
     rows = [f"\n{label}", f"{'workload':<20} {'contender':<32} {'median us':>10} {'x hand':>7}"]
-    contenders = {"devicekit.to_device": dk.to_device, **peers()}
+    movers = {"handwritten": None, "devicekit.to_device": dk.to_device, **peers()}
     for workload, (make, handwritten) in WORKLOADS.items():
         batch = make()
-        hand = median_us(
-            lambda batch=batch, handwritten=handwritten: handwritten(batch, device),
-            repeat,
-            budget_s,
-        )
-        rows.append(f"{workload:<20} {'handwritten':<32} {hand:>10.1f} {1.0:>7.2f}")
-        for name, move in contenders.items():
-            took = median_us(lambda move=move, batch=batch: move(batch, device), repeat, budget_s)
+        contenders = {
+            name: functools.partial(move or handwritten, batch, device)
+            for name, move in movers.items()
+        }
+        medians = race(contenders, repeat, budget_s)
+        hand = medians["handwritten"]
+        for name, took in medians.items():
             rows.append(f"{workload:<20} {name:<32} {took:>10.1f} {took / hand:>7.2f}")
     return rows
 
@@ -156,8 +168,8 @@ def packed_vs_per_tensor(device: torch.device, repeat: int, budget_s: float) -> 
         dk.to_device(leaves, device)
         torch.cuda.synchronize(device)
 
-    one_by_one = median_us(per_tensor, repeat, budget_s)
-    together = median_us(packed, repeat, budget_s)
+    medians = race({"per tensor": per_tensor, "packed": packed}, repeat, budget_s)
+    one_by_one, together = medians["per tensor"], medians["packed"]
     return [
         f"\n1000 x 4 KiB host tensors -> {device}",
         f"per-tensor non_blocking copies {one_by_one:>10.1f} us",
@@ -172,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     args = parser.parse_args()
-    repeat, budget = (3, 0.05) if args.quick else (15, 1.0)
+    repeat, budget = (3, 0.05) if args.quick else (21, 6.0)
     torch.set_num_threads(1)  # allocation and copy costs without thread-pool noise
     print(f"torch {torch.__version__}, devicekit {dk.__version__}")
     rows = compare(torch.device("cpu"), "nothing to move (cpu -> cpu)", repeat, budget)

@@ -7,7 +7,6 @@ each leaf. Per-type decisions (is this registered? does its ``.to()`` take
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
@@ -109,31 +108,30 @@ def register_transfer(cls: type) -> Callable[[C], C]:
     return decorator
 
 
-@functools.cache
-def _device_facts(device: torch.device) -> tuple[bool, bool, bool]:
-    """Whether a device is an accelerator, meta, and MPS; cached, as device.type is slow."""
-    kind = device.type
-    return kind not in _HOST_DEVICE_TYPES, kind == "meta", kind == "mps"
+class _Plan:
+    """What a to_device call's options imply, worked out once per (device, options).
 
-
-class _Transfer:
-    """One to_device call: its options, its alias memo, and the devices to wait on."""
+    Reading ``device.type`` costs a third of a microsecond, and a call that moves a
+    small batch takes a few: every flag the walk consults is derived here, and plans
+    are cached, so a call only looks its plan up.
+    """
 
     __slots__ = (
         "copy",
         "device",
+        "device_is_cpu",
         "device_is_meta",
         "device_is_mps",
         "dtype",
-        "memo",
         "memory_format",
-        "moved_ids",
         "non_blocking",
-        "remember",
+        "opaque_non_blocking",
+        "packs",
+        "plain",
+        "rule_options",
         "strict",
         "to_accelerator",
         "trivial",
-        "wait_for",
     )
 
     def __init__(
@@ -145,17 +143,74 @@ class _Transfer:
         copy: bool,
         memory_format: torch.memory_format | None,
         strict: bool,
-        remember: bool = False,
     ) -> None:
+        kind = device.type
         self.device = device
         self.non_blocking = non_blocking
         self.dtype = dtype
         self.copy = copy
         self.memory_format = None if memory_format is torch.preserve_format else memory_format
         self.strict = strict
-        self.to_accelerator, self.device_is_meta, self.device_is_mps = _device_facts(device)
+        self.to_accelerator = kind not in _HOST_DEVICE_TYPES
+        self.device_is_cpu = kind == "cpu"
+        self.device_is_meta = kind == "meta"
+        self.device_is_mps = kind == "mps"
         # With nothing but the device to change, "already there" is one comparison.
         self.trivial = dtype is None and not copy and self.memory_format is None
+        # Moves to meta, and "auto" moves between host devices, need no stream and no wait.
+        self.plain = non_blocking is False or (
+            non_blocking == "auto" and (self.device_is_meta or not self.to_accelerator)
+        )
+        self.packs = kind in PACKABLE_DEVICE_TYPES and self.memory_format is None
+        # For objects that move themselves, whose copies devicekit cannot wait for:
+        # asynchronous only where reading the result is ordered after the copy anyway.
+        self.opaque_non_blocking = (
+            self.to_accelerator and not self.device_is_mps
+            if non_blocking == "auto"
+            else bool(non_blocking)
+        )
+        self.rule_options = {
+            "non_blocking": self.opaque_non_blocking,
+            "dtype": dtype,
+            "copy": copy,
+            "memory_format": self.memory_format or torch.preserve_format,
+        }
+
+
+_plans: dict[tuple[object, ...], _Plan] = {}
+_default_plans: dict[torch.device, _Plan] = {}  # all options at their defaults: the usual call
+
+
+def _plan(
+    device: torch.device,
+    *,
+    non_blocking: NonBlocking,
+    dtype: torch.dtype | None,
+    copy: bool,
+    memory_format: torch.memory_format | None,
+    strict: bool,
+) -> _Plan:
+    key = (device, non_blocking, dtype, copy, memory_format, strict)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _Plan(
+            device,
+            non_blocking=non_blocking,
+            dtype=dtype,
+            copy=copy,
+            memory_format=memory_format,
+            strict=strict,
+        )
+    return plan
+
+
+class _Transfer:
+    """One to_device call: its plan, its alias memo, and the devices to wait on."""
+
+    __slots__ = ("memo", "moved_ids", "plan", "remember", "wait_for")
+
+    def __init__(self, plan: _Plan, *, remember: bool = False) -> None:
+        self.plan = plan
         self.memo: dict[int, torch.Tensor] = {}
         self.wait_for: set[torch.device] = set()
         # remember=True: look every tensor up in the memo. False: the optimistic path,
@@ -169,21 +224,18 @@ class _Transfer:
         A closure, not a method: its hot path (a tensor whose device alone changes)
         reads locals instead of attributes, which is most of its cost.
         """
-        if not self.trivial or self.remember:
+        plan = self.plan
+        if not plan.trivial or self.remember:
             return self.leaf
-        device, moved_ids, leaf = self.device, self.moved_ids, self.leaf
-        # Moves to meta, and "auto" moves between host devices, need no stream and no wait.
-        plain = self.non_blocking is False or (
-            self.non_blocking == "auto" and (self.device_is_meta or not self.to_accelerator)
-        )
+        device, moved_ids, plain = plan.device, self.moved_ids, plan.plain
         # `obj.device` builds a torch.device each time; for the host targets a flag says
         # the same thing at a third of the cost.
-        target_is_meta, target_is_cpu = self.device_is_meta, device == _CPU
-        tensor_type, move_tensor, meta_error = _Tensor, self.tensor, self.meta_error
+        target_is_meta, target_is_cpu = plan.device_is_meta, plan.device_is_cpu
+        transfer = self
 
         def move(obj: Any) -> Any:
-            if type(obj) is not tensor_type:
-                return leaf(obj)
+            if type(obj) is not _Tensor:
+                return transfer.leaf(obj)
             if target_is_meta:
                 if obj.is_meta:
                     return obj
@@ -193,32 +245,16 @@ class _Transfer:
             elif obj.device == device:
                 return obj
             if not plain:
-                return move_tensor(obj)
+                return transfer.tensor(obj)
             # Optimistic about aliasing: note what moved, and let to_device walk again
             # with the memo in the rare batch that holds one tensor twice.
             moved_ids.append(id(obj))
             try:
                 return obj.to(device)
             except NotImplementedError:
-                raise meta_error(obj) from None
+                raise transfer.meta_error(obj) from None
 
         return move
-
-    def remembering(self) -> _Transfer:
-        """A fresh transfer with the same options that looks every tensor up in the memo."""
-        return _Transfer(
-            self.device,
-            non_blocking=self.non_blocking,
-            dtype=self.dtype,
-            copy=self.copy,
-            memory_format=self.memory_format,
-            strict=self.strict,
-            remember=True,
-        )
-
-    def moved_a_tensor_twice(self) -> bool:
-        """Whether the optimistic walk moved some tensor more than once."""
-        return len(self.moved_ids) > 1 and len(set(self.moved_ids)) < len(self.moved_ids)
 
     def leaf(self, obj: Any) -> Any:
         """Move one leaf of the data, whatever the options."""
@@ -229,9 +265,11 @@ class _Transfer:
 
     def meta_error(self, tensor: torch.Tensor) -> Exception:
         if not tensor.is_meta:
-            return NotImplementedError(f"Cannot move {tensor.device} tensors to {self.device}.")
+            return NotImplementedError(
+                f"Cannot move {tensor.device} tensors to {self.plan.device}."
+            )
         msg = (
-            f"Cannot move {{path}} to {self.device}: it is a tensor on the meta device, "
+            f"Cannot move {{path}} to {self.plan.device}: it is a tensor on the meta device, "
             "which has a shape but no data. Create it on a real device instead, for "
             "example with torch.empty_like(tensor, device=...) or module.to_empty(device=...)."
         )
@@ -242,85 +280,69 @@ class _Transfer:
         moved = self.memo.get(id(tensor))
         if moved is not None:
             return moved
-        if tensor.is_meta and not self.device_is_meta:
+        plan = self.plan
+        if tensor.is_meta and not plan.device_is_meta:
             raise self.meta_error(tensor)
-        if self.trivial:
-            if tensor.device == self.device:
+        if plan.trivial:
+            if tensor.device == plan.device:
                 return tensor
             # Keyword arguments cost PyTorch more to parse than the copy of a small
             # tensor to meta takes: pass non_blocking only when it is True.
             if self.tensor_non_blocking(tensor):
-                moved = tensor.to(self.device, non_blocking=True)
+                moved = tensor.to(plan.device, non_blocking=True)
             else:
-                moved = tensor.to(self.device)
+                moved = tensor.to(plan.device)
         else:
             moved = self.tensor_with_options(tensor)
         self.memo[id(tensor)] = moved
         return moved
 
     def tensor_with_options(self, tensor: torch.Tensor) -> torch.Tensor:
-        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else None
-        memory_format = self.memory_format
+        plan = self.plan
+        dtype = plan.dtype if plan.dtype is not None and tensor.is_floating_point() else None
+        memory_format = plan.memory_format
         if memory_format is not None and not _format_applies(memory_format, tensor):
             memory_format = None
         if (
-            not self.copy
-            and tensor.device == self.device
+            not plan.copy
+            and tensor.device == plan.device
             and (dtype is None or tensor.dtype == dtype)
             and (memory_format is None or tensor.is_contiguous(memory_format=memory_format))
         ):
             return tensor
         return tensor.to(
-            self.device,
+            plan.device,
             dtype=dtype,
             non_blocking=self.tensor_non_blocking(tensor),
-            copy=self.copy,
+            copy=plan.copy,
             memory_format=memory_format or torch.preserve_format,
         )
 
     def tensor_non_blocking(self, tensor: torch.Tensor) -> bool:
-        if self.non_blocking != "auto":
-            return bool(self.non_blocking)
-        if not self.to_accelerator:
+        plan = self.plan
+        if plan.non_blocking != "auto":
+            return bool(plan.non_blocking)
+        if not plan.to_accelerator:
             if tensor.is_cpu or tensor.is_meta:
                 return False  # host to host: nothing to overlap
             # Device to host is issued asynchronously and waited for once, before
             # to_device returns, so every result is safe to read.
             self.wait_for.add(tensor.device)
-        elif self.device_is_mps:
-            self.wait_for.add(self.device)  # MPS copies likewise
+        elif plan.device_is_mps:
+            self.wait_for.add(plan.device)  # MPS copies likewise
         return True
-
-    @property
-    def opaque_non_blocking(self) -> bool:
-        """non_blocking for objects that move themselves, whose copies cannot be waited on."""
-        if self.non_blocking == "auto":
-            return self.to_accelerator and self.device.type != "mps"
-        return bool(self.non_blocking)
-
-    def options(self) -> dict[str, Any]:
-        """The options handed to registered rules: to_device's own, non_blocking resolved."""
-        memory_format = self.memory_format or torch.preserve_format
-        return {
-            "non_blocking": self.opaque_non_blocking,
-            "dtype": self.dtype,
-            "copy": self.copy,
-            "memory_format": memory_format,
-        }
 
     def pack_small_tensors(self, data: Any) -> None:
         """Send the data's small host tensors in one packed copy, ahead of the walk."""
-        if self.device.type not in PACKABLE_DEVICE_TYPES or self.memory_format is not None:
-            return
-        unique = {id(leaf): leaf for leaf in _walker.leaves(data) if type(leaf) is torch.Tensor}
+        plan = self.plan
+        unique = {id(leaf): leaf for leaf in _walker.leaves(data) if type(leaf) is _Tensor}
         small = [tensor for tensor in unique.values() if is_packable(tensor)]
         if len(small) < 2:
             return
-        non_blocking = self.non_blocking != False  # noqa: E712 - "auto" counts as True here
-        copies = packed_copy(small, self.device, non_blocking=non_blocking)
+        copies = packed_copy(small, plan.device, non_blocking=plan.non_blocking is not False)
         for tensor, copy in zip(small, copies, strict=True):
-            cast = self.dtype is not None and copy.is_floating_point()
-            self.memo[id(tensor)] = copy.to(self.dtype) if cast else copy
+            cast = plan.dtype is not None and copy.is_floating_point()
+            self.memo[id(tensor)] = copy.to(plan.dtype) if cast else copy
 
     def finish(self) -> None:
         """Wait once per source device for the asynchronous copies that need it."""
@@ -352,7 +374,7 @@ def _keep(obj: Any, transfer: _Transfer) -> Any:
 
 
 def _refuse(obj: Any, transfer: _Transfer) -> Any:
-    if not transfer.strict:
+    if not transfer.plan.strict:
         return obj
     name = f"{type(obj).__module__}.{type(obj).__name__}"
     msg = (
@@ -374,29 +396,32 @@ def _in_place_only(obj: torch.nn.Module | torch.optim.Optimizer) -> LeafError:
 
 
 def _move_module(module: torch.nn.Module, transfer: _Transfer) -> torch.nn.Module:
-    if transfer.copy:
+    if transfer.plan.copy:
         raise _in_place_only(module)
-    options: dict[str, Any] = {"non_blocking": transfer.opaque_non_blocking}
-    if transfer.dtype is not None:
-        options["dtype"] = transfer.dtype
-    if transfer.memory_format is not None:
-        options["memory_format"] = transfer.memory_format
-    return module.to(transfer.device, **options)
+    options: dict[str, Any] = {"non_blocking": transfer.plan.opaque_non_blocking}
+    if transfer.plan.dtype is not None:
+        options["dtype"] = transfer.plan.dtype
+    if transfer.plan.memory_format is not None:
+        options["memory_format"] = transfer.plan.memory_format
+    return module.to(transfer.plan.device, **options)
 
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, transfer: _Transfer) -> Any:
-    if transfer.copy:
+    if transfer.plan.copy:
         raise _in_place_only(optimizer)
     # The state follows the parameters it belongs to; the parameters are the model's and
     # move with it, so parameters elsewhere mean the model was not moved first.
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
-            if param.device != transfer.device:
+            if param.device != transfer.plan.device:
+                where = f"param_groups[{group_index}]['params'][{param_index}]"
                 msg = (
-                    f"Cannot move the optimizer {{path}} to {transfer.device}: its state follows "
-                    f"its parameters, and param_groups[{group_index}]['params'][{param_index}] "
-                    f"is on {param.device}. Move the model first (to_device(model, device)): "
-                    "the optimizer holds the model's own parameters."
+                    f"Cannot move the optimizer {{path}} to {transfer.plan.device}: its state "
+                    f"follows its parameters, and {where} is on {param.device}. Move the model "
+                    "first (to_device(model, device)): the optimizer holds the model's own "
+                    "parameters. Where the model was moved already, PyTorch replaced its "
+                    "parameters instead of moving them in place (it does so for some device "
+                    "pairs, such as to meta): create the optimizer after moving the model."
                 )
                 raise LeafError(msg)
     for group in optimizer.param_groups:
@@ -412,7 +437,7 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, transfer: _Transfer) -> An
                     continue
                 dtype = param.dtype if param.is_floating_point() and key != "step" else None
                 state[key] = to_device(
-                    value, param.device, non_blocking=transfer.non_blocking, dtype=dtype
+                    value, param.device, non_blocking=transfer.plan.non_blocking, dtype=dtype
                 )
     return optimizer
 
@@ -429,7 +454,7 @@ def _check_result(result: Any, obj: Any, how: str) -> Any:
 
 def _registered_rule(rule: TransferRule) -> Callable[[Any, _Transfer], Any]:
     def move(obj: Any, transfer: _Transfer) -> Any:
-        result = rule(obj, transfer.device, **transfer.options())
+        result = rule(obj, transfer.plan.device, **transfer.plan.rule_options)
         how = f"the rule registered for {type(obj).__name__}"
         return _check_result(result, obj, how)
 
@@ -448,10 +473,10 @@ def _to_method_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
 
     def move(obj: Any, transfer: _Transfer) -> Any:
         asked = {
-            "non_blocking": transfer.opaque_non_blocking,
-            "dtype": transfer.dtype,
-            "copy": transfer.copy,
-            "memory_format": transfer.memory_format,
+            "non_blocking": transfer.plan.opaque_non_blocking,
+            "dtype": transfer.plan.dtype,
+            "copy": transfer.plan.copy,
+            "memory_format": transfer.plan.memory_format,
         }
         options = {name: asked[name] for name in accepted if asked[name]}
         for name, value in asked.items():
@@ -462,7 +487,7 @@ def _to_method_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
                     f"it with @devicekit.register_transfer({cls.__name__})."
                 )
                 raise LeafError(msg)
-        return _check_result(obj.to(transfer.device, **options), obj, f"{cls.__name__}.to()")
+        return _check_result(obj.to(transfer.plan.device, **options), obj, f"{cls.__name__}.to()")
 
     return move
 
@@ -572,23 +597,39 @@ def to_device(
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
         ValueError: An option has a value outside those listed above.
     """
-    if non_blocking != "auto" or dtype is not None or memory_format is not None:
+    defaults = non_blocking == "auto" and dtype is None and memory_format is None
+    if not defaults:
         _check_options(non_blocking, dtype, memory_format)
     target = resolve_device(device)
-    transfer = _Transfer(
-        target,
-        non_blocking=non_blocking,
-        dtype=dtype,
-        copy=copy,
-        memory_format=memory_format,
-        strict=strict,
-    )
-    if transfer.to_accelerator and type(data) is not torch.Tensor:
+    if defaults and not copy and not strict:
+        plan = _default_plans.get(target) or _default_plans.setdefault(
+            target,
+            _plan(
+                target,
+                non_blocking="auto",
+                dtype=None,
+                copy=False,
+                memory_format=None,
+                strict=False,
+            ),
+        )
+    else:
+        plan = _plan(
+            target,
+            non_blocking=non_blocking,
+            dtype=dtype,
+            copy=copy,
+            memory_format=memory_format,
+            strict=strict,
+        )
+    transfer = _Transfer(plan)
+    if plan.packs and type(data) is not _Tensor:
         transfer.pack_small_tensors(data)
     moved = _walker.map(transfer.leaf_function(), data)
-    if transfer.moved_a_tensor_twice():
-        # Some tensor occurs twice: walk again, moving each tensor once through the memo.
-        transfer = transfer.remembering()
+    moved_ids = transfer.moved_ids
+    if len(moved_ids) > 1 and len(set(moved_ids)) < len(moved_ids):
+        # The optimistic walk moved some tensor twice: walk again, through the memo.
+        transfer = _Transfer(plan, remember=True)
         moved = _walker.map(transfer.leaf_function(), data)
     if transfer.wait_for:
         transfer.finish()

@@ -223,7 +223,7 @@ class Walker:
             self._nodes[cls] = node
         return node  # type: ignore[no-any-return]
 
-    def map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+    def map(self, fn: Callable[[Any], Any], tree: Any) -> Any:  # noqa: PLR0912 - one loop on purpose: a call per container costs more than its branches
         """Rebuild ``tree`` with ``fn`` applied to every leaf; containers keep their type.
 
         Containers are rebuilt wherever they occur; ``fn`` keeps its own memo if a
@@ -267,10 +267,18 @@ class Walker:
                 children = iter(node.children(child))
                 break
             else:
-                try:
-                    result = node.rebuild(container, results)
-                except Exception as err:
-                    raise self._located(err, stack, container) from None
+                # Lists and dicts, the usual containers, are rebuilt inline: a call
+                # through Node.rebuild would cost as much as the rebuild itself.
+                result: Any
+                if node is _LIST:
+                    result = results
+                elif node is _DICT:
+                    result = dict(zip(container, results))  # noqa: B905 - same dict, same length
+                else:
+                    try:
+                        result = node.rebuild(container, results)
+                    except Exception as err:
+                        raise self._located(err, stack, container) from None
                 if not stack:
                     return result
                 node, container, children, results = stack.pop()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import devicekit as dk
@@ -54,3 +55,9 @@ def test_aliasing_is_preserved(pool: list[torch.Tensor], data: st.DataObject) ->
     for i, a in enumerate(originals):
         for j, b in enumerate(originals):
             assert (a is b) == (copies[i] is copies[j])
+
+
+def test_ci_runs_each_property_on_at_least_200_examples() -> None:
+    assert settings.get_profile("ci").max_examples >= 200
+    if os.environ.get("CI") and not os.environ.get("HYPOTHESIS_PROFILE"):
+        assert settings.default.max_examples >= 200
