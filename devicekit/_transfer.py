@@ -57,7 +57,8 @@ def _has_own_rule(cls: type) -> bool:
     return registered or to_method
 
 
-_walker = Walker(_has_own_rule)
+# Plain scalars are left as they are, strict or not: the walk passes them through.
+_walker = Walker(_has_own_rule, inert_types=_SCALAR_TYPES)
 
 
 def register_transfer(cls: type) -> Callable[[C], C]:

@@ -184,6 +184,7 @@ def format_path(root: str, fragments: Iterable[str]) -> str:
 
 
 _UNSEEN: Any = object()
+_INERT: Any = object()  # in Walker._nodes: a leaf that map passes through untouched
 
 # A frame of the walk: (node rules, container, iterator over its children, results so far).
 # Plain tuples, not a NamedTuple: frames are made per container, on the hot path.
@@ -203,11 +204,22 @@ class Walker:
     Args:
         is_leaf_type: Types for which this returns True are leaves even if they are
             containers (a type with its own transfer rule, say). It is asked once per type.
+        inert_types: Leaf types that :meth:`map` passes through as they are, without
+            calling its function: the plain scalars of a batch (ids, names, None) are
+            most of its leaves after the tensors, and a call each would cost more than
+            the walk. Exact types only; :meth:`leaves` still yields them.
         root: The name error messages give the data's root, as in ``data['x']``.
     """
 
-    def __init__(self, is_leaf_type: Callable[[type], bool], *, root: str = "data") -> None:
+    def __init__(
+        self,
+        is_leaf_type: Callable[[type], bool],
+        *,
+        inert_types: Iterable[type] = (),
+        root: str = "data",
+    ) -> None:
         self._is_leaf_type = is_leaf_type
+        self._inert_types = frozenset(inert_types)
         self._root = root
         self._nodes: dict[type, Node | None] = {}
 
@@ -220,8 +232,8 @@ class Walker:
         node = self._nodes.get(cls, _UNSEEN)
         if node is _UNSEEN:
             node = None if self._is_leaf_type(cls) else container_node(cls)
-            self._nodes[cls] = node
-        return node  # type: ignore[no-any-return]
+            self._nodes[cls] = _INERT if node is None and cls in self._inert_types else node
+        return None if node is _INERT else node  # type: ignore[no-any-return]
 
     def map(self, fn: Callable[[Any], Any], tree: Any) -> Any:  # noqa: PLR0912 - one loop on purpose: a call per container costs more than its branches
         """Rebuild ``tree`` with ``fn`` applied to every leaf; containers keep their type.
@@ -233,9 +245,7 @@ class Walker:
         {'a': [2, (4, 'xx')]}
         """
         nodes = self._nodes
-        node = nodes.get(type(tree), _UNSEEN)
-        if node is _UNSEEN:
-            node = self.node_of(type(tree))
+        node = self.node_of(type(tree))
         if node is None:
             try:
                 return fn(tree)
@@ -244,7 +254,7 @@ class Walker:
         # The current frame lives in locals; the frames above it wait on `stack`.
         # No recursion, so depth is bounded by MAX_DEPTH, not by the interpreter.
         stack: list[_Frame] = []
-        unseen = _UNSEEN
+        unseen, inert = _UNSEEN, _INERT
         container = tree
         children = iter(node.children(tree))
         results: list[Any] = []
@@ -252,13 +262,17 @@ class Walker:
             for child in children:
                 child_node = nodes.get(type(child), unseen)
                 if child_node is unseen:
-                    child_node = self.node_of(type(child))
+                    self.node_of(type(child))
+                    child_node = nodes[type(child)]
                 if child_node is None:
                     try:
                         results.append(fn(child))
                     except Exception as err:
                         here = (node, container, children, results)
                         raise self._located(err, [*stack, here], child) from None
+                    continue
+                if child_node is inert:
+                    results.append(child)
                     continue
                 stack.append((node, container, children, results))
                 if len(stack) >= MAX_DEPTH:

@@ -91,3 +91,19 @@ def test_a_read_only_mapping_that_cannot_be_rebuilt_is_refused() -> None:
     msg = "Cannot rebuild data['x']: Frozen is a read-only Mapping that cannot be built from a dict"
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
         everything_walks.map(str, {"x": Frozen(items={"a": 1})})
+
+
+def test_inert_leaves_pass_through_map_without_a_call() -> None:
+    seen: list[Any] = []
+
+    def record(leaf: Any) -> str:
+        seen.append(leaf)
+        return "mapped"
+
+    walker = Walker(lambda cls: False, inert_types=[int, type(None)])
+    assert walker.map(record, {"a": [1, "s", None], "b": 2.5}) == {
+        "a": [1, "mapped", None],
+        "b": "mapped",
+    }
+    assert seen == ["s", 2.5]
+    assert list(walker.leaves({"a": [1, None]})) == [1, None]
