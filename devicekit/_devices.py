@@ -60,16 +60,21 @@ def _choices() -> str:
 
 
 @functools.cache
+def _default_family() -> str:
+    """The device family used when ``device=None``: the first accelerator found, else cpu."""
+    return next((kind for kind in _ACCELERATORS if _device_count(kind)), "cpu")
+
+
 def default_device() -> torch.device:
     """The device used when ``device=None``: the first accelerator found, else the CPU.
+
+    The family is found once; the index is read on every call, because ``"cuda"`` means
+    the current CUDA device, which :func:`torch.cuda.set_device` changes.
 
     >>> default_device().type in ("cuda", "xpu", "mps", "cpu")
     True
     """
-    for kind in _ACCELERATORS:
-        if _device_count(kind):
-            return resolve_device(kind)
-    return torch.device("cpu")
+    return resolve_device(_default_family())
 
 
 def _parse(spec: object) -> torch.device:
@@ -85,8 +90,8 @@ def _parse(spec: object) -> torch.device:
             )
             raise DeviceUnavailableError(msg) from None
     if isinstance(spec, int) and not isinstance(spec, bool):
-        accelerator = next((kind for kind in _ACCELERATORS if _device_count(kind)), None)
-        if accelerator is None:
+        accelerator = _default_family()
+        if accelerator == "cpu":
             msg = (
                 f"Expected an accelerator for the device index {spec}, but this machine has none. "
                 f"Available here: {_choices()}."

@@ -233,7 +233,7 @@ class Walker:
         if node is _UNSEEN:
             node = None if self._is_leaf_type(cls) else container_node(cls)
             self._nodes[cls] = _INERT if node is None and cls in self._inert_types else node
-        return None if node is _INERT else node  # type: ignore[no-any-return]
+        return None if node is _INERT else node
 
     def map(self, fn: Callable[[Any], Any], tree: Any) -> Any:  # noqa: PLR0912 - one loop on purpose: a call per container costs more than its branches
         """Rebuild ``tree`` with ``fn`` applied to every leaf; containers keep their type.
