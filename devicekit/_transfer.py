@@ -182,29 +182,6 @@ _plans: dict[tuple[object, ...], _Plan] = {}
 _default_plans: dict[torch.device, _Plan] = {}  # all options at their defaults: the usual call
 
 
-def _plan(
-    device: torch.device,
-    *,
-    non_blocking: NonBlocking,
-    dtype: torch.dtype | None,
-    copy: bool,
-    memory_format: torch.memory_format | None,
-    strict: bool,
-) -> _Plan:
-    key = (device, non_blocking, dtype, copy, memory_format, strict)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = _Plan(
-            device,
-            non_blocking=non_blocking,
-            dtype=dtype,
-            copy=copy,
-            memory_format=memory_format,
-            strict=strict,
-        )
-    return plan
-
-
 class _Transfer:
     """One to_device call: its plan, its alias memo, and the devices to wait on."""
 
@@ -603,26 +580,28 @@ def to_device(
         _check_options(non_blocking, dtype, memory_format)
     target = resolve_device(device)
     if defaults and not copy and not strict:
-        plan = _default_plans.get(target) or _default_plans.setdefault(
-            target,
-            _plan(
+        plan = _default_plans.get(target)
+        if plan is None:
+            plan = _default_plans[target] = _Plan(
                 target,
                 non_blocking="auto",
                 dtype=None,
                 copy=False,
                 memory_format=None,
                 strict=False,
-            ),
-        )
+            )
     else:
-        plan = _plan(
-            target,
-            non_blocking=non_blocking,
-            dtype=dtype,
-            copy=copy,
-            memory_format=memory_format,
-            strict=strict,
-        )
+        key = (target, non_blocking, dtype, copy, memory_format, strict)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans[key] = _Plan(
+                target,
+                non_blocking=non_blocking,
+                dtype=dtype,
+                copy=copy,
+                memory_format=memory_format,
+                strict=strict,
+            )
     transfer = _Transfer(plan)
     if plan.packs and type(data) is not _Tensor:
         transfer.pack_small_tensors(data)
