@@ -14,7 +14,7 @@ import torch
 
 from devicekit._errors import DeviceUnavailableError
 
-__all__ = ["DeviceLike", "available_devices", "default_device", "resolve_device"]
+__all__ = ["DeviceLike", "available_devices", "parse_device", "resolve_device"]
 
 DeviceLike: TypeAlias = torch.device | str | int
 """What a ``device=`` argument accepts: a :class:`torch.device`, a string such as
@@ -61,23 +61,20 @@ def _choices() -> str:
 
 @functools.cache
 def _default_family() -> str:
-    """The device family used when ``device=None``: the first accelerator found, else cpu."""
+    """The accelerator family a bare index refers to: the first found, else cpu."""
     return next((kind for kind in _ACCELERATORS if _device_count(kind)), "cpu")
 
 
-def default_device() -> torch.device:
-    """The device used when ``device=None``: the first accelerator found, else the CPU.
+def parse_device(spec: object) -> torch.device:
+    """Parse a device spec without checking that this machine has the device.
 
-    The family is found once; the index is read on every call, because ``"cuda"`` means
-    the current CUDA device, which :func:`torch.cuda.set_device` changes.
+    >>> parse_device("cuda:1"), parse_device(torch.device("cpu"))
+    (device(type='cuda', index=1), device(type='cpu'))
 
-    >>> default_device().type in ("cuda", "xpu", "mps", "cpu")
-    True
+    Raises:
+        DeviceUnavailableError: The spec does not parse, or is an index with no accelerator.
+        TypeError: The spec is neither a device, a string, nor an index.
     """
-    return resolve_device(_default_family())
-
-
-def _parse(spec: object) -> torch.device:
     if isinstance(spec, torch.device):
         return spec
     if isinstance(spec, str):
@@ -138,7 +135,7 @@ def _check_available(device: torch.device, spec: object) -> torch.device:
     return device
 
 
-def resolve_device(spec: DeviceLike | None) -> torch.device:
+def resolve_device(spec: DeviceLike) -> torch.device:
     """Turn what a user wrote into a concrete device of this machine.
 
     Accelerator devices always come back with an index (``"cuda"`` is the current
@@ -152,8 +149,8 @@ def resolve_device(spec: DeviceLike | None) -> torch.device:
     devicekit.DeviceUnavailableError: Expected a device such as 'cpu', ... got 'gpu'. ...
 
     Args:
-        spec: A :class:`torch.device`, a string such as ``"cuda:1"``, an accelerator
-            index, or None for :func:`default_device`.
+        spec: A :class:`torch.device`, a string such as ``"cuda:1"``, or an accelerator
+            index.
 
     Returns:
         The device, with an index for accelerators.
@@ -162,15 +159,13 @@ def resolve_device(spec: DeviceLike | None) -> torch.device:
         DeviceUnavailableError: The spec does not parse, or names a device this machine lacks.
         TypeError: The spec is neither a device, a string, nor an index.
     """
-    if spec is None:
-        return default_device()
     try:
         return _resolved[spec]
     except (KeyError, TypeError):  # TypeError: an unhashable spec, reported by _parse below
         pass
-    device = _check_available(_parse(spec), spec)
+    device = _check_available(parse_device(spec), spec)
     if isinstance(spec, int | str | torch.device) and (
-        device.type in _ALWAYS_AVAILABLE or _parse(spec).index is not None
+        device.type in _ALWAYS_AVAILABLE or parse_device(spec).index is not None
     ):
         _resolved[spec] = device
     return device

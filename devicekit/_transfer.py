@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 import torch
 
 from devicekit._devices import DeviceLike, resolve_device
+from devicekit._manager import current_device
 from devicekit._staging import PACKABLE_DEVICE_TYPES, is_packable, packed_copy
 from devicekit._tree import LeafError, Walker
 
@@ -551,7 +552,7 @@ def to_device(
             :func:`register_transfer` move with their rule; other leaves (numbers,
             strings, arrays) are returned unchanged.
         device: The target: a :class:`torch.device`, a string such as ``"cuda:1"``, an
-            accelerator index, or None for the default device.
+            accelerator index, or None for :func:`~devicekit.current_device`.
         non_blocking: ``"auto"`` copies host->device asynchronously (pinned sources
             overlap with compute), and issues device->host and MPS copies asynchronously
             but waits for them once before returning, so whatever comes back is safe to
@@ -578,7 +579,7 @@ def to_device(
     defaults = non_blocking == "auto" and dtype is None and memory_format is None
     if not defaults:
         _check_options(non_blocking, dtype, memory_format)
-    target = resolve_device(device)
+    target = current_device() if device is None else resolve_device(device)
     if defaults and not copy and not strict:
         plan = _default_plans.get(target)
         if plan is None:

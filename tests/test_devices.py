@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit._devices import available_devices, default_device, resolve_device
+from devicekit._devices import available_devices, resolve_device
 
 
 def test_host_devices_resolve_without_an_index() -> None:
@@ -41,12 +41,3 @@ def test_cuda_without_an_index_is_the_current_device() -> None:
     count = torch.cuda.device_count()
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(f"from 0 to {count - 1}")):
         resolve_device(f"cuda:{count}")
-
-
-@pytest.mark.cuda
-def test_the_default_device_follows_the_current_cuda_device() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices")
-    with torch.cuda.device(1):
-        assert default_device() == torch.device("cuda", 1)
-    assert default_device() == torch.device("cuda", torch.cuda.current_device())

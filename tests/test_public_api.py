@@ -15,7 +15,14 @@ def test_all_is_sorted_and_every_name_is_importable() -> None:
 
 
 def test_every_public_callable_has_a_docstring_with_an_example() -> None:
-    for name in ("to_device", "register_transfer"):
+    for name in (
+        "to_device",
+        "register_transfer",
+        "DeviceManager",
+        "current_device",
+        "DeviceInfo",
+        "Backend",
+    ):
         doc = getattr(dk, name).__doc__
         assert doc is not None
         assert ">>>" in doc, name

@@ -1,0 +1,431 @@
+"""DeviceManager: find the devices, choose one, say why; and devicekit's default device.
+
+The default device of every devicekit call given ``device=None`` is the innermost
+``with manager:`` block's device, else the device a process-wide
+``DeviceManager.from_env()`` chose. The blocks live in a :class:`~contextvars.ContextVar`,
+so threads and asyncio tasks each see their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import threading
+import warnings
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
+
+import torch
+
+from devicekit._backends import builtin_backends, cuda_started
+from devicekit._devices import DeviceLike, parse_device
+from devicekit._errors import DeviceUnavailableError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import TracebackType
+
+    from devicekit._backends import Backend, DeviceInfo
+
+__all__ = ["DeviceManager", "Fallback", "Policy", "current_device", "parse_bytes"]
+
+Policy: TypeAlias = Literal["auto", "most-free-memory", "local-rank"]
+Fallback: TypeAlias = Literal["cpu", "error"]
+
+_POLICIES = ("auto", "most-free-memory", "local-rank")
+_FALLBACKS = ("cpu", "error")
+_FAMILIES = ("cuda", "rocm", "xpu", "mps", "cpu")
+_HOST_TYPES = ("cpu", "meta")
+# "auto" takes the lowest-numbered device whose free memory is within this share of the
+# most free: an idle multi-GPU machine then gives cuda:0, not whichever GPU happens to
+# have a few megabytes more free, while a busy cuda:0 is passed over.
+_AUTO_FREE_TOLERANCE = 0.05
+
+_active: ContextVar[tuple[torch.device, ...]] = ContextVar("devicekit_active", default=())
+_fallback_warned = threading.Event()  # the CPU fallback warns once per process
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_bytes(size: int | str) -> int:
+    """Read a memory size: bytes as an int, or a string such as ``"8GiB"`` or ``"500 MB"``.
+
+    >>> parse_bytes("8GiB"), parse_bytes("1.5 GB"), parse_bytes(1024)
+    (8589934592, 1500000000, 1024)
+
+    Raises:
+        ValueError: The size is negative or not in one of these forms.
+    """
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+        return size
+    match = _SIZE.fullmatch(size) if isinstance(size, str) else None
+    if match is None or match.group(2).lower() not in _UNITS:
+        msg = (
+            "Expected min_free_memory as a number of bytes or a size such as '8GiB', "
+            f"'500MB' or '1.5 GB', got {size!r}."
+        )
+        raise ValueError(msg)
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def describe(info: DeviceInfo) -> str:
+    """One line about a device, as ``explain()`` and ``devicekit info`` show it."""
+    parts = [f"{info.device!s:<8}", info.name or "unknown model"]
+    if info.free_memory is not None and info.total_memory is not None:
+        parts.append(f"{_size(info.free_memory)} free of {_size(info.total_memory)}")
+    elif info.total_memory is not None:
+        parts.append(f"{_size(info.total_memory)}, free memory unknown")
+    if info.capability is not None:
+        parts.append(f"compute capability {info.capability[0]}.{info.capability[1]}")
+    return f"{parts[0]} {', '.join(parts[1:])}"
+
+
+def _local_rank() -> int | None:
+    value = os.environ.get("LOCAL_RANK")
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        msg = (
+            "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, "
+            f"got {value!r}."
+        )
+        raise ValueError(msg)
+    return int(value)
+
+
+class DeviceManager:
+    """Detect the devices of this machine, select one, and explain the choice.
+
+    Replaces ``torch.device("cuda" if torch.cuda.is_available() else "cpu")``: it sees
+    CUDA, ROCm, XPU and MPS devices without starting CUDA, avoids a GPU that others
+    are filling, follows torchrun's ``LOCAL_RANK``, and says so when it falls back to
+    the CPU. Inside ``with manager:``, devicekit calls given ``device=None`` use
+    :attr:`device`.
+
+    >>> import devicekit as dk
+    >>> manager = dk.DeviceManager("cpu")
+    >>> manager.device
+    device(type='cpu')
+    >>> with manager:
+    ...     dk.current_device()
+    device(type='cpu')
+
+    Args:
+        device: A device to use (``"cuda:1"``, ``torch.device``, or an index on the
+            preferred accelerator); None lets ``policy`` choose.
+        prefer: Families in order of preference; the first with a usable device wins.
+            ``"cuda"`` also matches ROCm GPUs, which PyTorch addresses as ``cuda``.
+        policy: ``"auto"`` (torchrun's ``LOCAL_RANK`` when set, else the lowest-numbered
+            device with about the most free memory), ``"most-free-memory"``, or
+            ``"local-rank"``.
+        min_free_memory: Skip accelerators with less free memory than this: bytes, or a
+            size such as ``"8GiB"``. Devices whose free memory is unknown are kept.
+        fallback: With no usable accelerator, ``"cpu"`` uses the CPU and warns once;
+            ``"error"`` raises :class:`~devicekit.DeviceUnavailableError`.
+        backends: The device families to look at; None for the built-in ones. Tests
+            pass fakes here.
+
+    Raises:
+        DeviceUnavailableError: ``device`` does not parse or is not on this machine, or
+            nothing usable was found with ``fallback="error"``.
+        ValueError: An option has a value outside those listed above.
+    """
+
+    __module__ = "devicekit"
+
+    def __init__(
+        self,
+        device: DeviceLike | None = None,
+        *,
+        prefer: Sequence[str] = ("cuda", "xpu", "mps", "cpu"),
+        policy: Policy = "auto",
+        min_free_memory: int | str | None = None,
+        fallback: Fallback = "cpu",
+        backends: Sequence[Backend] | None = None,
+    ) -> None:
+        if policy not in _POLICIES:
+            msg = f"Expected policy to be one of {_POLICIES}, got {policy!r}."
+            raise ValueError(msg)
+        if fallback not in _FALLBACKS:
+            msg = f"Expected fallback to be one of {_FALLBACKS}, got {fallback!r}."
+            raise ValueError(msg)
+        self._backends = list(builtin_backends() if backends is None else backends)
+        known = {*_FAMILIES, *(b.name for b in self._backends)}
+        if isinstance(prefer, str) or not all(name in known for name in prefer):
+            msg = (
+                f"Expected prefer to list device families among {sorted(known)}, in order "
+                f"of preference, got {prefer!r}."
+            )
+            raise ValueError(msg)
+        self._prefer = tuple(prefer)
+        self._min_free = None if min_free_memory is None else parse_bytes(min_free_memory)
+        self._fallback = fallback
+        self._found = {id(backend): list(backend.devices()) for backend in self._backends}
+        self._devices = tuple(info for infos in self._found.values() for info in infos)
+        self._skipped: list[str] = []
+        self._device, self._reason = self._select(device, policy)
+
+    @classmethod
+    def from_env(cls, **options: Any) -> DeviceManager:
+        """A manager configured by the environment, for scripts and launchers.
+
+        ``DEVICEKIT_DEVICE`` (``"cuda:1"``, ``"cpu"``, an index) is used when set;
+        otherwise, under torchrun, ``LOCAL_RANK`` selects ``cuda:LOCAL_RANK`` among the
+        visible devices; otherwise ``options`` decide, as in the constructor.
+
+        >>> import devicekit as dk, os
+        >>> os.environ["DEVICEKIT_DEVICE"] = "cpu"
+        >>> dk.DeviceManager.from_env().explain().splitlines()[0]
+        'Selected cpu: DEVICEKIT_DEVICE asks for it.'
+        >>> del os.environ["DEVICEKIT_DEVICE"]
+
+        Args:
+            **options: Keyword arguments of the constructor (not ``device``).
+
+        Returns:
+            The manager.
+
+        Raises:
+            DeviceUnavailableError: ``DEVICEKIT_DEVICE`` names no device of this machine.
+            ValueError: ``LOCAL_RANK`` is not a whole number of 0 or more.
+        """
+        spec = os.environ.get("DEVICEKIT_DEVICE", "").strip()
+        if spec:
+            try:
+                manager = cls(int(spec) if spec.isdigit() else spec, **options)
+            except DeviceUnavailableError as err:
+                msg = f"DEVICEKIT_DEVICE={spec!r} cannot be used: {err}"
+                raise DeviceUnavailableError(msg) from None
+            manager._reason = "DEVICEKIT_DEVICE asks for it"
+            return manager
+        if _local_rank() is not None:
+            options.setdefault("policy", "local-rank")
+        return cls(**options)
+
+    @property
+    def device(self) -> torch.device:
+        """The selected device."""
+        return self._device
+
+    @property
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        """Every device found, by family in the order of ``backends``."""
+        return self._devices
+
+    @property
+    def reason(self) -> str:
+        """Why :attr:`device` was chosen, in a few words (the first line of :meth:`explain`)."""
+        return self._reason
+
+    def notes(self) -> dict[str, str]:
+        """Why families found nothing, by family name (``{"cuda": "no CUDA support ..."}``)."""
+        return {
+            backend.name: note
+            for backend in self._backends
+            if (note := getattr(backend, "note", None)) and not self._found[id(backend)]
+        }
+
+    def explain(self) -> str:
+        """A few lines: what was chosen and why, then everything that was seen.
+
+        Returns:
+            The explanation, one sentence per line.
+        """
+        chosen = next((info for info in self._devices if info.device == self._device), None)
+        name = f" ({chosen.name})" if chosen is not None and chosen.name else ""
+        lines = [f"Selected {self._device}{name}: {self._reason}."]
+        lines += [f"Skipped {skipped}." for skipped in self._skipped]
+        lines.append("Devices seen:")
+        lines += [f"  {describe(info)}" for info in self._devices]
+        lines += [f"  no {name}: {note}" for name, note in self.notes().items()]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"DeviceManager(device={self._device!r})"
+
+    def __enter__(self) -> DeviceManager:
+        _active.set((*_active.get(), self._device))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        _active.set(_active.get()[:-1])
+
+    # Selection.
+
+    def _family(self, name: str) -> list[DeviceInfo]:
+        return [
+            info
+            for backend in self._backends
+            if name in (backend.name, backend.device_type) and backend.device_type != "cpu"
+            for info in self._found[id(backend)]
+        ]
+
+    def _accelerators(self) -> tuple[str, list[DeviceInfo]] | None:
+        """The first preferred accelerator family with devices, and its devices."""
+        for name in self._prefer:
+            if name != "cpu" and (found := self._family(name)):
+                return name, found
+        return None
+
+    def _seen(self) -> str:
+        return ", ".join(str(info.device) for info in self._devices) or "none"
+
+    def _select(self, device: DeviceLike | None, policy: Policy) -> tuple[torch.device, str]:
+        if device is not None:
+            return self._explicit(device)
+        if policy == "local-rank" or (policy == "auto" and _local_rank() is not None):
+            return self._by_local_rank()
+        for name in self._prefer:
+            if name == "cpu":
+                return self._fall_back()
+            found = self._family(name)
+            usable = [info for info in found if self._has_room(info)]
+            if usable:
+                return self._by_memory(usable, strict=policy == "most-free-memory")
+        return self._fall_back()
+
+    def _explicit(self, spec: DeviceLike) -> tuple[torch.device, str]:
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            family = self._accelerators()
+            if family is None or spec < 0 or spec >= len(family[1]):
+                msg = (
+                    f"Expected the index of an accelerator device, got {spec}; "
+                    f"devices here: {self._seen()}."
+                )
+                raise DeviceUnavailableError(msg)
+            return family[1][spec].device, f"asked for index {spec} of {family[0]}"
+        device = parse_device(spec)
+        if device.type in _HOST_TYPES:
+            return torch.device(device.type), f"asked for {device.type}"
+        found = [info for info in self._devices if info.device.type == device.type]
+        if not found and not any(b.device_type == device.type for b in self._backends):
+            return device, f"asked for {device}, a device type devicekit cannot check"
+        index = cast("int | None", device.index)  # None for "cuda", whatever the stubs say
+        if index is None:
+            index = torch.cuda.current_device() if cuda_started() else 0
+        match = next((info for info in found if info.index == index), None)
+        if match is None:
+            choices = ", ".join(repr(str(info.device)) for info in self._devices)
+            msg = f"Expected one of {choices} (the devices here), got {str(spec)!r}."
+            raise DeviceUnavailableError(msg)
+        return match.device, f"asked for {spec}"
+
+    def _has_room(self, info: DeviceInfo) -> bool:
+        if self._min_free is None or info.free_memory is None:
+            return True
+        if info.free_memory >= self._min_free:
+            return True
+        self._skipped.append(
+            f"{info.device}: {_size(info.free_memory)} free, under min_free_memory "
+            f"{_size(self._min_free)}"
+        )
+        return False
+
+    def _by_memory(self, usable: list[DeviceInfo], *, strict: bool) -> tuple[torch.device, str]:
+        if any(info.free_memory is None for info in usable):
+            first = usable[0]
+            return first.device, f"the first {first.backend} device; free memory is unknown"
+        most = max(info.free_memory or 0 for info in usable)
+        floor = most if strict else most * (1 - _AUTO_FREE_TOLERANCE)
+        chosen = next(info for info in usable if (info.free_memory or 0) >= floor)
+        free = f"{_size(chosen.free_memory or 0)} of {_size(chosen.total_memory or 0)}"
+        if len(usable) == 1:
+            return chosen.device, f"the only usable {chosen.backend} device ({free} free)"
+        if strict or chosen.free_memory == most:
+            return chosen.device, f"it has the most free memory ({free})"
+        return chosen.device, f"the first with about the most free memory ({free})"
+
+    def _by_local_rank(self) -> tuple[torch.device, str]:
+        rank = _local_rank()
+        if rank is None:
+            msg = "Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."
+            raise DeviceUnavailableError(msg)
+        family = self._accelerators()
+        if family is None:
+            return self._fall_back(f"LOCAL_RANK={rank}, but no accelerator was found")
+        name, found = family
+        if len(found) == 1:
+            # One visible device per process: the launcher already split them.
+            return found[0].device, f"LOCAL_RANK={rank}, and this process sees one {name} device"
+        if rank >= len(found):
+            msg = (
+                f"Expected LOCAL_RANK to be below the {len(found)} {name} devices this "
+                f"process sees, got {rank}: start at most {len(found)} processes per node, "
+                "or give each its own CUDA_VISIBLE_DEVICES."
+            )
+            raise DeviceUnavailableError(msg)
+        chosen = found[rank]
+        if not self._has_room(chosen):
+            msg = f"LOCAL_RANK={rank} selects {chosen.device}, but {self._skipped[-1]}."
+            raise DeviceUnavailableError(msg)
+        return chosen.device, f"LOCAL_RANK={rank} (torchrun) selects it"
+
+    def _fall_back(self, why: str | None = None) -> tuple[torch.device, str]:
+        wanted = [name for name in self._prefer if name != "cpu"]
+        if not wanted:
+            return torch.device("cpu"), "prefer asks for the CPU"
+        looked = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
+        why = why or f"no {looked} device is usable"
+        if self._fallback == "error":
+            msg = f"Expected a {looked} device, but {why}. Devices here: {self._seen()}."
+            notes = [getattr(b, "note", None) for b in self._backends]
+            if any(notes):
+                msg += " " + "; ".join(f"{n}." for n in notes if n)
+            raise DeviceUnavailableError(msg)
+        if not _fallback_warned.is_set():
+            _fallback_warned.set()
+            msg = (
+                f"devicekit found no usable accelerator ({why}), so it uses the CPU. "
+                "DeviceManager(...).explain() says what it saw; fallback='error' makes this "
+                "an error, and prefer=('cpu',) chooses the CPU without this warning."
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        return torch.device("cpu"), f"{why}, so the CPU is the fallback"
+
+
+@functools.cache
+def _process_default() -> DeviceManager:
+    return DeviceManager.from_env()
+
+
+def current_device() -> torch.device:
+    """The device devicekit calls use when given ``device=None``.
+
+    That is the device of the innermost ``with manager:`` block in this thread or
+    asyncio task, else the one ``DeviceManager.from_env()`` selects for the process
+    (built once, on first use).
+
+    >>> import devicekit as dk
+    >>> with dk.DeviceManager("meta"):
+    ...     dk.current_device()
+    device(type='meta')
+
+    Returns:
+        The device.
+    """
+    active = _active.get()
+    if active:
+        return active[-1]
+    return _process_default().device

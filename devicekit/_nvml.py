@@ -1,0 +1,205 @@
+"""NVIDIA GPUs as NVML sees them, and which of them CUDA will show this process.
+
+NVML reads the driver's view of the GPUs without creating a CUDA context, so
+listing devices stays cheap and keeps ``fork()`` safe. NVML numbers GPUs in PCI bus
+order; CUDA numbers them in its own order (``CUDA_DEVICE_ORDER``) and then applies
+``CUDA_VISIBLE_DEVICES``. :func:`visible_gpus` turns the first into the second,
+matching GPUs by UUID, never by assuming the two numberings agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+__all__ = ["NvmlGpu", "parse_visible_devices", "read_nvml", "visible_gpus"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NvmlGpu:
+    """One GPU, or one MIG instance of a GPU, as NVML reports it."""
+
+    uuid: str
+    """``GPU-…`` for a whole GPU, ``MIG-…`` for a MIG instance."""
+    name: str
+    total_memory: int
+    free_memory: int
+    pci_bus_id: str = ""
+    capability: tuple[int, int] | None = None
+    mig: tuple[NvmlGpu, ...] = ()
+    """The GPU's MIG instances, when MIG mode is on."""
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value  # older bindings give bytes
+
+
+def _read_gpu(nvml: Any, handle: Any) -> NvmlGpu:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    capability: tuple[int, int] | None = None
+    try:
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        capability = (int(major), int(minor))
+    except nvml.NVMLError:
+        pass
+    try:
+        pci_bus_id = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+    except nvml.NVMLError:
+        pci_bus_id = ""
+    return NvmlGpu(
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+        name=_text(nvml.nvmlDeviceGetName(handle)),
+        total_memory=int(memory.total),
+        free_memory=int(memory.free),
+        pci_bus_id=pci_bus_id,
+        capability=capability,
+    )
+
+
+def _read_mig(nvml: Any, handle: Any, parent: NvmlGpu) -> tuple[NvmlGpu, ...]:
+    try:
+        current, _ = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError:  # not a MIG-capable GPU
+        return ()
+    if current != 1:
+        return ()
+    instances = []
+    for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except nvml.NVMLError:  # an empty slot
+            continue
+        memory = nvml.nvmlDeviceGetMemoryInfo(mig)
+        instances.append(
+            dataclasses.replace(
+                parent,
+                uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
+                total_memory=int(memory.total),
+                free_memory=int(memory.free),
+            )
+        )
+    return tuple(instances)
+
+
+def read_nvml() -> list[NvmlGpu] | None:
+    """Every GPU NVML sees, in NVML's (PCI bus) order; None where NVML cannot be read.
+
+    Needs the ``nvidia-ml-py`` package (``pip install devicekit[nvml]``) and an NVIDIA
+    driver. Creates no CUDA context.
+    """
+    try:
+        import pynvml  # noqa: PLC0415 - optional, and only imported when devices are listed
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # no driver, or no NVIDIA GPU at all
+        return None
+    try:
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            gpu = _read_gpu(pynvml, handle)
+            gpus.append(dataclasses.replace(gpu, mig=_read_mig(pynvml, handle, gpu)))
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+    return gpus
+
+
+def _leading_integer(token: str) -> int:
+    """The integer a token starts with, as the CUDA runtime reads it ("1gpu" is 1); -1 if none."""
+    digits = token[1:] if token[:1] in "+-" else token
+    length = len(digits) - len(digits.lstrip("0123456789"))
+    if length == 0:
+        return -1
+    return int(token[: length + (len(token) - len(digits))])
+
+
+def parse_visible_devices(value: str | None) -> list[int] | list[str] | None:
+    """Read ``CUDA_VISIBLE_DEVICES`` the way the CUDA runtime (and PyTorch) do.
+
+    >>> parse_visible_devices(None) is None, parse_visible_devices("2,0"), parse_visible_devices("")
+    (True, [2, 0], [])
+    >>> parse_visible_devices("1,-1,0"), parse_visible_devices("0,0")
+    ([1], [])
+    >>> parse_visible_devices("GPU-ab,x")
+    ['GPU-ab']
+
+    Returns:
+        None when unset (every GPU is visible); otherwise the visible GPUs as indices in
+        CUDA's order, or as UUID prefixes (``GPU-…``, ``MIG-…``). The list stops at the
+        first entry that is not of the same kind (a negative index, say), and a repeated
+        entry hides every GPU.
+    """
+    if value is None:
+        return None
+    for prefix in ("GPU-", "MIG-"):
+        if value.startswith(prefix):
+            uuids: list[str] = []
+            for token in value.split(","):  # UUIDs are taken verbatim, spaces included
+                if not token.startswith(prefix):
+                    break
+                if token in uuids:
+                    return []
+                uuids.append(token)
+            return uuids
+    indices: list[int] = []
+    for token in value.split(","):
+        index = _leading_integer(token.strip())
+        if index < 0:
+            break
+        if index in indices:
+            return []
+        indices.append(index)
+    return indices
+
+
+def _cuda_order(gpus: Sequence[NvmlGpu], device_order: str) -> list[NvmlGpu]:
+    by_bus = sorted(gpus, key=lambda gpu: gpu.pci_bus_id)
+    if device_order == "PCI_BUS_ID":
+        return by_bus
+    # CUDA's default, FASTEST_FIRST, puts the most capable GPUs first and breaks ties
+    # by PCI bus; on machines with one GPU model the two orders are the same.
+    return sorted(by_bus, key=lambda gpu: gpu.capability or (0, 0), reverse=True)
+
+
+def _match_prefix(prefix: str, candidates: Sequence[NvmlGpu]) -> NvmlGpu | None:
+    matches = [gpu for gpu in candidates if gpu.uuid.startswith(prefix)]
+    return matches[0] if len(matches) == 1 else None  # an ambiguous prefix matches nothing
+
+
+def visible_gpus(gpus: Sequence[NvmlGpu], environ: Mapping[str, str]) -> list[NvmlGpu]:
+    """The GPUs CUDA will show this process, in CUDA index order (``cuda:0`` first).
+
+    >>> a, b = NvmlGpu("GPU-aa", "A", 8, 4, "0000:01"), NvmlGpu("GPU-bb", "B", 8, 6, "0000:02")
+    >>> [gpu.uuid for gpu in visible_gpus([a, b], {"CUDA_VISIBLE_DEVICES": "1,0"})]
+    ['GPU-bb', 'GPU-aa']
+    >>> [gpu.uuid for gpu in visible_gpus([a, b], {"CUDA_VISIBLE_DEVICES": "GPU-b"})]
+    ['GPU-bb']
+    """
+    ordered = _cuda_order(gpus, environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST"))
+    wanted = parse_visible_devices(environ.get("CUDA_VISIBLE_DEVICES"))
+    if wanted is None:
+        return ordered
+    visible: list[NvmlGpu] = []
+    for token in wanted:
+        if isinstance(token, int):
+            if token >= len(ordered):
+                break  # CUDA stops at the first index past the last GPU
+            visible.append(ordered[token])
+            continue
+        pool = [mig for gpu in ordered for mig in gpu.mig] if token.startswith("MIG-") else ordered
+        found = _match_prefix(token, pool)
+        if found is None:
+            break
+        if found in visible:
+            return []
+        visible.append(found)
+        if token.startswith("MIG-"):
+            break  # CUDA shows a process one MIG instance at most: the first it is given
+    return visible

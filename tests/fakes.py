@@ -1,0 +1,47 @@
+"""Fake device families for the DeviceManager tests: any number of GPUs, any free memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from devicekit import DeviceInfo
+from devicekit._backends import CpuBackend
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class FakeGpus:
+    """A family of GPUs with the given free memory in GiB each (None: unknown)."""
+
+    free: Sequence[float | None]
+    name: str = "cuda"
+    device_type: str = "cuda"
+    total: float = 80
+    note: str | None = None
+
+    def devices(self) -> list[DeviceInfo]:
+        return [
+            DeviceInfo(
+                torch.device(self.device_type, index),
+                self.name,
+                index,
+                f"Fake GPU {index}",
+                int(self.total * GiB),
+                None if free is None else int(free * GiB),
+                (9, 0),
+                f"GPU-{index:04d}",
+            )
+            for index, free in enumerate(self.free)
+        ]
+
+
+def machine(*free: float | None, note: str | None = None) -> list[object]:
+    """Backends for a machine with GPUs of the given free memory, and its CPU."""
+    return [FakeGpus(free, note=note), CpuBackend()]

@@ -1,0 +1,214 @@
+"""The built-in backends: CUDA visibility through NVML, and nothing started to look."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import devicekit as dk
+from devicekit._backends import CpuBackend, CudaBackend, builtin_backends
+from devicekit._nvml import NvmlGpu, parse_visible_devices, visible_gpus
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+GiB = 2**30
+
+
+def _gpu(number: int, capability: tuple[int, int] = (9, 0), free: int = 70) -> NvmlGpu:
+    return NvmlGpu(
+        uuid=f"GPU-{number}{number}{number}-{number:04d}",
+        name=f"GPU model {capability[0]}",
+        total_memory=80 * GiB,
+        free_memory=free * GiB,
+        pci_bus_id=f"00000000:{number + 1:02X}:00.0",
+        capability=capability,
+    )
+
+
+FOUR = [_gpu(n, free=10 * (n + 1)) for n in range(4)]
+
+
+def _visible(value: str | None, gpus: list[NvmlGpu] = FOUR, **environ: str) -> list[int]:
+    if value is not None:
+        environ["CUDA_VISIBLE_DEVICES"] = value
+    return [gpus.index(gpu) for gpu in visible_gpus(gpus, environ)]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, [0, 1, 2, 3]),
+        ("2,0", [2, 0]),
+        ("", []),
+        ("-1", []),
+        ("1,-1,3", [1]),
+        ("0,0", []),
+        ("1,7,2", [1]),
+        ("7", []),
+        (" 3 , 1", [3, 1]),
+        ("1gpu,2", [1, 2]),
+        ("GPU-222", [2]),
+        ("GPU-333-0003,GPU-111", [3, 1]),
+        ("GPU-", []),  # a prefix of every UUID: ambiguous, so nothing
+        ("GPU-999", []),
+        ("GPU-111,GPU-111", []),
+    ],
+)
+def test_cuda_visible_devices_in_all_its_forms(value: str | None, expected: list[int]) -> None:
+    assert _visible(value) == expected
+
+
+def test_mig_ids_select_one_instance() -> None:
+    migs = tuple(
+        NvmlGpu(f"MIG-{n}aa-{n}", "H100 MIG 1g.10gb", 10 * GiB, 9 * GiB, "00000000:01:00.0")
+        for n in range(2)
+    )
+    gpus = [NvmlGpu("GPU-abc", "H100", 80 * GiB, 60 * GiB, "00000000:01:00.0", (9, 0), migs)]
+    found = visible_gpus(gpus, {"CUDA_VISIBLE_DEVICES": "MIG-1aa,MIG-0aa"})
+    assert [gpu.uuid for gpu in found] == ["MIG-1aa-1"]  # CUDA shows one MIG instance
+
+
+def test_cuda_order_puts_the_fastest_first_unless_pci_order_is_asked() -> None:
+    mixed = [_gpu(0, (8, 0)), _gpu(1, (9, 0)), _gpu(2, (8, 6))]
+    assert _visible(None, mixed) == [1, 2, 0]
+    assert _visible(None, mixed, CUDA_DEVICE_ORDER="PCI_BUS_ID") == [0, 1, 2]
+    assert _visible("0", mixed) == [1]  # index 0 is CUDA's first, not NVML's
+
+
+@given(st.lists(st.sampled_from(["0", "1", "2", "3", "5", "-1", "", "x", "1a", " 2"]), max_size=5))
+def test_index_lists_parse_as_pytorch_parses_them(tokens: list[str]) -> None:
+    value = ",".join(tokens)
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    try:
+        expected = torch.cuda._parse_visible_devices()
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+    assert parse_visible_devices(value) == expected
+
+
+def test_cuda_backend_reports_visible_gpus_as_cuda_indices() -> None:
+    backend = CudaBackend(nvml=lambda: FOUR, environ={"CUDA_VISIBLE_DEVICES": "3,1"}, compiled=True)
+    infos = backend.devices()
+    assert [info.device for info in infos] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert infos[0] == dk.DeviceInfo(
+        torch.device("cuda", 0), "cuda", 0, "GPU model 9", 80 * GiB, 40 * GiB, (9, 0), FOUR[3].uuid
+    )
+
+
+def test_cuda_backend_says_when_visibility_hides_everything() -> None:
+    backend = CudaBackend(nvml=lambda: FOUR, environ={"CUDA_VISIBLE_DEVICES": "-1"}, compiled=True)
+    assert backend.devices() == []
+    assert backend.note == "CUDA_VISIBLE_DEVICES='-1' hides all 4 GPU(s)"
+
+
+def test_cuda_backend_says_when_pytorch_cannot_use_the_gpus() -> None:
+    backend = CudaBackend(nvml=lambda: FOUR, environ={}, compiled=False)
+    assert backend.devices() == []
+    assert backend.note == "NVML sees 4 NVIDIA GPU(s), but this PyTorch build has no CUDA support"
+
+
+def test_the_cpu_is_always_there() -> None:
+    (info,) = CpuBackend().devices()
+    assert info.device == torch.device("cpu")
+    assert info.total_memory is None or info.total_memory > 0
+
+
+def test_builtin_backends_end_with_the_cpu() -> None:
+    backends = builtin_backends()
+    assert [b.name for b in backends][-1] == "cpu"
+    assert all(isinstance(backend, dk.Backend) for backend in backends)
+
+
+def test_listing_devices_starts_no_cuda() -> None:
+    code = (
+        "import json, torch, devicekit as dk, warnings\n"
+        "warnings.simplefilter('ignore')\n"
+        "manager = dk.DeviceManager()\n"
+        "print(json.dumps([torch.cuda.is_initialized(), str(manager.device)]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    initialized, device = json.loads(result.stdout)
+    assert initialized is False
+    assert device
+
+
+# On a GPU machine.
+
+
+@pytest.fixture
+def nvidia_smi() -> Iterator[list[list[str]]]:
+    query = "--query-gpu=uuid,name,memory.total"
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("nvidia-smi is not available")
+    return [[cell.strip() for cell in line.split(",")] for line in result.stdout.splitlines()]
+
+
+@pytest.mark.cuda
+def test_device_info_agrees_with_nvidia_smi(nvidia_smi: list[list[str]]) -> None:
+    infos = {info.uuid: info for info in CudaBackend().devices()}
+    assert len(infos) == torch.cuda.device_count()
+    for uuid, name, total_mib in nvidia_smi:
+        if uuid in infos:
+            assert infos[uuid].name == name
+            assert infos[uuid].total_memory == int(total_mib) * 2**20
+
+
+@pytest.mark.cuda
+def test_most_free_memory_avoids_a_gpu_another_process_fills() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    hog = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import torch, sys; x = torch.empty(8 << 30, dtype=torch.uint8, device='cuda:0');"
+                "torch.cuda.synchronize(); print('ready', flush=True); sys.stdin.read()"
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hog.stdout is not None
+        assert hog.stdout.readline().strip() == "ready"
+        manager = dk.DeviceManager(policy="most-free-memory")
+        assert manager.device != torch.device("cuda", 0)
+    finally:
+        hog.communicate("")
+
+
+@pytest.mark.cuda
+def test_a_forked_child_can_use_cuda_after_devices_were_listed() -> None:
+    import multiprocessing  # noqa: PLC0415 - only this GPU test forks
+
+    dk.DeviceManager()
+    assert not torch.cuda.is_initialized()
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=lambda: torch.zeros(1, device="cuda").sum().item())
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0

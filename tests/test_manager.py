@@ -1,0 +1,364 @@
+"""DeviceManager with fake backends: policies, fallback, bad specs, environment, contexts."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _manager
+
+from .fakes import FakeGpus, machine
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+CPU = torch.device("cpu")
+EXPECTED_A_DEVICE = "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
+
+
+def cuda(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("LOCAL_RANK", "DEVICEKIT_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    _manager._fallback_warned.clear()
+    yield
+    _manager._fallback_warned.clear()
+
+
+# Selection.
+
+
+def test_one_gpu_is_selected() -> None:
+    manager = dk.DeviceManager(backends=machine(70))
+    assert manager.device == cuda(0)
+    assert manager.reason == "the only usable cuda device (70.0 GiB of 80.0 GiB free)"
+
+
+def test_auto_passes_over_a_busy_gpu_to_the_first_with_about_the_most_free() -> None:
+    manager = dk.DeviceManager(backends=machine(10, 70, 71, 30))
+    assert manager.device == cuda(1)
+    assert manager.reason == "the first with about the most free memory (70.0 GiB of 80.0 GiB)"
+
+
+def test_auto_on_an_idle_machine_takes_the_first_gpu() -> None:
+    assert dk.DeviceManager(backends=machine(79.5, 79.9, 79.7, 79.8)).device == cuda(0)
+
+
+def test_most_free_memory_takes_the_most_free() -> None:
+    manager = dk.DeviceManager(policy="most-free-memory", backends=machine(10, 70, 71, 30))
+    assert manager.device == cuda(2)
+    assert manager.reason == "it has the most free memory (71.0 GiB of 80.0 GiB)"
+
+
+def test_unknown_free_memory_takes_the_first() -> None:
+    manager = dk.DeviceManager(policy="most-free-memory", backends=machine(None, None))
+    assert manager.device == cuda(0)
+    assert manager.reason == "the first cuda device; free memory is unknown"
+
+
+def test_min_free_memory_skips_full_gpus() -> None:
+    manager = dk.DeviceManager(min_free_memory="50GiB", backends=machine(10, 60, 30))
+    assert manager.device == cuda(1)
+    assert "Skipped cuda:0: 10.0 GiB free, under min_free_memory 50.0 GiB." in manager.explain()
+
+
+def test_min_free_memory_in_bytes() -> None:
+    manager = dk.DeviceManager(min_free_memory=65 * 2**30, backends=machine(60, 70))
+    assert manager.device == cuda(1)
+
+
+def test_prefer_orders_the_families() -> None:
+    backends = [FakeGpus([50]), FakeGpus([50], name="xpu", device_type="xpu")]
+    assert dk.DeviceManager(backends=backends).device == cuda(0)
+    assert dk.DeviceManager(prefer=("xpu", "cuda"), backends=backends).device == torch.device(
+        "xpu", 0
+    )
+
+
+def test_cuda_in_prefer_matches_rocm_gpus() -> None:
+    backends = [FakeGpus([50], name="rocm")]
+    manager = dk.DeviceManager(backends=backends)
+    assert manager.device == cuda(0)
+    assert manager.devices[0].backend == "rocm"
+
+
+# Fallback.
+
+
+def test_no_gpu_falls_back_to_the_cpu_and_warns_once() -> None:
+    msg = "devicekit found no usable accelerator (no cuda, xpu or mps device is usable)"
+    with pytest.warns(RuntimeWarning, match=re.escape(msg)):
+        manager = dk.DeviceManager(backends=machine(note="this PyTorch build has no CUDA support"))
+    assert manager.device == CPU
+    assert manager.reason == "no cuda, xpu or mps device is usable, so the CPU is the fallback"
+    again = dk.DeviceManager(backends=machine())  # no second warning: filterwarnings=error
+    assert again.device == CPU
+
+
+def test_full_gpus_fall_back_too() -> None:
+    with pytest.warns(RuntimeWarning):
+        manager = dk.DeviceManager(min_free_memory="8GiB", backends=machine(1, 2))
+    assert manager.device == CPU
+    assert "Skipped cuda:1: 2.0 GiB free, under min_free_memory 8.0 GiB." in manager.explain()
+
+
+def test_fallback_error_lists_what_was_found() -> None:
+    msg = (
+        "Expected a cuda, xpu or mps device, but no cuda, xpu or mps device is usable. "
+        "Devices here: cpu. this PyTorch build has no CUDA support."
+    )
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager(
+            fallback="error", backends=machine(note="this PyTorch build has no CUDA support")
+        )
+
+
+def test_preferring_the_cpu_is_not_a_fallback() -> None:
+    manager = dk.DeviceManager(prefer=("cpu",), backends=machine(70))
+    assert manager.device == CPU
+    assert manager.reason == "prefer asks for the CPU"
+
+
+# Explicit devices and bad specs.
+
+
+def test_explicit_devices_and_indices() -> None:
+    backends = machine(10, 20, 30, 40)
+    assert dk.DeviceManager("cuda:3", backends=backends).device == cuda(3)
+    assert dk.DeviceManager(torch.device("cuda", 2), backends=backends).device == cuda(2)
+    assert dk.DeviceManager(1, backends=backends).device == cuda(1)
+    assert dk.DeviceManager("cuda", backends=backends).device == cuda(0)
+    assert dk.DeviceManager("cpu", backends=backends).device == CPU
+    assert dk.DeviceManager("meta", backends=backends).device == torch.device("meta")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "gpu",
+            f"{EXPECTED_A_DEVICE}, got 'gpu'.",
+        ),
+        ("cuda:7", "Expected one of 'cuda:0', 'cpu' (the devices here), got 'cuda:7'."),
+        (
+            "cuda:-1",
+            f"{EXPECTED_A_DEVICE}, got 'cuda:-1'.",
+        ),
+        (
+            "cuda:abc",
+            f"{EXPECTED_A_DEVICE}, got 'cuda:abc'.",
+        ),
+        (3, "Expected the index of an accelerator device, got 3; devices here: cuda:0, cpu."),
+    ],
+)
+def test_bad_device_specs_are_refused_with_the_choices(spec: object, message: str) -> None:
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(message)):
+        dk.DeviceManager(spec, backends=machine(70))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"min_free_memory": "lots"},
+            (
+                "Expected min_free_memory as a number of bytes or a size such as '8GiB', "
+                "'500MB' or '1.5 GB', got 'lots'."
+            ),
+        ),
+        ({"min_free_memory": -1}, "got -1."),
+        (
+            {"prefer": ("cuda", "tpu")},
+            (
+                "Expected prefer to list device families among ['cpu', 'cuda', 'mps', 'rocm', "
+                "'xpu'], in order of preference, got ('cuda', 'tpu')."
+            ),
+        ),
+        ({"prefer": "cuda"}, "got 'cuda'."),
+        (
+            {"policy": "fastest"},
+            (
+                "Expected policy to be one of ('auto', 'most-free-memory', 'local-rank'), "
+                "got 'fastest'."
+            ),
+        ),
+        ({"fallback": "gpu"}, "Expected fallback to be one of ('cpu', 'error'), got 'gpu'."),
+    ],
+)
+def test_bad_options_are_refused(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dk.DeviceManager(backends=machine(70), **options)  # type: ignore[arg-type]
+
+
+# torchrun and the environment.
+
+
+def test_local_rank_selects_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    manager = dk.DeviceManager.from_env(backends=machine(70, 70, 70, 70))
+    assert manager.device == cuda(2)
+    assert manager.reason == "LOCAL_RANK=2 (torchrun) selects it"
+    # "auto" follows LOCAL_RANK too, without from_env.
+    assert dk.DeviceManager(backends=machine(70, 70, 70, 70)).device == cuda(2)
+
+
+def test_local_rank_with_one_visible_gpu_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    manager = dk.DeviceManager.from_env(backends=machine(70))
+    assert manager.device == cuda(0)
+    assert manager.reason == "LOCAL_RANK=3, and this process sees one cuda device"
+
+
+def test_local_rank_beyond_the_visible_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    msg = (
+        "Expected LOCAL_RANK to be below the 4 cuda devices this process sees, got 5: start "
+        "at most 4 processes per node, or give each its own CUDA_VISIBLE_DEVICES."
+    )
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager.from_env(backends=machine(70, 70, 70, 70))
+
+
+def test_a_negative_local_rank_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "-3")
+    msg = "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got '-3'."
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dk.DeviceManager.from_env(backends=machine(70))
+
+
+def test_local_rank_policy_needs_local_rank() -> None:
+    msg = "Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager(policy="local-rank", backends=machine(70))
+
+
+def test_devicekit_device_wins_over_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "cuda:1")
+    manager = dk.DeviceManager.from_env(backends=machine(70, 70))
+    assert manager.device == cuda(1)
+    assert manager.reason == "DEVICEKIT_DEVICE asks for it"
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "1")
+    assert dk.DeviceManager.from_env(backends=machine(70, 70)).device == cuda(1)
+
+
+def test_a_nonsense_devicekit_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "nonsense")
+    msg = (
+        "DEVICEKIT_DEVICE='nonsense' cannot be used: Expected a device such as 'cpu', 'cuda', "
+        "'cuda:0', 'mps', 'xpu' or 'meta', got 'nonsense'."
+    )
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager.from_env(backends=machine(70))
+
+
+# explain().
+
+
+def test_explain_says_what_was_chosen_why_and_what_was_seen() -> None:
+    no_xpu = FakeGpus([], name="xpu", device_type="xpu", note="no XPU here")
+    manager = dk.DeviceManager(backends=[FakeGpus([10, 70, None]), no_xpu])
+    assert manager.explain() == (
+        "Selected cuda:0 (Fake GPU 0): the first cuda device; free memory is unknown.\n"
+        "Devices seen:\n"
+        "  cuda:0   Fake GPU 0, 10.0 GiB free of 80.0 GiB, compute capability 9.0\n"
+        "  cuda:1   Fake GPU 1, 70.0 GiB free of 80.0 GiB, compute capability 9.0\n"
+        "  cuda:2   Fake GPU 2, 80.0 GiB, free memory unknown, compute capability 9.0\n"
+        "  no xpu: no XPU here"
+    )
+
+
+def test_devices_lists_every_family() -> None:
+    manager = dk.DeviceManager(backends=machine(10, 70))
+    assert [str(info.device) for info in manager.devices] == ["cuda:0", "cuda:1", "cpu"]
+    assert manager.devices[0] == dk.DeviceInfo(
+        cuda(0), "cuda", 0, "Fake GPU 0", 80 * 2**30, 10 * 2**30, (9, 0), "GPU-0000"
+    )
+
+
+# The default device: `with manager:` blocks, per thread and per task.
+
+
+def test_with_blocks_nest_and_restore() -> None:
+    outer = dk.DeviceManager("meta")
+    inner = dk.DeviceManager("cpu")
+    with outer:
+        assert dk.current_device() == torch.device("meta")
+        with inner:
+            assert dk.current_device() == CPU
+            with outer:
+                assert dk.current_device() == torch.device("meta")
+            assert dk.current_device() == CPU
+        assert dk.current_device() == torch.device("meta")
+
+
+def test_to_device_uses_the_active_manager() -> None:
+    with dk.DeviceManager("meta"):
+        assert dk.to_device({"x": torch.ones(1)})["x"].device == torch.device("meta")
+
+
+def test_the_process_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "meta")
+    _manager._process_default.cache_clear()
+    try:
+        assert dk.current_device() == torch.device("meta")
+    finally:
+        _manager._process_default.cache_clear()
+
+
+def test_threads_see_only_their_own_devices() -> None:
+    managers = [dk.DeviceManager(f"cuda:{i}", backends=machine(*[70] * 8)) for i in range(8)]
+    other = dk.DeviceManager("meta")
+    failures: list[str] = []
+    start = threading.Barrier(8)
+
+    def switch(index: int) -> None:
+        mine = managers[index].device
+        start.wait()
+        for step in range(1000):
+            with managers[index]:
+                with other:
+                    if dk.current_device() != other.device:
+                        failures.append(f"thread {index} step {step}: inner")
+                if dk.current_device() != mine:
+                    failures.append(f"thread {index} step {step}: saw {dk.current_device()}")
+
+    threads = [threading.Thread(target=switch, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+def test_asyncio_tasks_see_only_their_own_devices() -> None:
+    async def run(manager: dk.DeviceManager) -> list[torch.device]:
+        seen = []
+        with manager:
+            for _ in range(20):
+                await asyncio.sleep(0)
+                seen.append(dk.current_device())
+        return seen
+
+    async def main() -> list[list[torch.device]]:
+        return await asyncio.gather(run(dk.DeviceManager("meta")), run(dk.DeviceManager("cpu")))
+
+    meta_seen, cpu_seen = asyncio.run(main())
+    assert set(meta_seen) == {torch.device("meta")}
+    assert set(cpu_seen) == {CPU}
+
+
+def test_parse_bytes_units() -> None:
+    assert _manager.parse_bytes("500MB") == 500 * 10**6
+    assert _manager.parse_bytes("2 kib") == 2048
+    assert _manager.parse_bytes("3") == 3
