@@ -11,14 +11,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from devicekit._nvml import NvmlGpu, read_nvml, visible_gpus
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
 
 __all__ = [
     "AcceleratorBackend",
@@ -43,12 +41,10 @@ class DeviceInfo:
     (device(type='cuda', index=0), None)
     """
 
-    __module__ = "devicekit"
-
     device: torch.device
     """The device, as ``to_device`` and PyTorch take it."""
     backend: str
-    """The family that found it: ``"cuda"``, ``"rocm"``, ``"xpu"``, ``"mps"``, ``"cpu"``, ..."""
+    """The family that found it, such as ``"cuda"``, ``"rocm"``, ``"xpu"``, ``"mps"`` or ``"cpu"``."""
     index: int | None
     """Its index within the family as this process sees it; None for the CPU."""
     name: str | None = None
@@ -98,9 +94,6 @@ class Backend(Protocol):
         are merely listed.
         """
         ...
-
-
-Backend.__module__ = "devicekit"  # set here: inside the class it would be a protocol member
 
 
 def cuda_started() -> bool:

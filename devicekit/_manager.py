@@ -13,20 +13,16 @@ import os
 import re
 import threading
 import warnings
+from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
+from types import TracebackType
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 
-from devicekit._backends import builtin_backends, cuda_started
+from devicekit._backends import Backend, DeviceInfo, builtin_backends, cuda_started
 from devicekit._devices import DeviceLike, parse_device
 from devicekit._errors import DeviceUnavailableError
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-    from types import TracebackType
-
-    from devicekit._backends import Backend, DeviceInfo
 
 __all__ = ["DeviceManager", "Fallback", "Policy", "current_device", "parse_bytes"]
 
@@ -148,8 +144,6 @@ class DeviceManager:
         ValueError: An option has a value outside those listed above.
     """
 
-    __module__ = "devicekit"
-
     def __init__(
         self,
         device: DeviceLike | None = None,
@@ -192,8 +186,9 @@ class DeviceManager:
 
         >>> import devicekit as dk, os
         >>> os.environ["DEVICEKIT_DEVICE"] = "cpu"
-        >>> dk.DeviceManager.from_env().explain().splitlines()[0]
-        'Selected cpu: DEVICEKIT_DEVICE asks for it.'
+        >>> manager = dk.DeviceManager.from_env()
+        >>> manager.device, manager.reason
+        (device(type='cpu'), 'DEVICEKIT_DEVICE asks for it')
         >>> del os.environ["DEVICEKIT_DEVICE"]
 
         Args:

@@ -10,10 +10,8 @@ matching GPUs by UUID, never by assuming the two numberings agree.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = ["NvmlGpu", "parse_visible_devices", "read_nvml", "visible_gpus"]
 

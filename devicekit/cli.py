@@ -11,15 +11,13 @@ import argparse
 import dataclasses
 import json
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 import devicekit
 from devicekit._manager import DeviceManager
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
 
 def _manager() -> DeviceManager:

@@ -36,6 +36,17 @@ PYTHON = {
         "library/collections.abc.html#collections.abc.Callable",
     ),
     "collections.abc.Mapping": ("py:class", "library/collections.abc.html#collections.abc.Mapping"),
+    "collections.abc.Sequence": (
+        "py:class",
+        "library/collections.abc.html#collections.abc.Sequence",
+    ),
+    "collections.abc.Iterable": (
+        "py:class",
+        "library/collections.abc.html#collections.abc.Iterable",
+    ),
+    "contextvars.ContextVar": ("py:class", "library/contextvars.html#contextvars.ContextVar"),
+    "RuntimeWarning": ("py:exception", "library/exceptions.html#RuntimeWarning"),
+    "fork": ("py:function", "library/os.html#os.fork"),
     "dataclasses.replace": ("py:function", "library/dataclasses.html#dataclasses.replace"),
     "typing.Any": ("py:data", "library/typing.html#typing.Any"),
     "typing.Literal": ("py:data", "library/typing.html#typing.Literal"),
@@ -51,6 +62,10 @@ TORCH = {
     "torch.nn.Module": ("py:class", "generated/torch.nn.Module.html#torch.nn.Module"),
     "torch.nn.Module.to": ("py:method", "generated/torch.nn.Module.html#torch.nn.Module.to"),
     "torch.optim.Optimizer": ("py:class", "optim.html#torch.optim.Optimizer"),
+    "torch.cuda.set_device": (
+        "py:function",
+        "generated/torch.cuda.set_device.html#torch.cuda.set_device",
+    ),
     "torch.utils.data.DataLoader": (
         "py:class",
         "data.html#torch.utils.data.DataLoader",

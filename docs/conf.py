@@ -27,6 +27,7 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 
+templates_path = ["_templates"]
 html_theme = "furo"
 html_title = f"devicekit {release}"
 exclude_patterns = ["_build"]
@@ -34,6 +35,9 @@ exclude_patterns = ["_build"]
 autosummary_generate = True
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
+# The constructor is documented as a function, so its annotations are evaluated as a
+# function's are (a class signature would show type aliases as unresolved strings).
+autodoc_class_signature = "separated"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
