@@ -44,7 +44,7 @@ class DeviceInfo:
     device: torch.device
     """The device, as ``to_device`` and PyTorch take it."""
     backend: str
-    """The family that found it, such as ``"cuda"``, ``"rocm"``, ``"xpu"``, ``"mps"`` or ``"cpu"``."""
+    """The family that found it, such as ``"cuda"``, ``"rocm"``, ``"mps"`` or ``"cpu"``."""
     index: int | None
     """Its index within the family as this process sees it; None for the CPU."""
     name: str | None = None
@@ -140,7 +140,9 @@ class CudaBackend:
             return []
         if gpus is None:
             return self._devices_from_torch()
-        visible = visible_gpus(gpus, self._environ)
+        visible = self._in_cuda_order(gpus) if cuda_started() else None
+        if visible is None:
+            visible = visible_gpus(gpus, self._environ)
         if gpus and not visible:
             setting = self._environ.get("CUDA_VISIBLE_DEVICES")
             self.note = f"CUDA_VISIBLE_DEVICES={setting!r} hides all {len(gpus)} GPU(s)"
@@ -157,6 +159,24 @@ class CudaBackend:
             )
             for index, gpu in enumerate(visible)
         ]
+
+    @staticmethod
+    def _in_cuda_order(gpus: Sequence[NvmlGpu]) -> list[NvmlGpu] | None:
+        """CUDA's own order, read from a CUDA this process already started, matched by UUID.
+
+        Exact where :func:`visible_gpus` must infer CUDA's order from the environment;
+        None when a device cannot be matched (then the inference is all there is).
+        """
+        by_uuid = {gpu.uuid: gpu for gpu in gpus}
+        by_uuid.update({mig.uuid: mig for gpu in gpus for mig in gpu.mig})
+        ordered = []
+        for index in range(torch.cuda.device_count()):
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            match = by_uuid.get(f"GPU-{uuid}") or by_uuid.get(f"MIG-{uuid}")
+            if match is None:
+                return None
+            ordered.append(match)
+        return ordered
 
     def _devices_from_torch(self) -> list[DeviceInfo]:
         # Without NVML's Python binding: PyTorch's NVML-based count, which creates no

@@ -176,9 +176,8 @@ def test_device_info_agrees_with_nvidia_smi(nvidia_smi: list[list[str]]) -> None
 
 
 @pytest.mark.cuda
-def test_most_free_memory_avoids_a_gpu_another_process_fills() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
+def test_free_memory_and_most_free_memory_see_another_process() -> None:
+    before = {info.uuid: info.free_memory for info in CudaBackend().devices()}
     hog = subprocess.Popen(
         [
             sys.executable,
@@ -195,10 +194,24 @@ def test_most_free_memory_avoids_a_gpu_another_process_fills() -> None:
     try:
         assert hog.stdout is not None
         assert hog.stdout.readline().strip() == "ready"
-        manager = dk.DeviceManager(policy="most-free-memory")
-        assert manager.device != torch.device("cuda", 0)
+        infos = CudaBackend().devices()
+        first = infos[0]
+        assert first.free_memory is not None
+        assert before[first.uuid] is not None
+        assert before[first.uuid] - first.free_memory >= 7 * GiB  # the other process's 8 GiB
+        if len(infos) >= 2:
+            manager = dk.DeviceManager(policy="most-free-memory")
+            assert manager.device != torch.device("cuda", 0)
     finally:
         hog.communicate("")
+
+
+@pytest.mark.cuda
+def test_once_cuda_started_gpus_are_matched_by_uuid() -> None:
+    torch.cuda.init()
+    infos = CudaBackend().devices()
+    uuids = [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(len(infos))]
+    assert [info.uuid for info in infos] == uuids
 
 
 @pytest.mark.cuda
