@@ -219,23 +219,6 @@ def test_local_rank_with_one_visible_gpu_per_process(monkeypatch: pytest.MonkeyP
     assert manager.reason == "LOCAL_RANK=3, and this process sees one cuda device"
 
 
-def test_local_rank_beyond_the_visible_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOCAL_RANK", "5")
-    msg = (
-        "Expected LOCAL_RANK to be below the 4 cuda devices this process sees, got 5: start "
-        "at most 4 processes per node, or give each its own CUDA_VISIBLE_DEVICES."
-    )
-    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
-        dk.DeviceManager.from_env(backends=machine(70, 70, 70, 70))
-
-
-def test_a_negative_local_rank_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOCAL_RANK", "-3")
-    msg = "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got '-3'."
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        dk.DeviceManager.from_env(backends=machine(70))
-
-
 def test_local_rank_policy_needs_local_rank() -> None:
     msg = "Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
@@ -252,14 +235,42 @@ def test_devicekit_device_wins_over_local_rank(monkeypatch: pytest.MonkeyPatch) 
     assert dk.DeviceManager.from_env(backends=machine(70, 70)).device == cuda(1)
 
 
-def test_a_nonsense_devicekit_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DEVICEKIT_DEVICE", "nonsense")
-    msg = (
-        "DEVICEKIT_DEVICE='nonsense' cannot be used: Expected a device such as 'cpu', 'cuda', "
-        "'cuda:0', 'mps', 'xpu' or 'meta', got 'nonsense'."
-    )
-    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
-        dk.DeviceManager.from_env(backends=machine(70))
+@pytest.mark.parametrize(
+    ("variable", "value", "error", "message"),
+    [
+        (
+            "LOCAL_RANK",
+            "5",
+            dk.DeviceUnavailableError,
+            (
+                "Expected LOCAL_RANK to be below the 4 cuda devices this process sees, got 5: "
+                "start at most 4 processes per node, or give each its own CUDA_VISIBLE_DEVICES."
+            ),
+        ),
+        (
+            "LOCAL_RANK",
+            "-3",
+            ValueError,
+            "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got '-3'.",
+        ),
+        (
+            "DEVICEKIT_DEVICE",
+            "nonsense",
+            dk.DeviceUnavailableError,
+            f"DEVICEKIT_DEVICE='nonsense' cannot be used: {EXPECTED_A_DEVICE}, got 'nonsense'.",
+        ),
+    ],
+)
+def test_a_bad_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    value: str,
+    error: type[Exception],
+    message: str,
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(error, match=re.escape(message)):
+        dk.DeviceManager.from_env(backends=machine(70, 70, 70, 70))
 
 
 # explain().
