@@ -11,6 +11,7 @@ from devicekit._errors import (
     DeviceUnavailableError,
     TransferError,
 )
+from devicekit._loader import DeviceDataLoader
 from devicekit._manager import DeviceManager, current_device
 from devicekit._transfer import register_transfer, to_device
 
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "DeviceDataLoader",
     "DeviceInfo",
     "DeviceKitError",
     "DeviceManager",

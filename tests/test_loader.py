@@ -1,0 +1,259 @@
+"""DeviceDataLoader on the CPU: meta as the device, faults, passthrough, and its feed thread."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+import devicekit as dk
+from devicekit._loader import _BackgroundFeed
+
+from .helpers import assert_same_structure, tensor_leaves
+from .strategies import batches
+
+META = torch.device("meta")
+
+
+def _dataset(n: int = 20) -> TensorDataset:
+    return TensorDataset(torch.arange(n * 3, dtype=torch.float32).reshape(n, 3), torch.arange(n))
+
+
+class Faulty(Dataset[tuple[torch.Tensor, int]]):
+    """Raises at one index while `broken` is set; dies there in a worker if `kill` is set."""
+
+    def __init__(self, n: int, bad: int, marker: Path | None = None) -> None:
+        self.n, self.bad, self.marker = n, bad, marker
+        self.broken = True
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if index == self.bad and self.marker is not None and self.marker.exists():
+            os._exit(3)  # a worker dies without a word
+        if index == self.bad and self.broken:
+            msg = f"item {index} is corrupt"
+            raise ValueError(msg)
+        return torch.full((2,), float(index)), index
+
+
+def test_batches_arrive_on_the_device_in_order() -> None:
+    loader = dk.DeviceDataLoader(DataLoader(_dataset(), batch_size=6), META)
+    shapes = []
+    for features, labels in loader:
+        assert features.device == META
+        assert labels.device == META
+        shapes.append(features.shape[0])
+    assert shapes == [6, 6, 6, 2]
+
+
+def test_values_on_the_cpu_equal_the_plain_loader_s() -> None:
+    plain = DataLoader(_dataset(), batch_size=6, shuffle=False)
+    wrapped = dk.DeviceDataLoader(plain, "cpu")
+    for (x, y), (wx, wy) in zip(plain, wrapped, strict=True):
+        assert torch.equal(x, wx)
+        assert torch.equal(y, wy)
+
+
+def test_a_transform_runs_on_each_batch() -> None:
+    loader = dk.DeviceDataLoader(
+        [torch.ones(2), torch.zeros(2)], "cpu", transform=lambda batch: batch * 2 + 1
+    )
+    assert [batch.tolist() for batch in loader] == [[3.0, 3.0], [1.0, 1.0]]
+
+
+def test_device_none_is_the_current_device_when_an_epoch_starts() -> None:
+    loader = dk.DeviceDataLoader([{"x": torch.ones(1)}])
+    with dk.DeviceManager("meta"):
+        assert next(iter(loader))["x"].device == META
+
+
+@given(st.lists(batches(), max_size=5))
+def test_the_loader_yields_exactly_to_device_of_each_batch(items: list[Any]) -> None:
+    moved = list(dk.DeviceDataLoader(items, META))
+    assert len(moved) == len(items)
+    for got, batch in zip(moved, items, strict=True):
+        assert_same_structure(got, dk.to_device(batch, META))
+        assert all(t.device == META for t in tensor_leaves(got))
+
+
+# What the wrapped loader knows.
+
+
+def test_len_and_attributes_read_through() -> None:
+    inner = DataLoader(_dataset(), batch_size=6, num_workers=0)
+    loader = dk.DeviceDataLoader(inner, META)
+    assert len(loader) == 4
+    assert loader.dataset is inner.dataset
+    assert loader.sampler is inner.sampler
+    assert loader.batch_size == 6
+    assert loader.num_workers == 0
+
+
+def test_what_the_wrapped_loader_lacks_is_named() -> None:
+    loader = dk.DeviceDataLoader(lambda: iter([1, 2]), META)
+    with pytest.raises(TypeError, match=re.escape("The wrapped function has no len().")):
+        len(loader)
+    msg = "The wrapped list has no attribute 'batch_size'."
+    with pytest.raises(AttributeError, match=re.escape(msg)):
+        _ = dk.DeviceDataLoader([1], META).batch_size
+
+
+def test_set_epoch_reaches_a_distributed_sampler() -> None:
+    dataset = _dataset(16)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=7)
+    loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=4, sampler=sampler), META)
+    loader.set_epoch(0)
+    first = list(sampler)
+    loader.set_epoch(1)
+    assert sampler.epoch == 1
+    assert list(sampler) != first
+
+
+def test_set_epoch_without_a_sampler_is_refused() -> None:
+    msg = (
+        "Expected the wrapped list, its sampler or its batch sampler to have set_epoch "
+        "(a DistributedSampler does), but none has."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        dk.DeviceDataLoader([1], META).set_epoch(1)
+
+
+# Epochs.
+
+
+def test_many_epochs_over_a_dataloader_and_a_generator_function() -> None:
+    loader = dk.DeviceDataLoader(DataLoader(_dataset(), batch_size=5), META)
+    assert [sum(1 for _ in loader) for _ in range(3)] == [4, 4, 4]
+    factory = dk.DeviceDataLoader(lambda: (torch.ones(1) for _ in range(3)), META)
+    assert [sum(1 for _ in factory) for _ in range(3)] == [3, 3, 3]
+
+
+def test_a_used_up_iterator_is_refused_for_a_second_epoch() -> None:
+    loader = dk.DeviceDataLoader(iter([torch.ones(1)]), META)
+    assert len(list(loader)) == 1
+    msg = (
+        "Expected a re-iterable loader for a second epoch, but the wrapped list_iterator is an "
+        "iterator that is used up."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        list(loader)
+
+
+# Faults.
+
+
+def test_a_dataset_error_surfaces_unchanged_and_the_loader_recovers() -> None:
+    dataset = Faulty(60, bad=37)
+    loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=4), META)
+    seen = 0
+    with pytest.raises(ValueError, match=re.escape("item 37 is corrupt")) as info:
+        for _ in loader:
+            seen += 1
+    assert seen == 9  # batches 0..8 hold items 0..35; item 37 is in batch 9
+    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert "__getitem__" in frames
+    dataset.broken = False
+    assert sum(1 for _ in loader) == 15
+
+
+def test_a_dead_worker_surfaces_and_the_loader_recovers(tmp_path: Path) -> None:
+    marker = tmp_path / "kill"
+    marker.touch()
+    dataset = Faulty(16, bad=5, marker=marker)
+    loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=2, num_workers=2), META)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker .* exited unexpectedly"):
+        list(loader)
+    marker.unlink()
+    dataset.broken = False
+    assert sum(1 for _ in loader) == 8
+
+
+def test_breaking_out_early_and_many_epochs_leave_no_threads() -> None:
+    loader = dk.DeviceDataLoader(DataLoader(_dataset(), batch_size=2), META)
+    before = threading.active_count()
+    for _ in range(50):
+        for index, _batch in enumerate(loader):
+            if index == 2:
+                break
+        for _batch in loader:
+            pass
+    assert threading.active_count() == before
+
+
+# The background feed that pins ahead on accelerators, tested on its own here.
+
+
+def test_the_feed_yields_everything_in_order_then_stops() -> None:
+    feed = _BackgroundFeed(range(100), lambda item: item * 2, depth=3)
+    assert list(feed) == [item * 2 for item in range(100)]
+    feed.close()
+    assert not feed.alive
+
+
+def test_the_feed_carries_the_source_s_exception_unchanged() -> None:
+    error = KeyError("missing")
+
+    def source() -> Any:
+        yield from range(37)
+        raise error
+
+    feed = _BackgroundFeed(source(), lambda item: item, depth=2)
+    got = []
+    with pytest.raises(KeyError) as info:
+        for item in feed:
+            got.append(item)  # noqa: PERF402 - collects up to the failure, which list() would lose
+    assert info.value is error
+    assert got == list(range(37))
+
+
+def test_closing_the_feed_early_ends_its_thread_over_fifty_epochs() -> None:
+    before = threading.active_count()
+    for _ in range(50):
+        feed = _BackgroundFeed(iter(range(1000)), lambda item: item, depth=2)
+        assert next(feed) == 0
+        feed.close()
+        assert not feed.alive
+    assert threading.active_count() == before
+
+
+# Bad arguments.
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        (
+            {"prefetch": -1},
+            ValueError,
+            "Expected prefetch to be a whole number of 0 or more, got -1.",
+        ),
+        (
+            {"pin_memory": "yes"},
+            ValueError,
+            "Expected pin_memory to be 'auto', True or False, got 'yes'.",
+        ),
+        ({"device": "gpu"}, dk.DeviceUnavailableError, "got 'gpu'"),
+    ],
+)
+def test_bad_arguments_are_refused(
+    arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        dk.DeviceDataLoader([1], **arguments)
+
+
+def test_something_that_yields_no_batches_is_refused() -> None:
+    msg = "Expected a loader to wrap: a DataLoader, a list or another re-iterable, or a function"
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        dk.DeviceDataLoader(42)  # type: ignore[arg-type]
