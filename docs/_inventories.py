@@ -66,6 +66,10 @@ TORCH = {
         "py:function",
         "generated/torch.cuda.set_device.html#torch.cuda.set_device",
     ),
+    "torch.utils.data.DistributedSampler": (
+        "py:class",
+        "data.html#torch.utils.data.distributed.DistributedSampler",
+    ),
     "torch.utils.data.DataLoader": (
         "py:class",
         "data.html#torch.utils.data.DataLoader",

@@ -55,6 +55,8 @@ nitpick_ignore = [
     ("py:class", "C"),
     ("py:class", "devicekit._transfer.T"),
     ("py:class", "devicekit._transfer.C"),
+    ("py:class", "devicekit._loader.B"),  # the batch type DeviceDataLoader is generic in
+    ("py:obj", "devicekit._loader.B"),
 ]
 
 doctest_global_setup = """
