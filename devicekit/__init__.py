@@ -4,7 +4,10 @@ Pick the right accelerator, move anything to it (tensors, modules, optimizers,
 arbitrarily nested batches), and explain device problems in the user's own terms.
 """
 
+from devicekit._audit import TransferEvent, TransferLog, track_transfers
 from devicekit._backends import Backend, DeviceInfo
+from devicekit._checkpoint import load
+from devicekit._checks import GuardHandle, check_same_device, find_devices, guard
 from devicekit._errors import (
     DeviceKitError,
     DeviceMismatchError,
@@ -25,9 +28,17 @@ __all__ = [
     "DeviceManager",
     "DeviceMismatchError",
     "DeviceUnavailableError",
+    "GuardHandle",
     "TransferError",
+    "TransferEvent",
+    "TransferLog",
     "__version__",
+    "check_same_device",
     "current_device",
+    "find_devices",
+    "guard",
+    "load",
     "register_transfer",
     "to_device",
+    "track_transfers",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 __all__ = [
     "DeviceKitError",
     "DeviceMismatchError",
@@ -32,9 +34,18 @@ class DeviceUnavailableError(DeviceKitError):
 
 
 class DeviceMismatchError(DeviceKitError):
-    """Tensors that must share one device were found on several."""
+    """Tensors that must share one device were found on several.
+
+    Attributes:
+        devices: Every device seen, with the paths of the tensors found there, such as
+            ``{device("cpu"): ["data['image']"], device("cuda", 0): ["Net.fc.weight"]}``.
+    """
 
     __module__ = "devicekit"
+
+    def __init__(self, message: str, devices: dict[torch.device, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.devices = {} if devices is None else devices
 
 
 class TransferError(DeviceKitError):

@@ -208,6 +208,10 @@ class Walker:
             calling its function: the plain scalars of a batch (ids, names, None) are
             most of its leaves after the tensors, and a call each would cost more than
             the walk. Exact types only; :meth:`leaves` still yields them.
+        extra_nodes: Rules for types that are not data containers but hold tensors a
+            walk should reach (a module's parameters, an optimizer's state); asked
+            before the container rules. For walks that only read (:meth:`leaves`):
+            such nodes need not be rebuildable.
         root: The name error messages give the data's root, as in ``data['x']``.
     """
 
@@ -216,9 +220,11 @@ class Walker:
         is_leaf_type: Callable[[type], bool],
         *,
         inert_types: Iterable[type] = (),
+        extra_nodes: Callable[[type], Node | None] | None = None,
         root: str = "data",
     ) -> None:
         self._is_leaf_type = is_leaf_type
+        self._extra_nodes = extra_nodes
         self._inert_types = frozenset(inert_types)
         self._root = root
         self._nodes: dict[type, Node | None] = {}
@@ -231,7 +237,9 @@ class Walker:
         """The container rules this walker applies to ``cls``, or None for a leaf."""
         node = self._nodes.get(cls, _UNSEEN)
         if node is _UNSEEN:
-            node = None if self._is_leaf_type(cls) else container_node(cls)
+            node = self._extra_nodes(cls) if self._extra_nodes is not None else None
+            if node is None:
+                node = None if self._is_leaf_type(cls) else container_node(cls)
             self._nodes[cls] = _INERT if node is None and cls in self._inert_types else node
         return None if node is _INERT else node
 

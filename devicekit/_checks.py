@@ -1,0 +1,319 @@
+"""Device checks that speak of the user's data: where every tensor is, and which disagree.
+
+``find_devices`` and ``check_same_device`` walk data with the one traversal engine,
+reaching into modules (their parameters and buffers, by qualified name) and optimizers
+(their parameters and state) as well as containers; ``guard`` checks a module's inputs
+before each forward, naming them by the forward's own parameter names.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from devicekit._devices import DeviceLike, resolve_device
+from devicekit._errors import DeviceMismatchError
+from devicekit._tree import Node, Walker
+
+__all__ = ["GuardHandle", "check_same_device", "describe_devices", "find_devices", "guard"]
+
+# How many paths a message lists per device before it only counts the rest.
+_PATHS_SHOWN = 3
+
+
+def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            where = f"param_groups[{group_index}]['params'][{param_index}]"
+            found.append((where, param))
+            state = optimizer.state.get(param, {})
+            found += [(f"state[{where}][{key!r}]", value) for key, value in state.items()]
+    return found
+
+
+def _named_node(named: Any) -> Node:
+    def children(obj: Any) -> list[Any]:
+        return [value for _, value in named(obj)]
+
+    def keys(obj: Any) -> list[str]:
+        return [f".{name}" for name, _ in named(obj)]
+
+    def rebuild(obj: Any, values: list[Any]) -> Any:
+        msg = "modules and optimizers are read by find_devices, not rebuilt"
+        raise NotImplementedError(msg)
+
+    return Node(children, rebuild, keys)
+
+
+_MODULE_NODE = _named_node(_module_tensors)
+_OPTIMIZER_NODE = _named_node(_optimizer_tensors)
+
+
+def _holders(cls: type) -> Node | None:
+    if issubclass(cls, torch.nn.Module):
+        return _MODULE_NODE
+    if issubclass(cls, torch.optim.Optimizer):
+        return _OPTIMIZER_NODE
+    return None
+
+
+def _is_opaque(cls: type) -> bool:
+    # Tensors and objects that move themselves are leaves; mappings are always walked.
+    return issubclass(cls, torch.Tensor)
+
+
+_finder = Walker(_is_opaque, extra_nodes=_holders, root="")
+
+
+def _tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path, leaf in _finder.leaves_with_paths(data):
+        if isinstance(leaf, torch.Tensor):
+            joined = root + path if root or not path.startswith(".") else path[1:]
+            yield joined, leaf
+
+
+def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
+    """Every device the data's tensors are on, with the paths of the tensors there.
+
+    Walks what :func:`~devicekit.to_device` walks, and modules (``fc.weight``) and
+    optimizers (``param_groups[0]['params'][1]``, ``state[...]['exp_avg']``) too.
+
+    >>> import torch, devicekit as dk
+    >>> batch = {"image": torch.zeros(2, device="meta"), "labels": [torch.ones(1), 3]}
+    >>> dk.find_devices(batch)
+    {device(type='meta'): ["['image']"], device(type='cpu'): ["['labels'][0]"]}
+    >>> dk.find_devices(torch.nn.Linear(2, 2))
+    {device(type='cpu'): ['weight', 'bias']}
+
+    Args:
+        data: Tensors, modules, optimizers, and containers of them.
+
+    Returns:
+        Devices in the order first met, each with its tensors' paths in walk order.
+    """
+    found: dict[torch.device, list[str]] = {}
+    for path, tensor in _tensor_paths(data, ""):
+        found.setdefault(tensor.device, []).append(path)
+    return found
+
+
+def describe_devices(found: dict[torch.device, list[str]]) -> str:
+    """``cuda:0 has a, b; cpu has c and 4 more`` for a message."""
+    parts = []
+    for device, paths in found.items():
+        shown = ", ".join(paths[:_PATHS_SHOWN])
+        more = len(paths) - _PATHS_SHOWN
+        parts.append(f"{device} has {shown}" + (f" and {more} more" if more > 0 else ""))
+    return "; ".join(parts)
+
+
+def _root_name(data: Any, index: int, count: int) -> str:
+    if isinstance(data, torch.nn.Module | torch.optim.Optimizer):
+        return type(data).__name__
+    return "data" if count == 1 else f"data[{index}]"
+
+
+def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.device:
+    """The one device all tensors in ``data`` share; an error naming them where they differ.
+
+    Modules are named by class (``Net.fc.weight``), other arguments as ``data`` (or
+    ``data[1]`` when several are given). ``"cuda"`` means the current CUDA device.
+
+    >>> import torch, devicekit as dk
+    >>> model = torch.nn.Linear(2, 2)
+    >>> dk.check_same_device(model, {"x": torch.ones(2)})
+    device(type='cpu')
+    >>> dk.check_same_device(model, {"x": torch.ones(2, device="meta")})
+    Traceback (most recent call last):
+    ...
+    devicekit.DeviceMismatchError: Expected every tensor on one device, but found 2: ...
+
+    Args:
+        *data: Tensors, modules, optimizers, and containers of them.
+        device: The device they must all be on; None accepts any one device.
+
+    Returns:
+        The common device.
+
+    Raises:
+        DeviceMismatchError: The tensors are on more than one device, or not on
+            ``device``. Its ``devices`` attribute maps every device to its paths.
+        ValueError: ``data`` holds no tensor at all.
+    """
+    expected = None if device is None else resolve_device(device)
+    found: dict[torch.device, list[str]] = {}
+    for index, item in enumerate(data):
+        root = _root_name(item, index, len(data))
+        for path, tensor in _tensor_paths(item, root):
+            found.setdefault(tensor.device, []).append(path)
+    if not found:
+        msg = f"Expected tensors to check, but found none in {len(data)} argument(s)."
+        raise ValueError(msg)
+    if expected is None and len(found) == 1:
+        return next(iter(found))
+    if expected is not None and set(found) == {expected}:
+        return expected
+    if expected is None:
+        msg = f"Expected every tensor on one device, but found {len(found)}: "
+    else:
+        msg = f"Expected every tensor on {expected}, but found {len(found)} device(s): "
+    raise DeviceMismatchError(msg + describe_devices(found) + ".", found)
+
+
+# guard: forward pre-hooks.
+
+
+@functools.cache
+def _input_names(forward: Any) -> tuple[list[str], str | None]:
+    """The forward's positional parameter names, and its *args name if it has one."""
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return [], "args"
+    positional = [
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    var = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    return positional, var
+
+
+def _input_paths(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    positional, var = _input_names(type(module).forward)
+    names = positional[1:] if positional[:1] == ["self"] else positional
+    for index, value in enumerate(args):
+        name = names[index] if index < len(names) else f"{var or 'args'}[{index - len(names)}]"
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        else:
+            yield from _tensor_paths(value, name)
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        else:
+            yield from _tensor_paths(value, name)
+
+
+class GuardHandle:
+    """The hooks :func:`guard` installed: ``remove()`` them, or leave a ``with`` block."""
+
+    def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        """Take the checks off; the module then runs exactly as unguarded."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> GuardHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+
+def _tensors_of(module: torch.nn.Module, *, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The module's parameters then buffers: its own only, or its submodules' too."""
+    yield from module.named_parameters(recurse=not own)
+    yield from module.named_buffers(recurse=not own)
+
+
+def _check_inputs(
+    module: torch.nn.Module,
+    label: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    own: bool,
+) -> None:
+    first = next(_tensors_of(module, own=own), None)
+    if first is None:
+        return
+    home = first[1].device
+    # The usual forward(x) costs one comparison.
+    single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+    if single and args[0].device == home:
+        return
+    where: dict[torch.device, list[str]] = {}
+    for path, tensor in _input_paths(module, args, kwargs):
+        if tensor.device != home:
+            where.setdefault(tensor.device, []).append(path)
+    if not where:
+        return
+    params = [name for name, t in _tensors_of(module, own=own) if t.device == home]
+    (device, paths), *_ = where.items()
+    seen = describe_devices({home: [f"the parameters of {label}"], **where})
+    msg = (
+        f"{paths[0]} is on {device} but the parameters of {label} (e.g. "
+        f"{', '.join(params[:2])}) are on {home}. Devices seen: {seen}. Move the inputs with "
+        f"devicekit.to_device(..., {str(home)!r}), or the module to the inputs' device."
+    )
+    raise DeviceMismatchError(msg, {home: [f"{label}.{name}" for name in params], **where})
+
+
+def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
+    """Check a module's inputs against its parameters before every forward call.
+
+    PyTorch's own error names an aten argument (``mat1``); a guarded module names your
+    input and the layer. With ``recurse=True`` every submodule with parameters is
+    checked against its own, which catches a layer left behind on another device.
+
+    >>> import torch, devicekit as dk
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> with dk.guard(net):
+    ...     net(torch.ones(1, 2, device="meta"))
+    Traceback (most recent call last):
+    ...
+    devicekit.DeviceMismatchError: input is on meta but the parameters of Sequential ...
+
+    Args:
+        module: The module to guard.
+        recurse: Also guard every submodule that has parameters or buffers of its own.
+
+    Returns:
+        A handle: ``.remove()`` takes the checks off, and ``with guard(module):`` removes
+        them on leaving the block. Removed, the checks cost nothing.
+
+    Raises:
+        DeviceMismatchError: From the guarded forward call, before PyTorch fails.
+    """
+    handles = []
+    targets = (
+        [
+            (name, sub)
+            for name, sub in module.named_modules()
+            if next(_tensors_of(sub, own=True), None)
+        ]
+        if recurse
+        else [("", module)]
+    )
+    root = type(module).__name__
+    for name, sub in targets:
+        label = f"{root}.{name} ({type(sub).__name__})" if name else root
+
+        def check(
+            sub: torch.nn.Module,
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+            *,
+            label: str = label,
+        ) -> None:
+            # Guarding the whole module compares with all its parameters; guarding each
+            # layer compares each with its own, which finds the one left behind.
+            _check_inputs(sub, label, args, kwargs, own=recurse)
+
+        handles.append(sub.register_forward_pre_hook(check, with_kwargs=True))
+    return GuardHandle(handles)

@@ -1,0 +1,219 @@
+"""find_devices, check_same_device and guard, with meta as the second device."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import devicekit as dk
+
+from .strategies import batches, tensors
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, torch.Tensor], *, mask: torch.Tensor | None = None) -> Any:
+        hidden = self.fc(batch["image"])
+        if mask is not None:
+            hidden = hidden * mask
+        return self.head(hidden)
+
+
+# find_devices.
+
+
+def test_find_devices_names_keys_indices_and_fields() -> None:
+    batch = {"image": torch.zeros(2, device="meta"), "targets": [torch.ones(1), 3, torch.ones(2)]}
+    assert dk.find_devices(batch) == {
+        META: ["['image']"],
+        CPU: ["['targets'][0]", "['targets'][2]"],
+    }
+
+
+def test_find_devices_names_module_parameters_and_buffers() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    net[0].to("meta")
+    assert dk.find_devices({"model": net}) == {
+        META: ["['model'].0.weight", "['model'].0.bias"],
+        CPU: [
+            "['model'].1.weight",
+            "['model'].1.bias",
+            "['model'].1.running_mean",
+            "['model'].1.running_var",
+            "['model'].1.num_batches_tracked",
+        ],
+    }
+
+
+def test_find_devices_names_optimizer_parameters_and_state() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    paths = dk.find_devices(optimizer)[CPU]
+    assert paths[:4] == [
+        "param_groups[0]['params'][0]",
+        "state[param_groups[0]['params'][0]]['step']",
+        "state[param_groups[0]['params'][0]]['exp_avg']",
+        "state[param_groups[0]['params'][0]]['exp_avg_sq']",
+    ]
+
+
+def _oracle(data: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Paths by plain recursion over the strategy's containers: an independent reference."""
+    if isinstance(data, torch.Tensor):
+        yield path, data
+    elif isinstance(data, Mapping):
+        for key, value in data.items():
+            yield from _oracle(value, f"{path}[{key!r}]")
+    elif dataclasses.is_dataclass(data) and not isinstance(data, type):
+        for field in dataclasses.fields(data):
+            yield from _oracle(getattr(data, field.name), f"{path}.{field.name}")
+    elif isinstance(data, tuple) and hasattr(data, "_fields"):
+        for name, value in zip(data._fields, data, strict=True):
+            yield from _oracle(value, f"{path}.{name}")
+    elif isinstance(data, list | tuple):
+        for index, value in enumerate(data):
+            yield from _oracle(value, f"{path}[{index}]")
+
+
+spread = tensors().flatmap(lambda t: st.sampled_from([t, t.to("meta")]))
+
+
+@given(batches(leaves=spread | st.none() | st.integers()))
+def test_find_devices_returns_exactly_the_planted_devices_and_paths(batch: Any) -> None:
+    expected: dict[torch.device, list[str]] = {}
+    for path, tensor in _oracle(batch):
+        # A root's fields read as a root module's parameters do: "first", not ".first".
+        expected.setdefault(tensor.device, []).append(path.removeprefix("."))
+    assert dk.find_devices(batch) == expected
+
+
+# check_same_device.
+
+
+def test_one_device_is_returned() -> None:
+    assert dk.check_same_device(nn.Linear(2, 2), {"x": torch.ones(2)}) == CPU
+    assert dk.check_same_device(torch.ones(1), device="cpu") == CPU
+
+
+def test_a_mismatch_lists_every_device_with_paths_and_carries_the_mapping() -> None:
+    model = nn.Linear(2, 2)
+    batch = {"x": torch.ones(2, device="meta"), "y": torch.ones(1)}
+    msg = (
+        "Expected every tensor on one device, but found 2: cpu has Linear.weight, Linear.bias, "
+        "data[1]['y']; meta has data[1]['x']."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info:
+        dk.check_same_device(model, batch)
+    assert info.value.devices == {
+        CPU: ["Linear.weight", "Linear.bias", "data[1]['y']"],
+        META: ["data[1]['x']"],
+    }
+
+
+def test_long_path_lists_are_shortened() -> None:
+    batch = [torch.ones(1, device="meta")] * 6 + [torch.ones(1)]
+    msg = "found 2: meta has data[0], data[1], data[2] and 3 more; cpu has data[6]."
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
+        dk.check_same_device(batch)
+
+
+def test_an_expected_device_is_enforced() -> None:
+    msg = "Expected every tensor on meta, but found 1 device(s): cpu has data['x']."
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
+        dk.check_same_device({"x": torch.ones(1)}, device="meta")
+
+
+def test_nothing_to_check_is_refused() -> None:
+    msg = "Expected tensors to check, but found none in 2 argument(s)."
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dk.check_same_device({"ids": [1, 2]}, None)
+
+
+@pytest.mark.usefixtures("swap_module_params")
+def test_the_resume_bug_is_caught_and_fixed() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    checkpoint = optimizer.state_dict()
+    # Resume: a fresh optimizer loads its state while the model is on the host, then
+    # the model moves; the state stays behind.
+    optimizer = torch.optim.Adam(model.parameters())
+    optimizer.load_state_dict(checkpoint)
+    dk.to_device(model, META)
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.check_same_device(model, optimizer)
+    assert info.value.devices[CPU][:2] == [
+        "Adam.state[param_groups[0]['params'][0]]['step']",
+        "Adam.state[param_groups[0]['params'][0]]['exp_avg']",
+    ]
+    dk.to_device(optimizer, META)
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.check_same_device(model, optimizer)
+    # Only "step" is left on the host, as PyTorch keeps it.
+    assert all("['step']" in path for path in info.value.devices[CPU])
+
+
+# guard.
+
+
+def test_an_input_on_the_wrong_device_is_named_with_the_module() -> None:
+    net = Net().to("meta")
+    msg = (
+        "batch['image'] is on cpu but the parameters of Net (e.g. fc.weight, fc.bias) are on "
+        "meta. Devices seen: meta has the parameters of Net; cpu has batch['image']."
+    )
+    with dk.guard(net), pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info:
+        net({"image": torch.ones(1, 4)})
+    assert info.value.devices[CPU] == ["batch['image']"]
+
+
+def test_keyword_and_nested_inputs_are_named() -> None:
+    net = Net().to("meta")
+    inputs = {"image": torch.ones(1, 4, device="meta")}
+    msg = "mask is on cpu but the parameters of Net"
+    with dk.guard(net), pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
+        net(inputs, mask=torch.ones(4))
+
+
+def test_a_layer_left_behind_is_named_by_recurse() -> None:
+    net = Net()
+    net.fc.to("meta")  # the model moved layer by layer, and head was forgotten
+    msg = "input is on meta but the parameters of Net.head (Linear) (e.g. weight, bias) are on cpu."
+    with dk.guard(net, recurse=True), pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
+        net({"image": torch.ones(1, 4, device="meta")})
+
+
+def test_a_guard_that_finds_nothing_changes_nothing() -> None:
+    net = Net()
+    expected = net({"image": torch.ones(1, 4)})
+    with dk.guard(net, recurse=True):
+        assert torch.equal(net({"image": torch.ones(1, 4)}), expected)
+
+
+def test_removed_guards_leave_no_hooks() -> None:
+    net = Net()
+    handle = dk.guard(net, recurse=True)
+    assert len(net.fc._forward_pre_hooks) == 1
+    handle.remove()
+    assert all(len(module._forward_pre_hooks) == 0 for module in net.modules())
+    with dk.guard(net):
+        assert len(net._forward_pre_hooks) == 1
+    assert len(net._forward_pre_hooks) == 0
