@@ -41,7 +41,7 @@ class TransferEvent:
     target: torch.device
     nbytes: int
     operation: str
-    """What made it: ``"to"`` (``.to()``, ``.cpu()``...), ``"copy_"``, or ``"item"``."""
+    """The call that made it, such as ``"to"`` (``.to()``, ``.cpu()``), ``"copy_"``, ``"item"``."""
     filename: str
     lineno: int
     function: str

@@ -284,8 +284,8 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
         recurse: Also guard every submodule that has parameters or buffers of its own.
 
     Returns:
-        A handle: ``.remove()`` takes the checks off, and ``with guard(module):`` removes
-        them on leaving the block. Removed, the checks cost nothing.
+        The handle of the checks. Its ``.remove()`` takes them off, and ``with
+        guard(module):`` removes them on leaving the block. Removed, they cost nothing.
 
     Raises:
         DeviceMismatchError: From the guarded forward call, before PyTorch fails.

@@ -40,6 +40,11 @@ PYTHON = {
         "py:class",
         "library/collections.abc.html#collections.abc.Sequence",
     ),
+    "collections.abc.Iterator": (
+        "py:class",
+        "library/collections.abc.html#collections.abc.Iterator",
+    ),
+    "os.PathLike": ("py:class", "library/os.html#os.PathLike"),
     "collections.abc.Iterable": (
         "py:class",
         "library/collections.abc.html#collections.abc.Iterable",
@@ -60,6 +65,10 @@ TORCH = {
     "torch.dtype": ("py:class", "tensor_attributes.html#torch.dtype"),
     "torch.memory_format": ("py:class", "tensor_attributes.html#torch.memory_format"),
     "torch.nn.Module": ("py:class", "generated/torch.nn.Module.html#torch.nn.Module"),
+    "torch.nn.modules.module.Module": (
+        "py:class",
+        "generated/torch.nn.Module.html#torch.nn.Module",
+    ),
     "torch.nn.Module.to": ("py:method", "generated/torch.nn.Module.html#torch.nn.Module.to"),
     "torch.optim.Optimizer": ("py:class", "optim.html#torch.optim.Optimizer"),
     "torch.cuda.set_device": (

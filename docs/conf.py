@@ -57,6 +57,8 @@ nitpick_ignore = [
     ("py:class", "devicekit._transfer.C"),
     ("py:class", "devicekit._loader.B"),  # the batch type DeviceDataLoader is generic in
     ("py:obj", "devicekit._loader.B"),
+    # PyTorch documents no page for the handle its hooks return.
+    ("py:class", "torch.utils.hooks.RemovableHandle"),
 ]
 
 doctest_global_setup = """
