@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import devicekit as dk
+from devicekit.testing import assert_same_structure
 
-from .helpers import assert_same_structure, tensor_leaves
+from .helpers import tensor_leaves
 
 if TYPE_CHECKING:
     from types import ModuleType

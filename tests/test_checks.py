@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import devicekit as dk
-
-from .strategies import batches, tensors
+from devicekit.testing import batches, tensors
 
 META = torch.device("meta")
 CPU = torch.device("cpu")

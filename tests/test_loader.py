@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 import devicekit as dk
 from devicekit._loader import _BackgroundFeed
+from devicekit.testing import assert_same_structure, batches
 
-from .helpers import assert_same_structure, tensor_leaves
-from .strategies import batches
+from .helpers import tensor_leaves
 
 META = torch.device("meta")
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import devicekit as dk
+from devicekit.testing import assert_same_structure, batches, tensors
 
-from .helpers import assert_same_structure, assert_unchanged, snapshot, tensor_leaves
-from .strategies import batches, tensors
+from .helpers import assert_unchanged, snapshot, tensor_leaves
 
 META = torch.device("meta")
 CPU = torch.device("cpu")

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import devicekit as dk
+from devicekit.testing import assert_same_structure
 
-from .helpers import assert_same_structure, assert_unchanged, snapshot, tensor_leaves
+from .helpers import assert_unchanged, snapshot, tensor_leaves
 
 META = torch.device("meta")
 CPU = torch.device("cpu")

@@ -1,0 +1,307 @@
+"""Property-based testing of data pipelines: Hypothesis strategies and assertions.
+
+Needs Hypothesis (``pip install devicekit[testing]``). A collate function, a batch
+transform or a custom transfer rule can then be tested against every container
+kind devicekit keeps, every dtype and odd shape, on every device this machine has::
+
+    from hypothesis import given
+    from devicekit.testing import batches, devices, assert_batches_equal
+
+    @given(batches(), devices())
+    def test_round_trip(batch, device):
+        assert_batches_equal(dk.to_device(dk.to_device(batch, device), "cpu"), batch)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from hypothesis import strategies as st
+
+from devicekit._checks import describe_devices, find_devices
+from devicekit._devices import DeviceLike, available_devices, resolve_device
+from devicekit._transfer import _walker
+from devicekit._tree import container_node
+
+__all__ = [
+    "CONTAINER_KINDS",
+    "FrozenRecord",
+    "Pair",
+    "Record",
+    "assert_batches_equal",
+    "assert_on_device",
+    "assert_same_structure",
+    "batches",
+    "devices",
+    "tensors",
+]
+
+
+class Pair(NamedTuple):
+    """The namedtuple container :func:`batches` generates."""
+
+    first: Any
+    second: Any
+
+
+@dataclasses.dataclass
+class Record:
+    """The dataclass container :func:`batches` generates."""
+
+    features: Any
+    target: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenRecord:
+    """The frozen dataclass container :func:`batches` generates."""
+
+    features: Any
+    target: Any
+
+
+CONTAINER_KINDS = (
+    "dict",
+    "OrderedDict",
+    "defaultdict",
+    "list",
+    "tuple",
+    "namedtuple",
+    "dataclass",
+    "frozen dataclass",
+)
+"""The container kinds :func:`batches` can generate, by the names ``containers=`` takes."""
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.bool)
+
+
+_SHAPES = st.lists(st.integers(0, 4), max_size=3).map(tuple)
+
+
+@st.composite
+def _tensors(
+    draw: st.DrawFn, dtypes: Sequence[torch.dtype], shapes: st.SearchStrategy[tuple[int, ...]]
+) -> torch.Tensor:
+    dtype = draw(st.sampled_from(dtypes))
+    shape = draw(shapes)
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    values = torch.randint(-100, 100, shape, generator=generator)
+    return values > 0 if dtype is torch.bool else values.to(dtype)
+
+
+def tensors(
+    *,
+    dtypes: Sequence[torch.dtype] = _DTYPES,
+    shapes: st.SearchStrategy[tuple[int, ...]] = _SHAPES,
+) -> st.SearchStrategy[torch.Tensor]:
+    """Small host tensors of the given dtypes and shapes, with whole-number values.
+
+    >>> from hypothesis import given, strategies as st
+    >>> from devicekit.testing import tensors
+    >>> @given(tensors(shapes=st.just((2, 3))))
+    ... def test_shape(tensor):
+    ...     assert tensor.shape == (2, 3)
+    >>> test_shape()
+
+    Args:
+        dtypes: Drawn from these.
+        shapes: Drawn from this; by default up to 3 dimensions of 0 to 4, so scalars and
+            empty tensors come up.
+
+    Returns:
+        The strategy.
+    """
+    return _tensors(tuple(dtypes), shapes)
+
+
+def _container(kind: str, children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    keys = st.text(min_size=1, max_size=4)
+    if kind == "dict":
+        return st.dictionaries(keys, children, max_size=4)
+    if kind == "OrderedDict":
+        return st.dictionaries(keys, children, max_size=3).map(collections.OrderedDict)
+    if kind == "defaultdict":
+        return st.dictionaries(keys, children, max_size=3).map(
+            lambda items: collections.defaultdict(list, items)
+        )
+    if kind == "list":
+        return st.lists(children, max_size=4)
+    if kind == "tuple":
+        return st.lists(children, max_size=4).map(tuple)
+    if kind == "namedtuple":
+        return st.builds(Pair, children, children)
+    if kind == "dataclass":
+        return st.builds(Record, children, children)
+    return st.builds(FrozenRecord, children, children)
+
+
+def batches(
+    *,
+    leaves: st.SearchStrategy[Any] | None = None,
+    dtypes: Sequence[torch.dtype] = _DTYPES,
+    shapes: st.SearchStrategy[tuple[int, ...]] | None = None,
+    containers: Sequence[str] = CONTAINER_KINDS,
+    max_leaves: int = 12,
+) -> st.SearchStrategy[Any]:
+    """Nested batches: containers of every kind devicekit keeps, around tensors and scalars.
+
+    Every argument is optional: ``batches()`` just works.
+
+    >>> import devicekit as dk
+    >>> from hypothesis import given
+    >>> from devicekit.testing import assert_same_structure, batches
+    >>> @given(batches())
+    ... def test_to_meta_keeps_structure(batch):
+    ...     assert_same_structure(dk.to_device(batch, "meta"), batch)
+    >>> test_to_meta_keeps_structure()
+
+    Args:
+        leaves: What the leaves are; by default small host tensors of ``dtypes`` and
+            ``shapes``, and None, ints, short strings and bools.
+        dtypes: The tensors' dtypes.
+        shapes: The tensors' shapes; by default up to 3 dimensions of 0 to 4, scalars
+            and empty tensors included.
+        containers: Which of :data:`CONTAINER_KINDS` to nest.
+        max_leaves: Roughly how many leaves a batch has at most.
+
+    Returns:
+        The strategy.
+
+    Raises:
+        ValueError: ``containers`` names a kind not in :data:`CONTAINER_KINDS`.
+    """
+    unknown = sorted(set(containers) - set(CONTAINER_KINDS))
+    if unknown or not containers:
+        msg = f"Expected containers among {CONTAINER_KINDS}, got {tuple(containers)!r}."
+        raise ValueError(msg)
+    if leaves is None:
+        scalars = st.none() | st.integers(-5, 5) | st.text(max_size=3) | st.booleans()
+        leaves = tensors(dtypes=dtypes, shapes=shapes or _SHAPES) | scalars
+    kinds = tuple(containers)
+
+    def extend(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+        return st.one_of([_container(kind, children) for kind in kinds])
+
+    return st.recursive(leaves, extend, max_leaves=max_leaves)
+
+
+def devices(*, meta: bool = True) -> st.SearchStrategy[torch.device]:
+    """The devices this machine can test on: the CPU, meta, and every accelerator found.
+
+    >>> from hypothesis import given
+    >>> from devicekit.testing import devices
+    >>> @given(devices())
+    ... def test_known_device(device):
+    ...     assert device.type in ("cpu", "meta", "cuda", "xpu", "mps")
+    >>> test_known_device()
+
+    Args:
+        meta: Include ``meta``, which has shapes but no data: values cannot be compared
+            there, but every move and structure can.
+
+    Returns:
+        The strategy.
+    """
+    found = [torch.device(name) for name in available_devices()]
+    return st.sampled_from([d for d in found if meta or d.type != "meta"])
+
+
+def _tensors_of(data: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in _walker.leaves(data) if isinstance(leaf, torch.Tensor)]
+
+
+def assert_on_device(data: Any, device: DeviceLike, /) -> None:
+    """Assert every tensor in ``data`` is on ``device`` (``"cuda"``: the current one).
+
+    >>> import torch
+    >>> from devicekit.testing import assert_on_device
+    >>> assert_on_device({"x": torch.ones(1)}, "cpu")
+
+    Raises:
+        AssertionError: Naming each tensor elsewhere and its device.
+    """
+    expected = resolve_device(device)
+    found = find_devices(data)
+    stray = {
+        found_device: paths for found_device, paths in found.items() if found_device != expected
+    }
+    if stray:
+        where = describe_devices(stray)
+        msg = f"Expected every tensor on {expected}, but {where}."
+        raise AssertionError(msg)
+
+
+def assert_same_structure(actual: Any, expected: Any, /) -> None:
+    """Assert both have the same containers, keys, tensor shapes and dtypes, and other leaves.
+
+    Containers must be of the same exact types; tensor values are not compared.
+
+    >>> import torch
+    >>> from devicekit.testing import assert_same_structure
+    >>> assert_same_structure({"x": [torch.ones(2)]}, {"x": [torch.zeros(2)]})
+
+    Raises:
+        AssertionError: Naming the first path where they differ.
+    """
+    _compare(actual, expected, "data", values=False)
+
+
+def assert_batches_equal(actual: Any, expected: Any, /) -> None:
+    """Assert same structure and equal values; tensors may be on different devices.
+
+    Meta tensors hold no values: where either side is on meta, shapes and dtypes must
+    match and values are not compared.
+
+    >>> import torch
+    >>> from devicekit.testing import assert_batches_equal
+    >>> assert_batches_equal([torch.arange(3)], [torch.arange(3)])
+
+    Raises:
+        AssertionError: Naming the first path where they differ, and how.
+    """
+    _compare(actual, expected, "data", values=True)
+
+
+def _compare(actual: Any, expected: Any, path: str, *, values: bool) -> None:
+    if type(actual) is not type(expected):
+        msg = f"{path}: expected a {type(expected).__name__}, got a {type(actual).__name__}."
+        raise AssertionError(msg)
+    if isinstance(expected, torch.Tensor):
+        _compare_tensors(actual, expected, path, values=values)
+        return
+    kind: type = type(expected)
+    node = container_node(kind)
+    if node is None or isinstance(expected, set | frozenset):
+        if actual != expected:
+            msg = f"{path}: expected {expected!r}, got {actual!r}."
+            raise AssertionError(msg)
+        return
+    if isinstance(expected, Mapping) and list(actual) != list(expected):
+        msg = f"{path}: expected keys {list(expected)!r}, got {list(actual)!r}."
+        raise AssertionError(msg)
+    mine, theirs = list(node.children(actual)), list(node.children(expected))
+    if len(mine) != len(theirs):
+        msg = f"{path}: expected {len(theirs)} items, got {len(mine)}."
+        raise AssertionError(msg)
+    for key, a, e in zip(node.keys(expected), mine, theirs, strict=True):
+        _compare(a, e, path + key, values=values)
+
+
+def _compare_tensors(
+    actual: torch.Tensor, expected: torch.Tensor, path: str, *, values: bool
+) -> None:
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        msg = (
+            f"{path}: expected a {expected.dtype} tensor of shape {tuple(expected.shape)}, "
+            f"got {actual.dtype} of shape {tuple(actual.shape)}."
+        )
+        raise AssertionError(msg)
+    if not values or actual.is_meta or expected.is_meta:
+        return
+    if not torch.equal(actual.cpu(), expected.cpu()):
+        msg = f"{path}: values differ: expected {expected.tolist()!r}, got {actual.tolist()!r}."
+        raise AssertionError(msg)

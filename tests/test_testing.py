@@ -1,0 +1,141 @@
+"""devicekit.testing: its strategies cover every container kind, its assertions say where."""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import find, given, settings
+from hypothesis import strategies as st
+
+import devicekit as dk
+from devicekit.testing import (
+    CONTAINER_KINDS,
+    FrozenRecord,
+    Pair,
+    Record,
+    assert_batches_equal,
+    assert_on_device,
+    assert_same_structure,
+    batches,
+    devices,
+    tensors,
+)
+
+KIND_TYPES: dict[str, type] = {
+    "dict": dict,
+    "OrderedDict": collections.OrderedDict,
+    "defaultdict": collections.defaultdict,
+    "list": list,
+    "tuple": tuple,
+    "namedtuple": Pair,
+    "dataclass": Record,
+    "frozen dataclass": FrozenRecord,
+}
+
+
+def _kinds(batch: Any) -> set[type]:
+    found = {type(batch)}
+    if isinstance(batch, dict):
+        children = list(batch.values())
+    elif isinstance(batch, list | tuple):
+        children = list(batch)
+    elif isinstance(batch, Record | FrozenRecord):
+        children = [batch.features, batch.target]
+    else:
+        return found
+    for child in children:
+        found |= _kinds(child)
+    return found
+
+
+@pytest.mark.parametrize("kind", CONTAINER_KINDS)
+def test_batches_generate_every_container_kind(kind: str) -> None:
+    batch = find(
+        batches(), lambda b: KIND_TYPES[kind] in _kinds(b), settings=settings(max_examples=2000)
+    )
+    assert KIND_TYPES[kind] in _kinds(batch)
+
+
+@given(batches(containers=("list",), dtypes=(torch.int8,)))
+def test_batches_keep_to_the_kinds_and_dtypes_asked_for(batch: Any) -> None:
+    assert _kinds(batch) <= {list, torch.Tensor, type(None), int, str, bool}
+    for leaf in dk.find_devices(batch):
+        assert leaf == torch.device("cpu")
+
+
+def test_an_unknown_container_kind_is_refused() -> None:
+    msg = "Expected containers among ('dict', 'OrderedDict', 'defaultdict', 'list', 'tuple'"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        batches(containers=("set",))
+
+
+@given(devices())
+def test_devices_are_those_of_this_machine(device: torch.device) -> None:
+    assert torch.ones(1).to(device).device.type == device.type
+
+
+@given(batches(), devices())
+def test_moving_there_and_back_keeps_every_value(batch: Any, device: torch.device) -> None:
+    moved = dk.to_device(batch, device)
+    assert_on_device(moved, device)
+    assert_same_structure(moved, batch)
+    if device.type != "meta":
+        assert_batches_equal(dk.to_device(moved, "cpu"), batch)
+
+
+@given(tensors(dtypes=(torch.float16,), shapes=st.just((2, 1))))
+def test_tensors_follow_their_arguments(tensor: torch.Tensor) -> None:
+    assert tensor.dtype == torch.float16
+    assert tensor.shape == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("check", "actual", "expected", "message"),
+    [
+        (
+            assert_same_structure,
+            {"a": [1]},
+            {"a": (1,)},
+            "data['a']: expected a tuple, got a list.",
+        ),
+        (assert_same_structure, {"a": 1}, {"b": 1}, "data: expected keys ['b'], got ['a']."),
+        (
+            assert_same_structure,
+            [torch.ones(2)],
+            [torch.ones(3)],
+            "data[0]: expected a torch.float32 tensor of shape (3,), got torch.float32 of "
+            "shape (2,).",
+        ),
+        (
+            assert_batches_equal,
+            Pair(torch.ones(1), "x"),
+            Pair(torch.zeros(1), "x"),
+            "data.first: values differ: expected [0.0], got [1.0].",
+        ),
+        (
+            assert_batches_equal,
+            Record(1, "a"),
+            Record(1, "b"),
+            "data.target: expected 'b', got 'a'.",
+        ),
+    ],
+)
+def test_assertions_name_the_first_difference(
+    check: Any, actual: Any, expected: Any, message: str
+) -> None:
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check(actual, expected)
+
+
+def test_meta_tensors_compare_by_shape_and_dtype() -> None:
+    assert_batches_equal([torch.ones(2, device="meta")], [torch.zeros(2)])
+
+
+def test_assert_on_device_names_what_is_elsewhere() -> None:
+    msg = "Expected every tensor on meta, but cpu has ['x'][1]."
+    with pytest.raises(AssertionError, match=re.escape(msg)):
+        assert_on_device({"x": [torch.ones(1, device="meta"), torch.ones(1)]}, "meta")
