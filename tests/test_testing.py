@@ -107,8 +107,10 @@ def test_tensors_follow_their_arguments(tensor: torch.Tensor) -> None:
             assert_same_structure,
             [torch.ones(2)],
             [torch.ones(3)],
-            "data[0]: expected a torch.float32 tensor of shape (3,), got torch.float32 of "
-            "shape (2,).",
+            (
+                "data[0]: expected a torch.float32 tensor of shape (3,), got torch.float32 of "
+                "shape (2,)."
+            ),
         ),
         (
             assert_batches_equal,
