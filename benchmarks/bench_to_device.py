@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import devicekit as dk
+from devicekit._bench import handwritten_per_image, per_image_batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -31,18 +32,6 @@ Target = namedtuple("Target", ["boxes", "labels"])
 
 def flat_dict() -> dict[str, torch.Tensor]:
     return {f"feature_{i}": torch.randn(16, 16) for i in range(8)}
-
-
-def per_image_dicts() -> list[dict[str, Any]]:
-    return [
-        {
-            "image": torch.randn(3, 32, 32),
-            "boxes": torch.randn(5, 4),
-            "labels": torch.randint(0, 10, (5,)),
-            "image_id": i,
-        }
-        for i in range(64)
-    ]
 
 
 def mixed_batch() -> dict[str, Any]:
@@ -58,13 +47,6 @@ def mixed_batch() -> dict[str, Any]:
 
 def handwritten_flat(batch: dict[str, torch.Tensor], device: torch.device) -> Any:
     return {key: value.to(device) for key, value in batch.items()}
-
-
-def handwritten_per_image(batch: list[dict[str, Any]], device: torch.device) -> Any:
-    return [
-        {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in item.items()}
-        for item in batch
-    ]
 
 
 def handwritten_mixed(batch: dict[str, Any], device: torch.device) -> Any:
@@ -84,7 +66,7 @@ def handwritten_mixed(batch: dict[str, Any], device: torch.device) -> Any:
 
 WORKLOADS: dict[str, tuple[Callable[[], Any], Callable[[Any, torch.device], Any]]] = {
     "flat dict of 8": (flat_dict, handwritten_flat),
-    "64 per-image dicts": (per_image_dicts, handwritten_per_image),
+    "64 per-image dicts": (per_image_batch, handwritten_per_image),
     "mixed nested batch": (mixed_batch, handwritten_mixed),
 }
 

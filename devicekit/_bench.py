@@ -1,0 +1,108 @@
+"""``devicekit bench``: what devicekit's transfers cost on this machine, in a few seconds.
+
+The to_device overhead against the handwritten comprehension (nothing to move, and a
+real move), and where an accelerator exists, host->device copies of many small
+tensors and of one large batch: pageable, pinned, and packed by devicekit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from devicekit._devices import available_devices
+from devicekit._transfer import to_device
+
+__all__ = ["handwritten_per_image", "per_image_batch", "report"]
+
+
+def per_image_batch(count: int = 64) -> list[dict[str, Any]]:
+    """``count`` per-image dicts of 3 tensors and an id, as a detection collate makes."""
+    return [
+        {
+            "image": torch.randn(3, 32, 32),
+            "boxes": torch.randn(5, 4),
+            "labels": torch.randint(0, 10, (5,)),
+            "image_id": i,
+        }
+        for i in range(count)
+    ]
+
+
+def handwritten_per_image(batch: list[dict[str, Any]], device: torch.device) -> Any:
+    """The comprehension people write for :func:`per_image_batch`."""
+    return [
+        {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in item.items()}
+        for item in batch
+    ]
+
+
+def _median_us(fn: Callable[[], Any], *, rounds: int = 7, budget_s: float = 0.3) -> float:
+    fn()
+    once = timeit.timeit(fn, number=3) / 3
+    number = max(1, int(budget_s / rounds / max(once, 1e-7)))
+    return statistics.median(timeit.repeat(fn, number=number, repeat=rounds)) / number * 1e6
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _copies(device: torch.device) -> list[tuple[str, float, float, float]]:
+    small = [torch.randn(1024) for _ in range(1000)]  # 1000 x 4 KiB
+    large = torch.randn(16 << 20)  # 64 MiB
+    rows = []
+    for label, tensors in (("1000 x 4 KiB", small), ("1 x 64 MiB", [large])):
+        pinned = [t.pin_memory() for t in tensors]
+
+        def pageable(tensors: list[torch.Tensor] = tensors) -> None:
+            [t.to(device, non_blocking=True) for t in tensors]
+            _sync(device)
+
+        def pinned_copies(pinned: list[torch.Tensor] = pinned) -> None:
+            [t.to(device, non_blocking=True) for t in pinned]
+            _sync(device)
+
+        def packed(tensors: list[torch.Tensor] = tensors) -> None:
+            to_device(tensors, device)
+            _sync(device)
+
+        rows.append((label, _median_us(pageable), _median_us(pinned_copies), _median_us(packed)))
+    return rows
+
+
+def report() -> list[str]:
+    """The table ``devicekit bench`` prints."""
+    start = time.perf_counter()
+    batch = per_image_batch()
+    lines = [
+        "to_device vs the handwritten comprehension, 64 per-image dicts of 3 tensors",
+        f"  {'target':<28} {'handwritten us':>15} {'to_device us':>13} {'ratio':>6}",
+    ]
+    for label, device in (
+        ("cpu (nothing to move)", torch.device("cpu")),
+        ("meta (a real move)", torch.device("meta")),
+    ):
+        hand = _median_us(lambda device=device: handwritten_per_image(batch, device))
+        ours = _median_us(lambda device=device: to_device(batch, device))
+        lines.append(f"  {label:<28} {hand:>15.1f} {ours:>13.1f} {ours / hand:>6.2f}")
+    accelerators = [name for name in available_devices() if name not in ("cpu", "meta")]
+    if accelerators:
+        device = torch.device(accelerators[0])
+        lines += [
+            "",
+            f"host -> {device} copies",
+            f"  {'what':<16} {'pageable us':>12} {'pinned us':>10} {'packed us':>10}",
+        ]
+        for label, pageable, pinned, packed in _copies(device):
+            lines.append(f"  {label:<16} {pageable:>12.1f} {pinned:>10.1f} {packed:>10.1f}")
+    else:
+        lines += ["", "No accelerator here: host -> device copies are not measured."]
+    lines.append(f"({time.perf_counter() - start:.1f} s)")
+    return lines

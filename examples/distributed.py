@@ -1,0 +1,57 @@
+"""Data-parallel training under torchrun: each rank on its own device, its own shard.
+
+Run ``torchrun --nproc_per_node=4 examples/distributed.py`` (``--epochs``). On GPUs each
+rank trains on ``cuda:LOCAL_RANK`` with NCCL; without them, on the CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import devicekit as dk
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback, said below
+        manager = dk.DeviceManager.from_env()  # cuda:LOCAL_RANK under torchrun
+    if manager.device.type == "cuda":
+        torch.cuda.set_device(manager.device)  # for code that says "cuda"
+    dist.init_process_group("nccl" if manager.device.type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    print(f"rank {rank}: {manager.device} ({manager.reason})")
+
+    torch.manual_seed(0)  # the same data and initial weights on every rank
+    inputs = torch.randn(512, 4)
+    dataset = TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
+    sampler = DistributedSampler(dataset)  # each rank gets its own shard
+    loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=32, sampler=sampler))
+
+    with manager:
+        model = DistributedDataParallel(dk.to_device(nn.Linear(4, 1)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for epoch in range(args.epochs):
+            loader.set_epoch(epoch)  # reshuffles the shards, through the wrapper
+            for features, target in loader:
+                loss = nn.functional.mse_loss(model(features), target)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            if rank == 0:
+                print(f"epoch {epoch}: loss {loss.item():.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Every example program runs, briefly, as a user would start it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def _run(*command: str) -> str:
+    result = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_tensors_and_models() -> None:
+    out = _run(str(EXAMPLES / "tensors_and_models.py"), "--device", "cpu")
+    assert "x is on cpu; its copy is on cpu" in out
+    assert "back on the host: [[" in out
+
+
+def test_linear_regression_learns_the_weights() -> None:
+    out = _run(str(EXAMPLES / "linear_regression.py"), "--epochs", "5", "--device", "cpu")
+    assert out.splitlines()[-1] == "learned weight 2.00, -3.00 and bias 0.50"
+
+
+def test_cnn_learns() -> None:
+    out = _run(str(EXAMPLES / "cnn.py"), "--epochs", "2", "--device", "cpu")
+    accuracy = float(out.splitlines()[-1].rsplit(" ", 1)[-1].rstrip("%"))
+    assert accuracy > 80
+
+
+@pytest.mark.parametrize("epochs", ["2"])
+def test_distributed_runs_under_torchrun(epochs: str) -> None:
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = _run(*launch, str(EXAMPLES / "distributed.py"), "--epochs", epochs)
+    assert "rank 0: " in out
+    assert "rank 1: " in out
+    assert "epoch 1: loss" in out
+
+
+def test_the_demo_trains_for_one_epoch() -> None:
+    out = _run("-m", "devicekit", "demo", "--epochs", "1", "--device", "cpu")
+    lines = out.splitlines()
+    assert lines[1] == "device: cpu (asked for cpu)"
+    assert lines[2].startswith("epoch 1/1  loss ")
+    assert lines[-1].startswith("Trained 1 epoch(s) on cpu: loss ")
+
+
+def test_the_demo_reports_json() -> None:
+    report = json.loads(
+        _run("-m", "devicekit", "demo", "--epochs", "2", "--json", "--device", "cpu")
+    )
+    assert report["device"] == "cpu"
+    losses = [epoch["loss"] for epoch in report["epochs"]]
+    assert len(losses) == 2
+    assert losses[1] < losses[0]
+
+
+def test_bench_prints_its_table() -> None:
+    out = _run("-m", "devicekit", "bench")
+    assert out.startswith("to_device vs the handwritten comprehension")
+    assert "meta (a real move)" in out
