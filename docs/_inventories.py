@@ -1,4 +1,4 @@
-"""Offline intersphinx inventories for the Python and PyTorch objects these docs cite.
+"""Offline intersphinx inventories for the Python, PyTorch and Hypothesis objects these docs cite.
 
 The docs build on machines without network access, where intersphinx cannot fetch
 the real inventories. conf.py writes these small ones first and lists them before
@@ -86,6 +86,14 @@ TORCH = {
 }
 
 
+HYPOTHESIS = {
+    "hypothesis.strategies.SearchStrategy": (
+        "py:class",
+        "reference/strategies.html#hypothesis.strategies.SearchStrategy",
+    ),
+}
+
+
 def write(path: Path, project: str, objects: dict[str, tuple[str, str]]) -> None:
     """Write a Sphinx objects.inv (version 2) listing ``objects``."""
     header = (
@@ -101,7 +109,8 @@ def write(path: Path, project: str, objects: dict[str, tuple[str, str]]) -> None
 
 def write_all(folder: Path) -> dict[str, Path]:
     """Write both inventories into ``folder``; return their paths by name."""
-    paths = {"python": folder / "python.inv", "torch": folder / "torch.inv"}
+    paths = {name: folder / f"{name}.inv" for name in ("python", "torch", "hypothesis")}
     write(paths["python"], "Python", PYTHON)
     write(paths["torch"], "PyTorch", TORCH)
+    write(paths["hypothesis"], "Hypothesis", HYPOTHESIS)
     return paths

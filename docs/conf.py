@@ -46,6 +46,10 @@ _local = _inventories.write_all(HERE / "_build" / "inventories")
 intersphinx_mapping = {
     "python": ("https://docs.python.org/3", (str(_local["python"]), None)),
     "torch": ("https://docs.pytorch.org/docs/stable", (str(_local["torch"]), None)),
+    "hypothesis": (
+        "https://hypothesis.readthedocs.io/en/latest",
+        (str(_local["hypothesis"]), None),
+    ),
 }
 
 nitpicky = True
