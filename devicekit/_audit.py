@@ -35,7 +35,15 @@ _OWN_FOLDERS = tuple(
 
 @dataclasses.dataclass(frozen=True)
 class TransferEvent:
-    """One copy between devices."""
+    """One copy between devices.
+
+    >>> import torch, devicekit as dk
+    >>> with dk.track_transfers() as log:
+    ...     _ = torch.ones(2).to("meta")
+    >>> event = log.events[0]
+    >>> event.source, event.target, event.nbytes, event.operation
+    (device(type='cpu'), device(type='meta'), 8, 'to')
+    """
 
     source: torch.device
     target: torch.device
@@ -54,7 +62,14 @@ class TransferEvent:
 
 @dataclasses.dataclass
 class TransferLog:
-    """What :func:`track_transfers` recorded; ``str()`` gives a summary."""
+    """What :func:`track_transfers` recorded; ``str()`` gives a summary.
+
+    >>> import torch, devicekit as dk
+    >>> with dk.track_transfers() as log:
+    ...     _ = dk.to_device([torch.ones(2), torch.ones(4)], "meta")
+    >>> log.count, log.bytes
+    (2, 24)
+    """
 
     events: list[TransferEvent] = dataclasses.field(default_factory=list)
 

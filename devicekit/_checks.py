@@ -207,7 +207,17 @@ def _input_paths(
 
 
 class GuardHandle:
-    """The hooks :func:`guard` installed: ``remove()`` them, or leave a ``with`` block."""
+    """The hooks :func:`guard` installed: ``remove()`` them, or leave a ``with`` block.
+
+    >>> import torch, devicekit as dk
+    >>> model = torch.nn.Linear(2, 2)
+    >>> handle = dk.guard(model)
+    >>> len(model._forward_pre_hooks)
+    1
+    >>> handle.remove()
+    >>> len(model._forward_pre_hooks)
+    0
+    """
 
     def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]) -> None:
         self._handles = handles

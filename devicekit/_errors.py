@@ -17,6 +17,13 @@ class DeviceKitError(RuntimeError):
 
     It derives from :class:`RuntimeError`, the class PyTorch raises for device
     problems, so code that already catches PyTorch's errors keeps working.
+
+    >>> import torch, devicekit as dk
+    >>> try:
+    ...     dk.to_device(torch.ones(1), "gpu")
+    ... except dk.DeviceKitError as error:
+    ...     print(type(error).__name__)
+    DeviceUnavailableError
     """
 
     __module__ = "devicekit"
@@ -28,6 +35,12 @@ class DeviceUnavailableError(DeviceKitError):
     Raised for device specifications that do not parse (``"gpu"``,
     ``"cuda:abc"``) and for devices this machine does not have (``"cuda:7"``
     with one GPU). The message lists the devices that are available.
+
+    >>> import devicekit as dk
+    >>> dk.DeviceManager("cuda:abc")
+    Traceback (most recent call last):
+    ...
+    devicekit.DeviceUnavailableError: Expected a device such as 'cpu', ... got 'cuda:abc'. ...
     """
 
     __module__ = "devicekit"
@@ -35,6 +48,13 @@ class DeviceUnavailableError(DeviceKitError):
 
 class DeviceMismatchError(DeviceKitError):
     """Tensors that must share one device were found on several.
+
+    >>> import torch, devicekit as dk
+    >>> try:
+    ...     dk.check_same_device([torch.ones(1), torch.ones(1, device="meta")])
+    ... except dk.DeviceMismatchError as error:
+    ...     print(error.devices)
+    {device(type='cpu'): ['data[0]'], device(type='meta'): ['data[1]']}
 
     Attributes:
         devices: Every device seen, with the paths of the tensors found there, such as
@@ -53,6 +73,12 @@ class TransferError(DeviceKitError):
 
     The message names the path of the offending object inside the data
     (for example ``data['batch'][3]``) and says what was expected there.
+
+    >>> import torch, devicekit as dk
+    >>> dk.to_device({"weights": [torch.ones(1, device="meta")]}, "cpu")
+    Traceback (most recent call last):
+    ...
+    devicekit.TransferError: Cannot move data['weights'][0] to cpu: it is a tensor on the meta ...
     """
 
     __module__ = "devicekit"

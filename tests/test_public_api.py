@@ -14,19 +14,10 @@ def test_all_is_sorted_and_every_name_is_importable() -> None:
         assert getattr(dk, name) is not None, name
 
 
-# Records and handles that functions return, and the errors: documented, no example.
-WITHOUT_EXAMPLES = {"GuardHandle", "TransferEvent", "TransferLog", "__version__"}
-
-
 def test_every_public_name_is_documented_with_an_example() -> None:
     for name in dk.__all__:
-        if name == "__version__":
-            continue
-        value = getattr(dk, name)
-        assert value.__doc__, name
-        is_error = isinstance(value, type) and issubclass(value, Exception)
-        if name not in WITHOUT_EXAMPLES and not is_error:
-            assert ">>>" in value.__doc__, name
+        if name != "__version__":
+            assert ">>>" in (getattr(dk, name).__doc__ or ""), name
 
 
 def test_errors_derive_from_one_base_and_say_they_are_devicekit_s() -> None:
