@@ -7,6 +7,7 @@ tensors and of one large batch: pageable, pinned, and packed by devicekit.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import timeit
@@ -89,8 +90,8 @@ def report() -> list[str]:
         ("cpu (nothing to move)", torch.device("cpu")),
         ("meta (a real move)", torch.device("meta")),
     ):
-        hand = _median_us(lambda device=device: handwritten_per_image(batch, device))
-        ours = _median_us(lambda device=device: to_device(batch, device))
+        hand = _median_us(functools.partial(handwritten_per_image, batch, device))
+        ours = _median_us(functools.partial(to_device, batch, device))
         lines.append(f"  {label:<28} {hand:>15.1f} {ours:>13.1f} {ours / hand:>6.2f}")
     accelerators = [name for name in available_devices() if name not in ("cpu", "meta")]
     if accelerators:

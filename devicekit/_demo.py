@@ -42,7 +42,8 @@ class SmallCNN(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Class scores for a batch of images."""
-        return self.classifier(self.features(images).flatten(1))
+        scores: torch.Tensor = self.classifier(self.features(images).flatten(1))
+        return scores
 
 
 def synthetic_images(count: int, *, seed: int = 0) -> TensorDataset:
@@ -101,7 +102,7 @@ def train(
             for index, (images, labels) in enumerate(loader):
                 loss = nn.functional.cross_entropy(model(images), labels)
                 optimizer.zero_grad()
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # untyped in PyTorch's stubs
                 optimizer.step()
                 total += loss.detach() * len(labels)  # summed on the device: no sync per step
                 seen += len(labels)
