@@ -45,7 +45,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """The Sphinx site with warnings as errors, then every example in it as a doctest."""
-    install(session, "docs")
+    install(session, "docs,testing")  # the API pages import devicekit.testing
     common = ["-n", "-W", "--keep-going", "docs"]
     session.run("sphinx-build", "-b", "html", *common, "docs/_build/html")
     session.run("sphinx-build", "-b", "doctest", *common, "docs/_build/doctest")
