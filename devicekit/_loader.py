@@ -235,7 +235,8 @@ class DeviceDataLoader(Generic[B]):
         self._prefetch = prefetch
         self._non_blocking = non_blocking
         self._transform = transform
-        self._stream: torch.Stream | None = None  # one per loader, made on first use
+        # One side stream per device this loader feeds, for its whole life, made on first use.
+        self._streams: dict[torch.device, torch.Stream] = {}
         self._one_shot_used = False
 
     # What the wrapped loader knows.
@@ -328,9 +329,10 @@ class DeviceDataLoader(Generic[B]):
         source = self._source()
         if self._prefetch == 0 or device.type not in _STREAM_DEVICE_TYPES:
             return self._in_line(source, device)
-        if self._stream is None:
-            self._stream = torch.Stream(device=device)
-        return self._ahead(source, device, self._stream)
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.Stream(device=device)
+        return self._ahead(source, device, stream)
 
     def _finish(self, batch: Any) -> Any:
         return batch if self._transform is None else self._transform(batch)

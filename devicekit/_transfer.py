@@ -159,10 +159,11 @@ class _Plan:
         self.device_is_mps = kind == "mps"
         # With nothing but the device to change, "already there" is one comparison.
         self.trivial = dtype is None and not copy and self.memory_format is None
-        # Moves to meta, and "auto" moves between host devices, need no stream and no wait.
-        self.plain = non_blocking is False or (
-            non_blocking == "auto" and (self.device_is_meta or not self.to_accelerator)
-        )
+        # A plain blocking .to(): asked for, or a move to meta, which copies no data. Under
+        # "auto" a cpu target is not plain: host tensors are already there (the hot path
+        # returns them first), and the rest come from accelerators, whose copies are
+        # issued asynchronously and waited for once.
+        self.plain = non_blocking is False or (non_blocking == "auto" and self.device_is_meta)
         self.packs = kind in PACKABLE_DEVICE_TYPES and self.memory_format is None
         # For objects that move themselves, whose copies devicekit cannot wait for:
         # asynchronous only where reading the result is ordered after the copy anyway.

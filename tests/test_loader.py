@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import os
 import re
 import threading
@@ -174,6 +176,11 @@ def test_a_dead_worker_surfaces_and_the_loader_recovers(tmp_path: Path) -> None:
     loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=2, num_workers=2), META)
     with pytest.raises(RuntimeError, match=r"DataLoader worker .* exited unexpectedly"):
         list(loader)
+    # The exception's traceback holds the failed DataLoader iterator (as it would without
+    # devicekit); once the exception is gone, so are its workers. Collecting here also
+    # keeps their exits from reaching PyTorch's SIGCHLD handler during a later test.
+    gc.collect()
+    assert multiprocessing.active_children() == []
     marker.unlink()
     dataset.broken = False
     assert sum(1 for _ in loader) == 8

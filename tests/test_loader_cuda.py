@@ -62,9 +62,10 @@ def test_one_side_stream_for_the_loader_s_whole_life(cuda: torch.device) -> None
     for _ in range(3):
         for _batch in loader:
             pass
-        streams.add(loader._stream)
+        streams.add(loader._streams[cuda])
     assert len(streams) == 1
-    assert loader._stream != torch.cuda.current_stream(cuda)
+    assert len(loader._streams) == 1
+    assert loader._streams[cuda] != torch.cuda.current_stream(cuda)
 
 
 def test_no_synchronisation_while_iterating_pinned_batches(cuda: torch.device) -> None:
