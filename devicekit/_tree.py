@@ -323,6 +323,40 @@ class Walker:
         """
         return self._walk(tree, with_paths=True)
 
+    def pairs(self, left: Any, right: Any) -> Iterator[tuple[str, Any, Any]]:
+        """Corresponding objects of two structures, with their paths, parents first.
+
+        Descends where both are containers of one type with the same keys; the caller
+        judges each pair, so a difference is reported where it first appears. Sets are
+        not descended into: their members have no order to pair them by.
+
+        >>> walker = Walker(lambda cls: False)
+        >>> [(path, a, b) for path, a, b in walker.pairs({"x": [1, 2]}, {"x": [1, 3]})][1:]
+        [("['x']", [1, 2], [1, 3]), ("['x'][0]", 1, 1), ("['x'][1]", 2, 3)]
+
+        Raises:
+            TransferError: The structures nest deeper than :data:`MAX_DEPTH` (a cycle).
+        """
+        stack: list[tuple[tuple[str, ...], Any, Any]] = [((), left, right)]
+        while stack:
+            fragments, a, b = stack.pop()
+            yield "".join(fragments), a, b
+            node = self.node_of(type(a)) if type(a) is type(b) else None
+            if node is None or isinstance(a, set | frozenset):
+                continue
+            keys = list(node.keys(a))
+            if keys != list(node.keys(b)):
+                continue
+            if len(fragments) >= MAX_DEPTH:
+                path = format_path(self._root, fragments)
+                msg = (
+                    f"Expected data nested at most {MAX_DEPTH:,} containers deep, but {path} "
+                    "goes deeper."
+                )
+                raise TransferError(msg)
+            children = zip(keys, node.children(a), node.children(b), strict=True)
+            stack.extend(((*fragments, key), x, y) for key, x, y in reversed(list(children)))
+
     def _walk(self, tree: Any, *, with_paths: bool) -> Iterator[tuple[str, Any]]:
         node = self.node_of(type(tree))
         if node is None:

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 from devicekit._checks import describe_devices, find_devices
 from devicekit._devices import DeviceLike, available_devices, resolve_device
 from devicekit._transfer import _walker
-from devicekit._tree import container_node
 
 __all__ = [
     "CONTAINER_KINDS",
@@ -247,7 +246,7 @@ def assert_same_structure(actual: Any, expected: Any, /) -> None:
     Raises:
         AssertionError: Naming the first path where they differ.
     """
-    _compare(actual, expected, "data", values=False)
+    _compare(actual, expected, values=False)
 
 
 def assert_batches_equal(actual: Any, expected: Any, /) -> None:
@@ -263,32 +262,30 @@ def assert_batches_equal(actual: Any, expected: Any, /) -> None:
     Raises:
         AssertionError: Naming the first path where they differ, and how.
     """
-    _compare(actual, expected, "data", values=True)
+    _compare(actual, expected, values=True)
 
 
-def _compare(actual: Any, expected: Any, path: str, *, values: bool) -> None:
-    if type(actual) is not type(expected):
-        msg = f"{path}: expected a {type(expected).__name__}, got a {type(actual).__name__}."
-        raise AssertionError(msg)
-    if isinstance(expected, torch.Tensor):
-        _compare_tensors(actual, expected, path, values=values)
-        return
-    kind: type = type(expected)
-    node = container_node(kind)
-    if node is None or isinstance(expected, set | frozenset):
-        if actual != expected:
-            msg = f"{path}: expected {expected!r}, got {actual!r}."
+def _compare(actual: Any, expected: Any, *, values: bool) -> None:
+    for fragments, mine, theirs in _walker.pairs(actual, expected):
+        path = "data" + fragments
+        if type(mine) is not type(theirs):
+            msg = f"{path}: expected a {type(theirs).__name__}, got a {type(mine).__name__}."
             raise AssertionError(msg)
-        return
-    if isinstance(expected, Mapping) and list(actual) != list(expected):
-        msg = f"{path}: expected keys {list(expected)!r}, got {list(actual)!r}."
-        raise AssertionError(msg)
-    mine, theirs = list(node.children(actual)), list(node.children(expected))
-    if len(mine) != len(theirs):
-        msg = f"{path}: expected {len(theirs)} items, got {len(mine)}."
-        raise AssertionError(msg)
-    for key, a, e in zip(node.keys(expected), mine, theirs, strict=True):
-        _compare(a, e, path + key, values=values)
+        if isinstance(theirs, torch.Tensor):
+            _compare_tensors(mine, theirs, path, values=values)
+            continue
+        node = _walker.node_of(type(theirs))
+        if node is None or isinstance(theirs, set | frozenset):
+            if mine != theirs:
+                msg = f"{path}: expected {theirs!r}, got {mine!r}."
+                raise AssertionError(msg)
+        elif isinstance(theirs, Mapping) and list(mine) != list(theirs):
+            msg = f"{path}: expected keys {list(theirs)!r}, got {list(mine)!r}."
+            raise AssertionError(msg)
+        elif len(list(node.children(mine))) != len(list(node.children(theirs))):
+            count, got = len(list(node.children(theirs))), len(list(node.children(mine)))
+            msg = f"{path}: expected {count} items, got {got}."
+            raise AssertionError(msg)
 
 
 def _compare_tensors(

@@ -107,3 +107,20 @@ def test_inert_leaves_pass_through_map_without_a_call() -> None:
     }
     assert seen == ["s", 2.5]
     assert list(walker.leaves({"a": [1, None]})) == [1, None]
+
+
+def test_pairs_descend_only_where_both_sides_agree() -> None:
+    pairs = list(everything_walks.pairs({"a": [1, 2], "b": (3,)}, {"a": [1, 5], "b": [3]}))
+    assert [(path, a, b) for path, a, b in pairs[1:]] == [
+        ("['a']", [1, 2], [1, 5]),
+        ("['a'][0]", 1, 1),
+        ("['a'][1]", 2, 5),
+        ("['b']", (3,), [3]),  # a tuple and a list: reported, not descended into
+    ]
+
+
+def test_pairs_of_a_cycle_end_in_an_error() -> None:
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(dk.TransferError, match=re.escape("containers deep, but data[0][0]")):
+        list(everything_walks.pairs(loop, loop))
