@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import re
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -195,17 +196,25 @@ def test_breaking_out_early_and_many_epochs_leave_no_threads() -> None:
                 break
         for _batch in loader:
             pass
-    assert threading.active_count() == before
+    assert threading.active_count() <= before  # no growth (an earlier test's may end)
 
 
 # The background feed that pins ahead on accelerators, tested on its own here.
+
+
+def _ends(feed: _BackgroundFeed, timeout: float = 10.0) -> bool:
+    """Whether the feed's thread ends in time: close() only nudges it, it does not wait long."""
+    deadline = time.monotonic() + timeout
+    while feed.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not feed.alive
 
 
 def test_the_feed_yields_everything_in_order_then_stops() -> None:
     feed = _BackgroundFeed(range(100), lambda item: item * 2, depth=3)
     assert list(feed) == [item * 2 for item in range(100)]
     feed.close()
-    assert not feed.alive
+    assert _ends(feed)
 
 
 def test_the_feed_carries_the_source_s_exception_unchanged() -> None:
@@ -230,8 +239,8 @@ def test_closing_the_feed_early_ends_its_thread_over_fifty_epochs() -> None:
         feed = _BackgroundFeed(iter(range(1000)), lambda item: item, depth=2)
         assert next(feed) == 0
         feed.close()
-        assert not feed.alive
-    assert threading.active_count() == before
+        assert _ends(feed)
+    assert threading.active_count() <= before  # no growth (an earlier test's may end)
 
 
 # Bad arguments.
