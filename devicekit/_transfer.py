@@ -232,7 +232,9 @@ class _Transfer:
             try:
                 return obj.to(device)
             except NotImplementedError:
-                raise transfer.meta_error(obj) from None
+                if obj.is_meta:  # PyTorch's "no data!" becomes a message with the path
+                    raise transfer.meta_error(obj) from None
+                raise
 
         return move
 
@@ -243,11 +245,8 @@ class _Transfer:
         rule = _leaf_rules.get(type(obj)) or _choose_leaf_rule(type(obj))
         return rule(obj, self)
 
-    def meta_error(self, tensor: torch.Tensor) -> Exception:
-        if not tensor.is_meta:
-            return NotImplementedError(
-                f"Cannot move {tensor.device} tensors to {self.plan.device}."
-            )
+    def meta_error(self, tensor: torch.Tensor) -> LeafError:
+        """The error for a meta tensor asked onto a device with data."""
         msg = (
             f"Cannot move {{path}} to {self.plan.device}: it is a tensor on the meta device, "
             "which has a shape but no data. Create it on a real device instead, for "
