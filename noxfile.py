@@ -13,6 +13,8 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
+# The oldest PyTorch devicekit supports (pyproject's floor: torch.accelerator came in 2.6).
+OLDEST_TORCH = "torch==2.6.0"
 
 
 def install(session: nox.Session, extras: str) -> None:
@@ -45,7 +47,22 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """The Sphinx site with warnings as errors, then every example in it as a doctest."""
-    install(session, "docs,testing")  # the API pages import devicekit.testing
+    # The API pages import devicekit.testing; the migration guide runs accelerate's and
+    # Lightning Fabric's side of each example too.
+    install(session, "docs,testing,bench")
     common = ["-n", "-W", "--keep-going", "docs"]
     session.run("sphinx-build", "-b", "html", *common, "docs/_build/html")
     session.run("sphinx-build", "-b", "doctest", *common, "docs/_build/doctest")
+
+
+@nox.session
+def oldest_torch(session: nox.Session) -> None:
+    """The test suite on the oldest PyTorch devicekit supports, 2.6.
+
+    PyPI has no CPU-only build of it for Linux x86-64, so this installs its CUDA build
+    and the NVIDIA libraries it links (several GB, once): the CPU tests run on it as on
+    any other build. Not one of the default sessions.
+    """
+    session.install(OLDEST_TORCH)
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", *session.posargs)

@@ -1,11 +1,9 @@
 """DeviceDataLoader against a plain loop calling to_device per batch, side by side.
 
-Run ``python benchmarks/bench_loader.py``. On the CPU it times epochs of the wrapper
-against ``for batch in loader: to_device(batch, device)`` (target: at most 1.05x). On a
-CUDA machine it also runs a synthetic step whose compute time equals one batch's
-copy time (target: an epoch with prefetching within 1.05x of max(compute, copy), the
-plain loop near compute + copy) and records device and pinned memory over 50 epochs,
-which must stay flat.
+Run ``python benchmarks/bench_loader.py``. It times epochs of the wrapper against
+``for batch in loader: to_device(batch, device)`` on the CPU (target: at most 1.05x).
+The loader's overlap and memory on a GPU, and real training loops through it, are in
+``benchmarks/gpu_report.py``.
 """
 
 from __future__ import annotations
@@ -69,72 +67,6 @@ def cpu_overhead(repeat: int) -> list[str]:
     return rows
 
 
-def gpu_overlap(epochs: int) -> list[str]:
-    device = torch.device("cuda", torch.cuda.current_device())
-    batches = [torch.randn(16 << 20 // 4) for _ in range(32)]  # 16 MiB pageable batches
-
-    # The copy time of one (pinned) batch, and a sleep of the same length as the compute.
-    pinned = batches[0].pin_memory()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        pinned.to(device, non_blocking=True)
-    torch.cuda.synchronize()
-    copy_s = (time.perf_counter() - start) / 20
-    cycles = int(copy_s * torch.cuda.clock_rate() * 1e6) if hasattr(torch.cuda, "clock_rate") else 0
-    if cycles <= 0:
-        cycles = int(copy_s * 1.5e9)
-
-    def step(batch: torch.Tensor) -> None:
-        torch.cuda._sleep(cycles)
-        batch.mul_(1.0)
-
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(len(batches)):
-        torch.cuda._sleep(cycles)
-    torch.cuda.synchronize()
-    compute_s = (time.perf_counter() - start) / len(batches)
-
-    def plain_epoch() -> None:
-        for batch in batches:
-            step(dk.to_device(batch, device))
-        torch.cuda.synchronize()
-
-    loader = dk.DeviceDataLoader(batches, device, prefetch=2)
-
-    def wrapped_epoch() -> None:
-        for batch in loader:
-            step(batch)
-        torch.cuda.synchronize()
-
-    plain_s = epoch_seconds(plain_epoch, 5) / len(batches)
-    wrapped_s = epoch_seconds(wrapped_epoch, 5) / len(batches)
-    bound = max(compute_s, copy_s)
-    rows = [
-        f"copy of one 16 MiB pinned batch   {copy_s * 1e3:8.3f} ms",
-        f"compute (sleep) per step          {compute_s * 1e3:8.3f} ms",
-        (
-            f"plain loop per step               {plain_s * 1e3:8.3f} ms"
-            f"   ({plain_s / (compute_s + copy_s):.2f} x (compute + copy))"
-        ),
-        (
-            f"DeviceDataLoader per step         {wrapped_s * 1e3:8.3f} ms"
-            f"   ({wrapped_s / bound:.2f} x max(compute, copy); target <= 1.05)"
-        ),
-    ]
-    device_mib, pinned_mib = [], []
-    for _ in range(epochs):
-        wrapped_epoch()
-        device_mib.append(torch.cuda.memory_allocated(device) / 2**20)
-        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-        pinned_mib.append(stats.get("allocated_bytes.current", 0) / 2**20)
-    device_range = f"{min(device_mib):.0f}..{max(device_mib):.0f} MiB"
-    pinned_range = f"{min(pinned_mib):.0f}..{max(pinned_mib):.0f} MiB"
-    rows.append(f"after each of {epochs} epochs: device {device_range}, pinned {pinned_range}")
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -142,9 +74,6 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, devicekit {dk.__version__}")
     print("\n".join(cpu_overhead(3 if args.quick else 21)))
-    if torch.cuda.is_available():
-        print()
-        print("\n".join(gpu_overlap(5 if args.quick else 50)))
 
 
 if __name__ == "__main__":

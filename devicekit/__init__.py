@@ -16,7 +16,7 @@ from devicekit._errors import (
 )
 from devicekit._loader import DeviceDataLoader
 from devicekit._manager import DeviceManager, current_device
-from devicekit._transfer import register_transfer, to_device
+from devicekit._transfer import register_transfer, to_device, unregister_transfer
 
 __version__ = "0.1.0"
 
@@ -41,4 +41,5 @@ __all__ = [
     "register_transfer",
     "to_device",
     "track_transfers",
+    "unregister_transfer",
 ]

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import devicekit
 from devicekit._errors import TransferError
 
 __all__ = ["TransferEvent", "TransferLog", "track_transfers"]
@@ -27,9 +26,9 @@ __all__ = ["TransferEvent", "TransferLog", "track_transfers"]
 _aten = torch.ops.aten
 # Frames inside these folders are not "the user's line".
 _OWN_FOLDERS = tuple(
-    os.path.dirname(module.__file__) + os.sep
-    for module in (torch, devicekit, contextlib)
-    if module.__file__ is not None
+    os.path.dirname(path) + os.sep
+    for path in (torch.__file__, __file__, contextlib.__file__)  # this file: devicekit's
+    if path is not None
 )
 
 
@@ -171,6 +170,11 @@ def track_transfers(*, strict: bool = False) -> Iterator[TransferLog]:
 
     Finds the ``.item()``, ``.cpu()`` and stray ``.to()`` calls that quietly stall a
     training loop. ``strict=True`` raises at the first one instead, naming its line.
+
+    Only the calling thread is watched: PyTorch's dispatch modes are per thread, so
+    copies made in other threads (a DataLoader's pin-memory thread, devicekit's own
+    feed thread, a thread of your own) are neither recorded nor refused. Wrap the code
+    of each thread you want to watch in its own block.
 
     >>> import torch, devicekit as dk
     >>> with dk.track_transfers() as log:

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from devicekit._devices import accelerator_type
 from devicekit._nvml import NvmlGpu, read_nvml, visible_gpus
 
 __all__ = [
@@ -79,7 +80,7 @@ class Backend(Protocol):
 
     @property
     def name(self) -> str:
-        """The family's name, as ``prefer=`` names it: ``"cuda"``, ``"rocm"``, ..."""
+        """The family's name as ``prefer=`` names it, such as ``"cuda"`` or ``"rocm"``."""
         ...
 
     @property
@@ -317,9 +318,8 @@ _KNOWN_TYPES = frozenset({"cuda", "xpu", "mps", "cpu"})
 def builtin_backends() -> list[Backend]:
     """The built-in backends, plus one for an accelerator PyTorch knows and they miss."""
     backends: list[Backend] = [CudaBackend(), XpuBackend(), MpsBackend()]
-    # The build's accelerator type, read without starting it (check_available=False).
-    other = torch.accelerator.current_accelerator(check_available=False)
-    if other is not None and other.type not in _KNOWN_TYPES:
-        backends.append(AcceleratorBackend(other.type))
+    other = accelerator_type()  # the build's, read without starting it
+    if other is not None and other not in _KNOWN_TYPES:
+        backends.append(AcceleratorBackend(other))
     backends.append(CpuBackend())
     return backends

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import pickle
 from typing import IO, Any
 
 import torch
 
-from devicekit._devices import DeviceLike, resolve_device
+from devicekit._checks import find_devices
+from devicekit._devices import DeviceLike, resolve_device, shown
+from devicekit._errors import TransferError
 from devicekit._manager import current_device
 
 __all__ = ["load"]
@@ -40,6 +43,47 @@ def load(
 
     Returns:
         What was saved, its tensors on ``device``.
+
+    Raises:
+        TypeError: ``weights_only`` is not True or False: anything else could be read as
+            permission to run the pickle's code.
+        ValueError: The file is empty, or not one written by ``torch.save``.
+        TransferError: The checkpoint holds tensors on the meta device (a shape and no
+            data), which no map_location can give data to; the message names them.
     """
+    if weights_only is not True and weights_only is not False:  # for untyped callers
+        msg = (  # type: ignore[unreachable]
+            f"Expected weights_only to be True or False, got {weights_only!r}: False runs "
+            "the code a pickle holds, so devicekit takes nothing else for it."
+        )
+        raise TypeError(msg)
     target = current_device() if device is None else resolve_device(device)
-    return torch.load(f, map_location=target, weights_only=weights_only)
+    try:
+        loaded = torch.load(f, map_location=target, weights_only=weights_only)
+    except (EOFError, pickle.UnpicklingError, KeyError, UnicodeDecodeError) as err:
+        # What torch.load raises for a file it cannot read: an empty one (EOFError
+        # without a message), text (KeyError: 101, the byte 'e'), a truncated pickle.
+        # Its refusal of a real checkpoint under weights_only says what to do: kept.
+        if "Weights only load failed" in str(err):
+            raise
+        name = getattr(f, "name", f) if not isinstance(f, str | os.PathLike) else f
+        if isinstance(err, EOFError):
+            why = "is empty, or ends before its first object"
+        else:
+            why = f"is not one (reading it, PyTorch raised {type(err).__name__}: {shown(str(err))})"
+        msg = f"Expected a file written by torch.save, but {shown(str(name), limit=300)} {why}."
+        raise ValueError(msg) from err
+    if target.type != "meta":
+        without_data = find_devices(loaded).get(torch.device("meta"))
+        if without_data:
+            listed = ", ".join(without_data[:3]) + (
+                f" and {len(without_data) - 3} more" if len(without_data) > 3 else ""
+            )
+            msg = (
+                f"Expected a checkpoint with data to load onto {target}, but it holds "
+                f"tensors on the meta device, which have a shape and no data: {listed}. It "
+                "was saved from a model that was never given its weights (created on meta, "
+                "or with to_empty() still to come); save it after the weights are loaded."
+            )
+            raise TransferError(msg)
+    return loaded

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from devicekit._devices import DeviceLike, resolve_device
+from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import DeviceMismatchError
+from devicekit._transfer import _has_own_rule as _moves_itself
 from devicekit._tree import Node, Walker
 
 __all__ = ["GuardHandle", "check_same_device", "describe_devices", "find_devices", "guard"]
@@ -54,8 +55,15 @@ def _named_node(named: Any) -> Node:
     return Node(children, rebuild, keys)
 
 
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    return list(getattr(obj, "__dict__", {}).items())
+
+
 _MODULE_NODE = _named_node(_module_tensors)
 _OPTIMIZER_NODE = _named_node(_optimizer_tensors)
+# Objects that move themselves (with .to() or a registered rule) hold their tensors
+# in attributes: the checks look there, so they see what to_device moves.
+_MOVER_NODE = _named_node(_attributes)
 
 
 def _holders(cls: type) -> Node | None:
@@ -63,6 +71,8 @@ def _holders(cls: type) -> Node | None:
         return _MODULE_NODE
     if issubclass(cls, torch.optim.Optimizer):
         return _OPTIMIZER_NODE
+    if not issubclass(cls, torch.Tensor) and _moves_itself(cls):
+        return _MOVER_NODE
     return None
 
 
@@ -148,8 +158,17 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
         DeviceMismatchError: The tensors are on more than one device, or not on
             ``device``. Its ``devices`` attribute maps every device to its paths.
         ValueError: ``data`` holds no tensor at all.
+        TypeError: A device was passed among the data instead of as ``device=``.
     """
     expected = None if device is None else resolve_device(device)
+    for index, item in enumerate(data):
+        if isinstance(item, str | torch.device):
+            msg = (
+                "Expected tensors, modules, optimizers or containers of them as the data, and "
+                f"the device as device=..., got the device {shown(str(item))} as data[{index}]. "
+                f"Write check_same_device(..., device={str(item)!r})."
+            )
+            raise TypeError(msg)
     found: dict[torch.device, list[str]] = {}
     for index, item in enumerate(data):
         root = _root_name(item, index, len(data))
@@ -241,6 +260,28 @@ def _tensors_of(module: torch.nn.Module, *, own: bool) -> Iterator[tuple[str, to
     yield from module.named_buffers(recurse=not own)
 
 
+def _first_tensor(module: torch.nn.Module, *, own: bool) -> Callable[[], torch.Tensor | None]:
+    """A function giving the module's first parameter or buffer, cheaply, call after call.
+
+    Listing a module's parameters costs microseconds per forward call; the first one
+    is found once and then read through its owner's own table, so a parameter that is
+    replaced (Module.to does so for some device pairs) is still the one read.
+    """
+    for name, _ in _tensors_of(module, own=own):
+        owner_name, _, key = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        table = owner._parameters if key in owner._parameters else owner._buffers
+
+        def first(table: dict[str, Any] = table, key: str = key) -> torch.Tensor | None:
+            tensor = table.get(key)
+            if tensor is None:  # removed since: look again
+                return next((t for _, t in _tensors_of(module, own=own)), None)
+            return tensor  # type: ignore[no-any-return]
+
+        return first
+    return lambda: next((t for _, t in _tensors_of(module, own=own)), None)
+
+
 def _check_inputs(
     module: torch.nn.Module,
     label: str,
@@ -248,11 +289,12 @@ def _check_inputs(
     kwargs: dict[str, Any],
     *,
     own: bool,
+    first: Callable[[], torch.Tensor | None],
 ) -> None:
-    first = next(_tensors_of(module, own=own), None)
-    if first is None:
+    tensor = first()
+    if tensor is None:
         return
-    home = first[1].device
+    home = tensor.device
     # The usual forward(x) costs one comparison.
     single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
     if single and args[0].device == home:
@@ -299,7 +341,13 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
 
     Raises:
         DeviceMismatchError: From the guarded forward call, before PyTorch fails.
+        TypeError: ``module`` is not a :class:`torch.nn.Module`.
     """
+    if not isinstance(module, torch.nn.Module):  # for untyped callers
+        msg = (  # type: ignore[unreachable]
+            f"Expected a torch.nn.Module to guard, got {type(module).__name__} {shown(module)}."
+        )
+        raise TypeError(msg)
     handles = []
     targets = (
         [
@@ -313,6 +361,7 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
     root = type(module).__name__
     for name, sub in targets:
         label = f"{root}.{name} ({type(sub).__name__})" if name else root
+        first_of_sub = _first_tensor(sub, own=recurse)
 
         def check(
             sub: torch.nn.Module,
@@ -320,10 +369,11 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
             kwargs: dict[str, Any],
             *,
             label: str = label,
+            first: Callable[[], torch.Tensor | None] = first_of_sub,
         ) -> None:
             # Guarding the whole module compares with all its parameters; guarding each
             # layer compares each with its own, which finds the one left behind.
-            _check_inputs(sub, label, args, kwargs, own=recurse)
+            _check_inputs(sub, label, args, kwargs, own=recurse, first=first)
 
         handles.append(sub.register_forward_pre_hook(check, with_kwargs=True))
     return GuardHandle(handles)

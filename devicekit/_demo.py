@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -61,6 +61,10 @@ class EpochReport:
 
     epoch: int
     loss: float
+    """The epoch's mean loss."""
+    first_loss: float
+    """The loss of its first batch: where the epoch started from."""
+    samples: int
     samples_per_second: float
     seconds: float
 
@@ -72,7 +76,7 @@ def train(
     samples: int = 4096,
     batch_size: int = 64,
     on_batch: Callable[[int, int, int], None] | None = None,
-) -> list[EpochReport]:
+) -> Iterator[EpochReport]:
     """Train :class:`SmallCNN` on :func:`synthetic_images` on ``device``.
 
     The loop is the one a user writes: a DataLoader wrapped in DeviceDataLoader, the
@@ -85,8 +89,8 @@ def train(
         batch_size: Images per batch.
         on_batch: Called as ``on_batch(epoch, batches_done, batches)``, for progress.
 
-    Returns:
-        One report per epoch.
+    Yields:
+        A report as each epoch ends.
     """
     torch.manual_seed(0)
     loader = DeviceDataLoader(
@@ -94,21 +98,22 @@ def train(
     )
     model = to_device(SmallCNN(), device)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    reports = []
     with guard(model):
         for epoch in range(1, epochs + 1):
             start = time.perf_counter()
             total, seen = torch.zeros((), device=device), 0
+            first = torch.zeros((), device=device)
             for index, (images, labels) in enumerate(loader):
                 loss = nn.functional.cross_entropy(model(images), labels)
                 optimizer.zero_grad()
                 loss.backward()  # type: ignore[no-untyped-call]  # untyped in PyTorch's stubs
                 optimizer.step()
+                if index == 0:
+                    first = loss.detach()
                 total += loss.detach() * len(labels)  # summed on the device: no sync per step
                 seen += len(labels)
                 if on_batch is not None:
                     on_batch(epoch, index + 1, len(loader))
-            mean = (total / seen).item()  # one sync per epoch
+            mean, first_loss = (total / seen).item(), first.item()  # a sync per epoch
             seconds = time.perf_counter() - start
-            reports.append(EpochReport(epoch, mean, seen / seconds, seconds))
-    return reports
+            yield EpochReport(epoch, mean, first_loss, seen, seen / seconds, seconds)

@@ -8,13 +8,21 @@ everywhere, with the valid choices listed, before any data moves.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import TypeAlias, cast
 
 import torch
 
 from devicekit._errors import DeviceUnavailableError
 
-__all__ = ["DeviceLike", "available_devices", "parse_device", "resolve_device"]
+__all__ = [
+    "DeviceLike",
+    "accelerator_type",
+    "available_devices",
+    "parse_device",
+    "resolve_device",
+    "streams_to",
+]
 
 DeviceLike: TypeAlias = torch.device | str | int
 """What a ``device=`` argument accepts: a :class:`torch.device`, a string such as
@@ -28,7 +36,8 @@ _EXAMPLES = "'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
 
 # Resolutions that cannot change while the process runs: "cpu", "meta", "cuda:1".
 # Index-less accelerator specs are left out: they follow the current device.
-_resolved: dict[object, torch.device] = {}
+_resolved: dict[tuple[type, object], torch.device] = {}
+_SPECS_KEPT = 1024
 
 
 @functools.cache
@@ -41,6 +50,43 @@ def _device_count(device_type: str) -> int | None:
     if not callable(count):
         return None
     return int(count())
+
+
+@functools.cache
+def accelerator_type() -> str | None:
+    """This PyTorch build's accelerator type, such as ``"cuda"``, read without starting it.
+
+    PyTorch's ``torch.accelerator`` says where it offers it; older builds are asked
+    family by family. None where the build has none.
+
+    >>> accelerator_type() in (None, "cuda", "xpu", "mps")
+    True
+    """
+    current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
+    if current is not None:
+        try:
+            found = current(check_available=False)  # PyTorch 2.7: no device is started
+        except TypeError:  # PyTorch 2.6 has no check_available, and raises without one
+            try:
+                found = current()
+            except RuntimeError:
+                found = None
+        return None if found is None else str(found.type)
+    return next((kind for kind in _ACCELERATORS if _device_count(kind)), None)
+
+
+# Accelerators whose copies can run on a side stream from page-locked host memory: all
+# that torch.accelerator offers but MPS (unified memory, no side streams to overlap on).
+_WITHOUT_STREAMS = frozenset({"mps"})
+
+
+def streams_to(device: torch.device) -> bool:
+    """Whether copies to ``device`` can overlap on side streams from pinned host memory.
+
+    >>> streams_to(torch.device("cpu")), streams_to(torch.device("meta"))
+    (False, False)
+    """
+    return device.type == accelerator_type() and device.type not in _WITHOUT_STREAMS
 
 
 def available_devices() -> list[str]:
@@ -57,6 +103,30 @@ def available_devices() -> list[str]:
 
 def _choices() -> str:
     return ", ".join(repr(name) for name in available_devices())
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for a message, cut short where it is long.
+
+    >>> shown("cuda:0"), shown("x" * 100, limit=12)
+    ("'cuda:0'", "'xxxxxxxxx... (100 characters)")
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    length = len(value) if isinstance(value, str | bytes) else len(text)
+    return f"{text[: limit - 2]}... ({length:,} characters)"
+
+
+def has_backend(device_type: str) -> bool:
+    """Whether this PyTorch has a backend for ``device_type`` (built in or registered).
+
+    >>> has_backend("cpu"), has_backend("xla")
+    (True, False)
+    """
+    if device_type in _ALWAYS_AVAILABLE or device_type == accelerator_type():
+        return True
+    return getattr(torch, device_type, None) is not None  # an extension's module
 
 
 @functools.cache
@@ -82,11 +152,12 @@ def parse_device(spec: object) -> torch.device:
             return torch.device(spec)
         except RuntimeError:
             msg = (
-                f"Expected a device such as {_EXAMPLES}, got {spec!r}. "
+                f"Expected a device such as {_EXAMPLES}, got {shown(spec)}. "
                 f"Available here: {_choices()}."
             )
             raise DeviceUnavailableError(msg) from None
-    if isinstance(spec, int) and not isinstance(spec, bool):
+    if isinstance(spec, int | numbers.Integral) and type(spec) is not bool:  # numpy's too
+        spec = int(spec)
         accelerator = _default_family()
         if accelerator == "cpu":
             msg = (
@@ -98,9 +169,10 @@ def parse_device(spec: object) -> torch.device:
             msg = f"Expected a device index of 0 or more, got {spec}. Available here: {_choices()}."
             raise DeviceUnavailableError(msg)
         return torch.device(accelerator, spec)
+    # bool is an int to Python, and False a 0, but never a device.
     msg = (
         f"Expected a device as a torch.device, a string such as {_EXAMPLES}, or an index, "
-        f"got {type(spec).__name__} {spec!r}."
+        f"got {type(spec).__name__} {shown(spec)}."
     )
     raise TypeError(msg)
 
@@ -110,7 +182,14 @@ def _check_available(device: torch.device, spec: object) -> torch.device:
         return torch.device(device.type)  # "cpu:0" and "cpu" are one device; tensors say "cpu"
     count = _device_count(device.type)
     if count is None:
-        # A family devicekit cannot count (xla, hpu, ...): trust the extension that registered it.
+        if not has_backend(device.type):
+            msg = (
+                f"Expected a device of a backend this PyTorch has, got {shown(spec)}: no "
+                f"{device.type} backend is loaded (an extension such as torch_xla registers "
+                f"one when imported). Available here: {_choices()}."
+            )
+            raise DeviceUnavailableError(msg)
+        # A family devicekit cannot count (hpu, ...): trust the extension that registered it.
         return device
     if count == 0:
         why = (
@@ -119,7 +198,8 @@ def _check_available(device: torch.device, spec: object) -> torch.device:
             else f"no {device.type} device is visible"
         )
         msg = (
-            f"Expected an available device, got {spec!r}, but {why}. Available here: {_choices()}."
+            f"Expected an available device, got {shown(spec)}, but {why}. "
+            f"Available here: {_choices()}."
         )
         raise DeviceUnavailableError(msg)
     index = cast("int | None", device.index)  # None for "cuda", whatever the stubs say
@@ -128,7 +208,7 @@ def _check_available(device: torch.device, spec: object) -> torch.device:
         return torch.device(device.type, index)
     if index >= count:
         msg = (
-            f"Expected a {device.type} index from 0 to {count - 1}, got {spec!r}. "
+            f"Expected a {device.type} index from 0 to {count - 1}, got {shown(spec)}. "
             f"Available here: {_choices()}."
         )
         raise DeviceUnavailableError(msg)
@@ -159,13 +239,17 @@ def resolve_device(spec: DeviceLike) -> torch.device:
         DeviceUnavailableError: The spec does not parse, or names a device this machine lacks.
         TypeError: The spec is neither a device, a string, nor an index.
     """
+    # Keyed by type too: 0, 0.0, False and numpy's 0 hash alike, and only the first
+    # names a device.
     try:
-        return _resolved[spec]
-    except (KeyError, TypeError):  # TypeError: an unhashable spec, reported by _parse below
+        return _resolved[type(spec), spec]
+    except (KeyError, TypeError):  # TypeError: an unhashable spec, reported below
         pass
     device = _check_available(parse_device(spec), spec)
     if isinstance(spec, int | str | torch.device) and (
         device.type in _ALWAYS_AVAILABLE or parse_device(spec).index is not None
     ):
-        _resolved[spec] = device
+        if len(_resolved) >= _SPECS_KEPT:
+            _resolved.clear()  # distinct specs made at run time must not pile up
+        _resolved[type(spec), spec] = device
     return device

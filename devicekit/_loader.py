@@ -1,20 +1,28 @@
 """DeviceDataLoader: batches arrive on the device, their copy hidden behind the last step.
 
-On an accelerator a loader iterates in three stages:
+On an accelerator a loader iterates as a pipeline:
 
-1. A background thread takes batches from the wrapped loader and pins them (page-locked
-   host memory is what lets a host->device copy run asynchronously), a bounded number
-   ahead, so the training thread never pays for pinning.
-2. The training thread issues each batch's copy on the loader's side stream, ``prefetch``
-   batches ahead, and records an event after each.
+1. Batches come from the wrapped loader, iterated once per epoch. Where devicekit must
+   pin them (the wrapped loader does not, and ``pin_memory`` is not False), a
+   background *feed* thread takes them and pins their large tensors, a bounded number
+   ahead, so the training thread never pays for pinning; small tensors need no pinning,
+   since they travel packed through a pinned staging buffer. Where the wrapped loader
+   pins, or nothing is to be pinned, there is no thread: the training thread takes
+   each batch itself, as a handwritten loop does.
+2. The training thread issues each batch's copy on the loader's side stream,
+   ``prefetch`` batches ahead, and records an event after each.
 3. Handing a batch over, the consumer's stream waits for that batch's event, so the
    batch is complete before any kernel reads it.
 
-Memory is never reused early, without ``record_stream``: at every hand-over the side
-stream first waits for an event recorded on the consumer's stream, and the loader makes
-all its side-stream allocations after that wait. Memory the consumer freed before asking
-for the next batch can therefore only be reused by copies queued after the consumer's
-last use of it.
+Memory is never reused early, without ``record_stream``: whenever the consumer comes
+back for a batch, the side stream first waits for all the work the consumer has queued,
+and the loader makes its side-stream allocations after that wait only. Memory the
+consumer freed can therefore only be reused by copies queued after its last use.
+
+Every stream and event operation sits behind one small seam, :class:`Prefetcher`, so
+that the pipeline's control flow (what is in flight, what ends an epoch, what an error
+or an early ``break`` leaves behind) runs and is tested on machines without an
+accelerator, with a stand-in for the seam.
 
 On the CPU, the ``meta`` device and any device without streams, batches move in line:
 there is nothing to overlap.
@@ -26,30 +34,61 @@ import collections
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar
+from typing import Any, Final, Generic, Literal, Protocol, TypeAlias, TypeVar
 
 import torch
 
-from devicekit._devices import DeviceLike, resolve_device
+from devicekit._devices import DeviceLike, resolve_device, streams_to
 from devicekit._manager import current_device
+from devicekit._packing import PACK_MAX_BYTES
 from devicekit._transfer import NonBlocking, _walker, to_device
 
-__all__ = ["DeviceDataLoader"]
+__all__ = ["DeviceDataLoader", "Prefetcher", "StreamPrefetcher"]
 
 B = TypeVar("B")
 PinMemory: TypeAlias = bool | Literal["auto"]
 
-_STREAM_DEVICE_TYPES: Final = frozenset({"cuda", "xpu"})
-# How often a blocked background thread looks up to see whether it was told to stop.
+# How often a background thread blocked on a full queue looks up to see whether it
+# was told to stop.
 _STOP_POLL_S: Final = 0.1
 
 
+class Prefetcher(Protocol):
+    """The seam between the loader's pipeline and an accelerator's streams and events.
+
+    The pipeline calls :meth:`start` for a batch ``prefetch`` batches before it is
+    needed, :meth:`hand_over` when the consumer asks for it, and :meth:`consumer_done`
+    each time the consumer comes back for the next one.
+    """
+
+    def pin(self, batch: Any) -> Any:
+        """The batch with the tensors worth pinning in page-locked memory (any thread)."""
+
+    def start(self, batch: Any) -> Any:
+        """Issue the batch's copy to the device without waiting; return a ticket for it."""
+
+    def hand_over(self, ticket: Any) -> Any:
+        """The moved batch of ``ticket``, safe for the consumer's stream to read."""
+
+    def consumer_done(self) -> None:
+        """Order later copies after everything the consumer has queued so far."""
+
+
 def _pin(batch: Any) -> Any:
-    """The batch with every host tensor in page-locked memory; aliases stay aliases."""
+    """The batch with every large host tensor in page-locked memory; aliases stay aliases.
+
+    Tensors of at most PACK_MAX_BYTES are left alone: they travel packed, through a
+    staging buffer that is pinned already, and pinning them first would copy them twice.
+    """
     pinned: dict[int, torch.Tensor] = {}
 
     def pin(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor) or leaf.device.type != "cpu" or leaf.is_pinned():
+        if (
+            not isinstance(leaf, torch.Tensor)
+            or not leaf.is_cpu
+            or leaf.nbytes <= PACK_MAX_BYTES
+            or leaf.is_pinned()
+        ):
             return leaf
         copy = pinned.get(id(leaf))
         if copy is None:
@@ -57,6 +96,36 @@ def _pin(batch: Any) -> Any:
         return copy
 
     return _walker.map(pin, batch)
+
+
+class StreamPrefetcher:
+    """The accelerator side of the pipeline: one side stream for the loader's whole life."""
+
+    def __init__(self, device: torch.device, non_blocking: NonBlocking) -> None:
+        self._device = device
+        self._non_blocking = non_blocking
+        self._stream = torch.Stream(device=device)
+
+    def pin(self, batch: Any) -> Any:
+        return _pin(batch)
+
+    def start(self, batch: Any) -> tuple[Any, torch.Event]:
+        with self._stream:
+            moved = to_device(batch, self._device, non_blocking=self._non_blocking)
+        return moved, self._stream.record_event()
+
+    def hand_over(self, ticket: tuple[Any, torch.Event]) -> Any:
+        moved, ready = ticket
+        torch.accelerator.current_stream(self._device).wait_event(ready)
+        return moved
+
+    def consumer_done(self) -> None:
+        self._stream.wait_stream(torch.accelerator.current_stream(self._device))
+
+
+PREFETCHERS: dict[str, Callable[[torch.device, NonBlocking], Prefetcher]] = {}
+"""Prefetchers by device type, besides the side streams of this build's accelerator
+(see ``streams_to``): the tests register a stand-in here."""
 
 
 class _Failure:
@@ -72,18 +141,20 @@ _DONE: Final = object()
 
 
 class _BackgroundFeed:
-    """Iterates ``source`` in a daemon thread, ``prepare``-ing up to ``depth`` items ahead.
+    """Iterates ``batches`` in a daemon thread, ``prepare``-ing up to ``depth`` items ahead.
 
     The consumer gets the items in order, then the source's exception (the same object,
-    with its traceback) if it raised. :meth:`close` stops the thread: it ends as soon as
-    the item it is waiting for arrives, and never blocks on a full queue.
+    with its traceback) if it raised; after either, the feed stays ended. :meth:`close`
+    stops the thread: it ends as soon as the item it is waiting for arrives, and never
+    blocks on a full queue. :meth:`join` waits for that.
     """
 
-    def __init__(self, source: Iterable[Any], prepare: Callable[[Any], Any], depth: int) -> None:
+    def __init__(self, batches: Iterator[Any], prepare: Callable[[Any], Any], depth: int) -> None:
         self._items: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
+        self._ended = False
         self._thread = threading.Thread(
-            target=self._run, args=(source, prepare), name="devicekit-feed", daemon=True
+            target=self._run, args=(batches, prepare), name="devicekit-feed", daemon=True
         )
         self._thread.start()
 
@@ -96,9 +167,9 @@ class _BackgroundFeed:
             return True
         return False
 
-    def _run(self, source: Iterable[Any], prepare: Callable[[Any], Any]) -> None:
+    def _run(self, batches: Iterator[Any], prepare: Callable[[Any], Any]) -> None:
         try:
-            for item in source:
+            for item in batches:
                 if not self._put(prepare(item)):
                     return
         except BaseException as error:  # every failure goes to the consumer
@@ -110,6 +181,8 @@ class _BackgroundFeed:
         return self
 
     def __next__(self) -> Any:
+        if self._ended:
+            raise StopIteration
         item = self._items.get()
         if item is _DONE:
             self.close()
@@ -120,15 +193,19 @@ class _BackgroundFeed:
         return item
 
     def close(self) -> None:
-        """Stop the thread and drop what it prepared; waits for it only briefly."""
+        """Tell the thread to stop and drop what it prepared; does not wait for it."""
+        self._ended = True
         self._stop.set()
         while True:
             try:
                 self._items.get_nowait()
             except queue.Empty:  # noqa: PERF203 - draining: the exception is how it ends
                 break
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the thread to end (after :meth:`close`, within one item's wait)."""
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=_STOP_POLL_S * 2)
+            self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
@@ -136,40 +213,44 @@ class _BackgroundFeed:
         return self._thread.is_alive()
 
 
-class _StreamCopier:
-    """Copies batches on one side stream ``prefetch`` ahead; hands them over safely."""
+def _prefetched(
+    batches: Iterator[Any],
+    prefetcher: Prefetcher,
+    depth: int,
+    finish: Callable[[Any], Any],
+) -> Iterator[Any]:
+    """The pipeline: copies ``depth`` batches ahead, hands them over in order.
 
-    def __init__(
-        self, stream: torch.Stream, device: torch.device, non_blocking: NonBlocking
-    ) -> None:
-        self._stream = stream
-        self._device = device
-        self._non_blocking = non_blocking
-        self._in_flight: collections.deque[tuple[Any, torch.Event]] = collections.deque()
+    An exception from the source or from starting a copy surfaces in its place, after
+    every batch before it; one from ``finish`` (the transform) surfaces at once.
+    """
+    in_flight: collections.deque[Any] = collections.deque()
+    failure: list[Exception] = []  # the source's: raised once the batches before it are out
+    ended = False
 
-    def __len__(self) -> int:
-        return len(self._in_flight)
+    def top_up() -> None:
+        nonlocal ended
+        while not ended and len(in_flight) < depth:
+            try:
+                in_flight.append(prefetcher.start(next(batches)))
+            except StopIteration:  # noqa: PERF203 - at most once an epoch: it ends the loop
+                ended = True
+            except Exception as error:  # re-raised below, unchanged, in its place
+                failure.append(error)
+                ended = True
 
-    def consumer_moved_on(self) -> None:
-        """Order the side stream after all the consumer queued so far (see the module doc)."""
-        used = torch.Event(device=self._device)
-        used.record(torch.accelerator.current_stream(self._device))
-        self._stream.wait_event(used)
-
-    def start_copy(self, batch: Any) -> None:
-        with self._stream:
-            moved = to_device(batch, self._device, non_blocking=self._non_blocking)
-        ready = torch.Event(device=self._device)
-        ready.record(self._stream)
-        self._in_flight.append((moved, ready))
-
-    def hand_over(self) -> Any:
-        moved, ready = self._in_flight.popleft()
-        torch.accelerator.current_stream(self._device).wait_event(ready)
-        return moved
-
-    def drop(self) -> None:
-        self._in_flight.clear()
+    # An epoch left early never came back for its last batch: order this epoch's first
+    # copies after whatever the consumer queued since, as every later resume does.
+    prefetcher.consumer_done()
+    top_up()
+    while in_flight:
+        batch = prefetcher.hand_over(in_flight.popleft())
+        top_up()  # the next copies run while the consumer's step does
+        yield finish(batch)
+        del batch
+        prefetcher.consumer_done()
+    if failure:
+        raise failure[0]
 
 
 class DeviceDataLoader(Generic[B]):
@@ -203,8 +284,10 @@ class DeviceDataLoader(Generic[B]):
             example normalisation); its result is what the loop gets.
 
     Raises:
-        ValueError: ``prefetch`` is negative or ``pin_memory`` is not True, False or "auto".
-        TypeError: ``loader`` is neither iterable nor a function.
+        ValueError: ``prefetch`` is negative, or ``pin_memory`` or ``non_blocking`` is
+            not True, False or "auto".
+        TypeError: ``loader`` is neither iterable nor a function, or ``transform`` is
+            not a function.
     """
 
     def __init__(
@@ -223,6 +306,15 @@ class DeviceDataLoader(Generic[B]):
         if pin_memory not in ("auto", True, False):
             msg = f"Expected pin_memory to be 'auto', True or False, got {pin_memory!r}."
             raise ValueError(msg)
+        if non_blocking not in ("auto", True, False) or type(non_blocking) not in (str, bool):
+            msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
+            raise ValueError(msg)
+        if transform is not None and not callable(transform):  # for untyped callers
+            msg = (  # type: ignore[unreachable]
+                "Expected transform to be a function of a batch (or None), got "
+                f"{type(transform).__name__} {transform!r}."
+            )
+            raise TypeError(msg)
         if not isinstance(loader, Iterable) and not callable(loader):  # for untyped callers
             msg = (  # type: ignore[unreachable]
                 "Expected a loader to wrap: a DataLoader, a list or another re-iterable, or a "
@@ -235,9 +327,11 @@ class DeviceDataLoader(Generic[B]):
         self._prefetch = prefetch
         self._non_blocking = non_blocking
         self._transform = transform
-        # One side stream per device this loader feeds, for its whole life, made on first use.
-        self._streams: dict[torch.device, torch.Stream] = {}
-        self._one_shot_used = False
+        # One prefetcher (one side stream) per device this loader feeds, for its whole
+        # life, made on first use.
+        self._prefetchers: dict[torch.device, Prefetcher] = {}
+        self._one_shot: Literal["fresh", "started", "used up"] = "fresh"
+        self._feed: _BackgroundFeed | None = None  # the last epoch's, until its thread ends
 
     # What the wrapped loader knows.
 
@@ -303,21 +397,35 @@ class DeviceDataLoader(Generic[B]):
 
     # Iteration.
 
-    def _source(self) -> Iterable[Any]:
-        if isinstance(self.loader, Iterable):
-            source: Iterable[Any] = self.loader
-        else:
-            source = self.loader()
-        if iter(source) is source:  # a one-shot iterator: a second epoch would be empty
-            if self._one_shot_used:
+    def _batches(self) -> Iterator[Any]:
+        """This epoch's iterator over the wrapped loader, made with one ``iter()`` call.
+
+        A DataLoader starts its workers on ``iter()``, so it is called exactly once per
+        epoch; an iterator that returns itself is a one-shot source, good for one epoch.
+        """
+        source = self.loader if isinstance(self.loader, Iterable) else self.loader()
+        batches = iter(source)
+        if batches is source and isinstance(self.loader, Iterable):
+            if self._one_shot != "fresh":
+                how = (
+                    "is used up"
+                    if self._one_shot == "used up"
+                    else "an earlier epoch already started and left early (a loader that "
+                    "copies ahead cannot go on where that epoch stopped)"
+                )
                 msg = (
-                    f"Expected a re-iterable loader for a second epoch, but the wrapped "
-                    f"{type(source).__name__} is an iterator that is used up. Wrap a list, a "
+                    f"Expected a re-iterable loader for another epoch, but the wrapped "
+                    f"{type(source).__name__} is an iterator that {how}. Wrap a list, a "
                     "DataLoader, or a function that returns a new iterable each epoch."
                 )
                 raise TypeError(msg)
-            self._one_shot_used = isinstance(self.loader, Iterable)
-        return source
+            self._one_shot = "started"
+            return self._noting_the_end(batches)
+        return batches
+
+    def _noting_the_end(self, batches: Iterator[Any]) -> Iterator[Any]:
+        yield from batches
+        self._one_shot = "used up"
 
     def _pins(self) -> bool:
         if self._pin_memory != "auto":
@@ -326,63 +434,44 @@ class DeviceDataLoader(Generic[B]):
 
     def __iter__(self) -> Iterator[B]:
         device = current_device() if self._device is None else self._device
-        source = self._source()
-        if self._prefetch == 0 or device.type not in _STREAM_DEVICE_TYPES:
-            return self._in_line(source, device)
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.Stream(device=device)
-        return self._ahead(source, device, stream)
+        if self._feed is not None:
+            # The last epoch's feed may still be inside the source's next() after an early
+            # break; a DataLoader with persistent workers reuses its iterator, so the
+            # thread must be out of it before iter() resets it.
+            self._feed.join()
+            self._feed = None
+        make_prefetcher = PREFETCHERS.get(device.type) or (
+            StreamPrefetcher if streams_to(device) else None
+        )
+        if self._prefetch == 0 or make_prefetcher is None:
+            return self._in_line(self._batches(), device)
+        prefetcher = self._prefetchers.get(device)
+        if prefetcher is None:
+            prefetcher = self._prefetchers[device] = make_prefetcher(device, self._non_blocking)
+        return self._ahead(self._batches(), prefetcher)
 
     def _finish(self, batch: Any) -> Any:
         return batch if self._transform is None else self._transform(batch)
 
-    def _in_line(self, source: Iterable[Any], device: torch.device) -> Iterator[B]:
+    def _in_line(self, batches: Iterator[Any], device: torch.device) -> Iterator[B]:
         # The usual case gets a loop with nothing in it but the move: a call or a keyword
         # argument per batch is a measurable share of moving a small batch.
         if self._transform is None and self._non_blocking == "auto":
-            for batch in source:
+            for batch in batches:
                 yield to_device(batch, device)
             return
         non_blocking = self._non_blocking
-        for batch in source:
+        for batch in batches:
             yield self._finish(to_device(batch, device, non_blocking=non_blocking))
 
-    def _ahead(
-        self, source: Iterable[Any], device: torch.device, stream: torch.Stream
-    ) -> Iterator[B]:
-        prepare = _pin if self._pins() else _unchanged
-        feed = _BackgroundFeed(source, prepare, depth=self._prefetch)
-        copier = _StreamCopier(stream, device, self._non_blocking)
-
-        failure: list[Exception] = []  # raised by the source: surfaces in its place
-
-        def top_up() -> None:
-            while not failure and len(copier) < self._prefetch:
-                try:
-                    batch = next(feed, _DONE)
-                except Exception as error:  # re-raised below, unchanged, in its place
-                    failure.append(error)
-                    return
-                if batch is _DONE:
-                    return
-                copier.start_copy(batch)
-
+    def _ahead(self, batches: Iterator[Any], prefetcher: Prefetcher) -> Iterator[B]:
+        feed = None
+        if self._pins():
+            feed = self._feed = _BackgroundFeed(batches, prefetcher.pin, self._prefetch)
+            batches = feed
         try:
-            top_up()
-            while len(copier):
-                batch = copier.hand_over()
-                top_up()  # the next copies run while the consumer's step does
-                yield self._finish(batch)
-                del batch
-                copier.consumer_moved_on()
-            if failure:
-                raise failure[0]
+            yield from _prefetched(batches, prefetcher, self._prefetch, self._finish)
         finally:
             # The end, an error, or a loop left early: the thread stops, the prefetched go.
-            feed.close()
-            copier.drop()
-
-
-def _unchanged(batch: Any) -> Any:
-    return batch
+            if feed is not None:
+                feed.close()

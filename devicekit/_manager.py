@@ -12,7 +12,6 @@ import functools
 import os
 import re
 import threading
-import warnings
 from collections.abc import Sequence
 from contextvars import ContextVar
 from types import TracebackType
@@ -21,8 +20,9 @@ from typing import Any, Literal, TypeAlias, cast
 import torch
 
 from devicekit._backends import Backend, DeviceInfo, builtin_backends, cuda_started
-from devicekit._devices import DeviceLike, parse_device
+from devicekit._devices import DeviceLike, has_backend, parse_device, shown
 from devicekit._errors import DeviceUnavailableError
+from devicekit._warnings import warn
 
 __all__ = ["DeviceManager", "Fallback", "Policy", "current_device", "parse_bytes"]
 
@@ -38,9 +38,14 @@ _HOST_TYPES = ("cpu", "meta")
 # have a few megabytes more free, while a busy cuda:0 is passed over.
 _AUTO_FREE_TOLERANCE = 0.05
 
-_active: ContextVar[tuple[torch.device, ...]] = ContextVar("devicekit_active", default=())
+# The `with manager:` blocks open in this thread or task, innermost last: each entry is
+# (the manager, its device), so a manager leaving removes its own entry, not the last.
+_active: ContextVar[tuple[tuple[object, torch.device], ...]] = ContextVar(
+    "devicekit_active", default=()
+)
 _fallback_warned = threading.Event()  # the CPU fallback warns once per process
 
+_MOST_BYTES = 1e24  # a yottabyte: no device comes near
 _UNITS = {
     "": 1,
     "b": 1,
@@ -53,7 +58,9 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+# One run of spaces only, inside: the string is stripped first, since two optional runs
+# side by side make a regex backtrack quadratically on a long run of spaces.
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)", re.IGNORECASE)
 
 
 def parse_bytes(size: int | str) -> int:
@@ -67,14 +74,21 @@ def parse_bytes(size: int | str) -> int:
     """
     if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
         return size
-    match = _SIZE.fullmatch(size) if isinstance(size, str) else None
+    match = _SIZE.fullmatch(size.strip()) if isinstance(size, str) else None
     if match is None or match.group(2).lower() not in _UNITS:
         msg = (
             "Expected min_free_memory as a number of bytes or a size such as '8GiB', "
-            f"'500MB' or '1.5 GB', got {size!r}."
+            f"'500MB' or '1.5 GB', got {shown(size)}."
         )
         raise ValueError(msg)
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    nbytes = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not nbytes < _MOST_BYTES:  # inf, where the digits outrun a float, included
+        msg = (
+            f"Expected min_free_memory as a size a device can have, got {shown(size)}: "
+            "more than a yottabyte."
+        )
+        raise ValueError(msg)
+    return int(nbytes)
 
 
 def _size(nbytes: int) -> str:
@@ -93,17 +107,45 @@ def describe(info: DeviceInfo) -> str:
     return f"{parts[0]} {', '.join(parts[1:])}"
 
 
+# The variables that give a process its own devices, by device type.
+_VISIBILITY_VARIABLES = {
+    "cuda": ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"),
+    "xpu": ("ZE_AFFINITY_MASK",),
+}
+
+
+def _visibility_set(device_type: str) -> bool:
+    """Whether this process was given its own devices (CUDA_VISIBLE_DEVICES and the like)."""
+    return any(os.environ.get(name) for name in _VISIBILITY_VARIABLES.get(device_type, ()))
+
+
+def _processes(count: int) -> str:
+    return "1 process" if count == 1 else f"{count} processes"
+
+
+def _local_world_size() -> int | None:
+    """Torchrun's LOCAL_WORLD_SIZE, the processes on this node; None where unset or odd."""
+    return _whole_number(os.environ.get("LOCAL_WORLD_SIZE", ""))
+
+
+def _whole_number(value: str) -> int | None:
+    """``value`` as a small whole number (ASCII digits, as launchers write them), or None."""
+    value = value.strip()
+    return int(value) if value.isascii() and value.isdecimal() and len(value) <= 9 else None
+
+
 def _local_rank() -> int | None:
     value = os.environ.get("LOCAL_RANK")
     if value is None:
         return None
-    if not value.strip().isdigit():
+    rank = _whole_number(value)
+    if rank is None:
         msg = (
             "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, "
-            f"got {value!r}."
+            f"got {shown(value)}."
         )
         raise ValueError(msg)
-    return int(value)
+    return rank
 
 
 class DeviceManager:
@@ -161,8 +203,16 @@ class DeviceManager:
             msg = f"Expected fallback to be one of {_FALLBACKS}, got {fallback!r}."
             raise ValueError(msg)
         self._backends = list(builtin_backends() if backends is None else backends)
+        for backend in self._backends:
+            if not isinstance(backend, Backend):  # for untyped callers
+                msg = (  # type: ignore[unreachable]
+                    "Expected backends with a name, a device_type and devices() (the "
+                    f"devicekit.Backend protocol), got {type(backend).__name__} "
+                    f"{shown(backend)}."
+                )
+                raise TypeError(msg)
         known = {*_FAMILIES, *(b.name for b in self._backends)}
-        if isinstance(prefer, str) or not all(name in known for name in prefer):
+        if isinstance(prefer, str) or not prefer or not all(name in known for name in prefer):
             msg = (
                 f"Expected prefer to list device families among {sorted(known)}, in order "
                 f"of preference, got {prefer!r}."
@@ -192,7 +242,8 @@ class DeviceManager:
         >>> del os.environ["DEVICEKIT_DEVICE"]
 
         Args:
-            **options: Keyword arguments of the constructor (not ``device``).
+            **options: Keyword arguments of the constructor; a ``device`` given here is
+                used where ``DEVICEKIT_DEVICE`` is not set.
 
         Returns:
             The manager.
@@ -203,10 +254,14 @@ class DeviceManager:
         """
         spec = os.environ.get("DEVICEKIT_DEVICE", "").strip()
         if spec:
+            index = _whole_number(spec)
+            # The variable wins over a device= given here, as an environment setting
+            # overrides a program's default.
+            options.pop("device", None)
             try:
-                manager = cls(int(spec) if spec.isdigit() else spec, **options)
+                manager = cls(spec if index is None else index, **options)
             except DeviceUnavailableError as err:
-                msg = f"DEVICEKIT_DEVICE={spec!r} cannot be used: {err}"
+                msg = f"DEVICEKIT_DEVICE={shown(spec)} cannot be used: {err}"
                 raise DeviceUnavailableError(msg) from None
             manager._reason = "DEVICEKIT_DEVICE asks for it"
             return manager
@@ -256,7 +311,7 @@ class DeviceManager:
         return f"DeviceManager(device={self._device!r})"
 
     def __enter__(self) -> DeviceManager:
-        _active.set((*_active.get(), self._device))
+        _active.set((*_active.get(), (self, self._device)))
         return self
 
     def __exit__(
@@ -265,7 +320,11 @@ class DeviceManager:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        _active.set(_active.get()[:-1])
+        active = _active.get()
+        for position in range(len(active) - 1, -1, -1):
+            if active[position][0] is self:
+                _active.set(active[:position] + active[position + 1 :])
+                return
 
     # Selection.
 
@@ -292,8 +351,10 @@ class DeviceManager:
             return self._explicit(device)
         if policy == "local-rank" or (policy == "auto" and _local_rank() is not None):
             return self._by_local_rank()
-        for name in self._prefer:
+        for position, name in enumerate(self._prefer):
             if name == "cpu":
+                if position == 0:  # asked for before any accelerator: no fallback
+                    return torch.device("cpu"), "prefer puts the CPU first"
                 return self._fall_back()
             found = self._family(name)
             usable = [info for info in found if self._has_room(info)]
@@ -316,6 +377,13 @@ class DeviceManager:
             return torch.device(device.type), f"asked for {device.type}"
         found = [info for info in self._devices if info.device.type == device.type]
         if not found and not any(b.device_type == device.type for b in self._backends):
+            if not has_backend(device.type):
+                msg = (
+                    f"Expected a device of a backend this PyTorch has, got {shown(str(spec))}: "
+                    f"no {device.type} backend is loaded (an extension such as torch_xla "
+                    f"registers one when imported). Devices here: {self._seen()}."
+                )
+                raise DeviceUnavailableError(msg)
             return device, f"asked for {device}, a device type devicekit cannot check"
         index = cast("int | None", device.index)  # None for "cuda", whatever the stubs say
         if index is None:
@@ -323,7 +391,7 @@ class DeviceManager:
         match = next((info for info in found if info.index == index), None)
         if match is None:
             choices = ", ".join(repr(str(info.device)) for info in self._devices)
-            msg = f"Expected one of {choices} (the devices here), got {str(spec)!r}."
+            msg = f"Expected one of {choices} (the devices here), got {shown(str(spec))}."
             raise DeviceUnavailableError(msg)
         return match.device, f"asked for {spec}"
 
@@ -332,11 +400,32 @@ class DeviceManager:
             return True
         if info.free_memory >= self._min_free:
             return True
+        of = f" of {_size(info.total_memory)}" if info.total_memory is not None else ""
         self._skipped.append(
-            f"{info.device}: {_size(info.free_memory)} free, under min_free_memory "
-            f"{_size(self._min_free)}"
+            f"{info.device}: {_size(info.free_memory)} free{of}, less than the "
+            f"{_size(self._min_free)} min_free_memory asks"
         )
         return False
+
+    def _passed_over(self) -> list[str]:
+        """Why each accelerator family or device was not chosen, a sentence each."""
+        reasons = [f"Passed over {skipped}." for skipped in self._skipped]
+        for backend in self._backends:
+            if backend.device_type == "cpu":
+                continue
+            found = self._found[id(backend)]
+            wanted = backend.name in self._prefer or backend.device_type in self._prefer
+            if not found and wanted:
+                note = getattr(backend, "note", None)
+                reasons.append(
+                    f"No {backend.name} device is visible" + (f" ({note})" if note else "") + "."
+                )
+            elif found and not wanted:
+                devices = ", ".join(str(info.device) for info in found)
+                reasons.append(
+                    f"Passed over {devices}: {backend.name} is not among prefer {self._prefer}."
+                )
+        return reasons
 
     def _by_memory(self, usable: list[DeviceInfo], *, strict: bool) -> tuple[torch.device, str]:
         if any(info.free_memory is None for info in usable):
@@ -361,14 +450,28 @@ class DeviceManager:
         if family is None:
             return self._fall_back(f"LOCAL_RANK={rank}, but no accelerator was found")
         name, found = family
-        if len(found) == 1:
+        device_type = found[0].device.type
+        split = _visibility_set(device_type)
+        ranks = _local_world_size()
+        if not split and ranks is not None and ranks > len(found):
+            msg = (
+                f"Expected at most {_processes(len(found))} on this node, one per {name} "
+                f"device, but LOCAL_WORLD_SIZE={ranks}: ranks would share a device, which NCCL "
+                f"refuses ('Duplicate GPU detected'). Start {len(found)} per node "
+                f"(torchrun --nproc_per_node={len(found)}), or give each process its own "
+                f"{_VISIBILITY_VARIABLES.get(device_type, ('CUDA_VISIBLE_DEVICES',))[0]}."
+            )
+            raise DeviceUnavailableError(msg)
+        if len(found) == 1 and (split or rank == 0):
             # One visible device per process: the launcher already split them.
             return found[0].device, f"LOCAL_RANK={rank}, and this process sees one {name} device"
         if rank >= len(found):
             msg = (
-                f"Expected LOCAL_RANK to be below the {len(found)} {name} devices this "
-                f"process sees, got {rank}: start at most {len(found)} processes per node, "
-                "or give each its own CUDA_VISIBLE_DEVICES."
+                f"Expected LOCAL_RANK to be below the number of {name} devices this process "
+                f"sees ({len(found)}), got {rank}: ranks would share a device, which NCCL "
+                f"refuses ('Duplicate GPU detected'). Start at most {_processes(len(found))} per "
+                f"node (torchrun --nproc_per_node={len(found)}), or give each process its own "
+                f"{_VISIBILITY_VARIABLES.get(device_type, ('CUDA_VISIBLE_DEVICES',))[0]}."
             )
             raise DeviceUnavailableError(msg)
         chosen = found[rank]
@@ -383,20 +486,19 @@ class DeviceManager:
             return torch.device("cpu"), "prefer asks for the CPU"
         looked = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
         why = why or f"no {looked} device is usable"
+        reasons = " ".join(self._passed_over())
         if self._fallback == "error":
-            msg = f"Expected a {looked} device, but {why}. Devices here: {self._seen()}."
-            notes = [getattr(b, "note", None) for b in self._backends]
-            if any(notes):
-                msg += " " + "; ".join(f"{n}." for n in notes if n)
+            msg = f"Expected a usable {looked} device, but {why}. {reasons}".rstrip()
+            msg += f" Devices here: {self._seen()}."
             raise DeviceUnavailableError(msg)
         if not _fallback_warned.is_set():
             _fallback_warned.set()
             msg = (
-                f"devicekit found no usable accelerator ({why}), so it uses the CPU. "
-                "DeviceManager(...).explain() says what it saw; fallback='error' makes this "
-                "an error, and prefer=('cpu',) chooses the CPU without this warning."
-            )
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+                f"devicekit uses the CPU: {why}. {reasons} DeviceManager(...).explain() says "
+                "what it saw; fallback='error' makes this an error, and prefer=('cpu',) "
+                "chooses the CPU without this warning."
+            ).replace(".  ", ". ")
+            warn(msg, RuntimeWarning)
         return torch.device("cpu"), f"{why}, so the CPU is the fallback"
 
 
@@ -422,5 +524,5 @@ def current_device() -> torch.device:
     """
     active = _active.get()
     if active:
-        return active[-1]
+        return active[-1][1]
     return _process_default().device

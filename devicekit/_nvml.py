@@ -85,7 +85,7 @@ def _read_mig(nvml: Any, handle: Any, parent: NvmlGpu) -> tuple[NvmlGpu, ...]:
 def read_nvml() -> list[NvmlGpu] | None:
     """Every GPU NVML sees, in NVML's (PCI bus) order; None where NVML cannot be read.
 
-    Needs the ``nvidia-ml-py`` package (``pip install devicekit[nvml]``) and an NVIDIA
+    Needs the ``nvidia-ml-py`` package (the ``nvml`` extra) and an NVIDIA
     driver. Creates no CUDA context.
     """
     try:

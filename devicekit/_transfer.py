@@ -7,18 +7,29 @@ each leaf. Per-type decisions (is this registered? does its ``.to()`` take
 
 from __future__ import annotations
 
+import abc
+import contextlib
+import enum
 import inspect
-from collections.abc import Callable, Mapping
+import threading
+from collections import UserDict
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import torch
 
+from devicekit import _packing
 from devicekit._devices import DeviceLike, resolve_device
 from devicekit._manager import current_device
-from devicekit._staging import PACKABLE_DEVICE_TYPES, is_packable, packed_copy
-from devicekit._tree import LeafError, Walker
+from devicekit._tree import TYPES_KEPT, LeafError, Node, Walker, container_node
 
-__all__ = ["NonBlocking", "TransferRule", "register_transfer", "to_device"]
+__all__ = [
+    "NonBlocking",
+    "TransferRule",
+    "register_transfer",
+    "to_device",
+    "unregister_transfer",
+]
 
 T = TypeVar("T")
 C = TypeVar("C", bound=Callable[..., Any])
@@ -29,7 +40,26 @@ NonBlocking: TypeAlias = bool | Literal["auto"]
 # Devices whose copies are no-ops or synchronous by nature: no stream to wait on.
 _HOST_DEVICE_TYPES = frozenset({"cpu", "meta"})
 # Leaves that hold no data to move; strict=True accepts them.
-_SCALAR_TYPES = (type(None), bool, int, float, complex, str, bytes)
+# Plain values, left as they are, strict or not: scalars, and the settings a batch or a
+# config carries beside its tensors.
+_SCALAR_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    range,
+    slice,
+    type(Ellipsis),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+_SCALAR_TYPE_SET = frozenset(_SCALAR_TYPES)
+_FLAT_TYPES = frozenset({dict, list, tuple})
 # The options a registered rule or a .to() method may be handed, in to_device's order.
 _OPTION_NAMES = ("non_blocking", "dtype", "copy", "memory_format")
 
@@ -46,27 +76,60 @@ class TransferRule(Protocol):
 
 
 _rules: dict[type, TransferRule] = {}
+_rules_lock = threading.Lock()  # registering while other threads move data
 _Tensor = torch.Tensor  # one global lookup on the hot path instead of two
+_is_compiling = torch.compiler.is_compiling  # likewise; torch.compile knows the function
 _CPU = torch.device("cpu")
+
+
+def _rule_for(cls: type) -> TransferRule | None:
+    """The registered rule that applies to ``cls``, if any.
+
+    The nearest class in its MRO that has a rule wins; then abstract base classes with
+    rules, in the order registered, for the classes they recognise without inheritance
+    (``collections.abc.Sequence`` covers ``list``).
+    """
+    for klass in cls.__mro__:
+        rule = _rules.get(klass)
+        if rule is not None:
+            return rule
+    for base, rule in list(_rules.items()):
+        metaclass: type = type(base)
+        if issubclass(metaclass, abc.ABCMeta) and issubclass(cls, base):
+            return rule
+    return None
 
 
 def _has_own_rule(cls: type) -> bool:
     # Mappings are rebuilt item by item even when they have .to(): BatchEncoding.to,
     # for one, moves its input in place instead of returning a moved copy.
-    registered = any(klass in _rules for klass in cls.__mro__)
+    registered = _rule_for(cls) is not None
     to_method = not issubclass(cls, Mapping) and callable(getattr(cls, "to", None))
     return registered or to_method
 
 
-# Plain scalars are left as they are, strict or not: the walk passes them through.
+# Plain scalars are left as they are, strict or not: the walk passes them through,
+# unless a rule is registered for their type.
 _walker = Walker(_has_own_rule, inert_types=_SCALAR_TYPES)
+_scalar_types = _SCALAR_TYPE_SET  # the scalars without a registered rule
+
+
+def _forget_decisions() -> None:
+    """Drop every per-type decision: a rule was registered or removed."""
+    global _scalar_types  # noqa: PLW0603 - the one place that rebinds it
+    _walker.forget_types()
+    _leaf_rules.clear()
+    _scalar_types = frozenset(cls for cls in _SCALAR_TYPES if _rule_for(cls) is None)
 
 
 def register_transfer(cls: type) -> Callable[[C], C]:
-    """Register how :func:`to_device` moves instances of ``cls`` (and its subclasses).
+    """Register how :func:`to_device` moves instances of ``cls``.
 
     A registered rule wins over the type's ``.to()`` method and over the container
-    rules, so it also serves containers that must not be rebuilt item by item.
+    rules, so it also serves containers that must not be rebuilt item by item. It
+    applies to ``cls`` and its subclasses, the nearest registered class in a type's MRO
+    winning; a rule for an abstract base class applies to every class it recognises
+    (one for ``collections.abc.Sequence`` takes lists too).
 
     >>> import dataclasses, torch, devicekit as dk
     >>> @dataclasses.dataclass
@@ -78,6 +141,7 @@ def register_transfer(cls: type) -> Callable[[C], C]:
     ...     return Boxes(boxes.xyxy.to(device), boxes.image_size)
     >>> dk.to_device(Boxes(torch.zeros(1, 4), (32, 32)), "meta").xyxy.device
     device(type='meta')
+    >>> dk.unregister_transfer(Boxes)
 
     Args:
         cls: The type whose instances the decorated function moves.
@@ -87,8 +151,10 @@ def register_transfer(cls: type) -> Callable[[C], C]:
         unchanged. ``options`` are ``non_blocking``, ``dtype``, ``copy`` and ``memory_format``.
 
     Raises:
-        TypeError: ``cls`` is not a class, or is :class:`torch.Tensor` itself, whose move
-            is built in.
+        TypeError: ``cls`` is not a class, is :class:`torch.Tensor` (moved by to_device
+            itself) or ``object`` (whose rule would take every leaf); or what is
+            decorated is not callable.
+        ValueError: ``cls`` has a rule already; :func:`unregister_transfer` removes it.
     """
     if not isinstance(cls, type):  # for callers without a type checker
         msg = f"Expected a class to register a transfer rule for, got {type(cls).__name__} {cls!r}."  # type: ignore[unreachable]
@@ -99,15 +165,54 @@ def register_transfer(cls: type) -> Callable[[C], C]:
             "Register a tensor subclass instead."
         )
         raise TypeError(msg)
+    if cls is object:
+        msg = (
+            "Expected a type narrower than object: a rule for object would take every leaf "
+            "and every container of every batch. Register the types you mean."
+        )
+        raise TypeError(msg)
 
     def decorator(fn: C) -> C:
-        _rules[cls] = fn
-        # Rules are looked up once per type and cached: a new rule invalidates both caches.
-        _walker.forget_types()
-        _leaf_rules.clear()
+        if not callable(fn):  # for callers without a type checker
+            msg = (  # type: ignore[unreachable]
+                f"Expected a function fn(obj, device, **options) to register for "
+                f"{cls.__name__}, got {type(fn).__name__} {fn!r}."
+            )
+            raise TypeError(msg)
+        with _rules_lock:
+            existing = _rules.get(cls)
+            if existing is not None:
+                name = f"{existing.__module__}.{getattr(existing, '__qualname__', existing)}"
+                msg = (
+                    f"{cls.__name__} already has a transfer rule ({name}); call "
+                    f"devicekit.unregister_transfer({cls.__name__}) first to replace it."
+                )
+                raise ValueError(msg)
+            _rules[cls] = fn
+            _forget_decisions()
         return fn
 
     return decorator
+
+
+def unregister_transfer(cls: type) -> None:
+    """Remove the rule :func:`register_transfer` registered for ``cls``.
+
+    >>> import devicekit as dk
+    >>> @dk.register_transfer(complex)
+    ... def move_complex(value, device, **options):
+    ...     return value
+    >>> dk.unregister_transfer(complex)
+
+    Raises:
+        KeyError: ``cls`` has no rule registered.
+    """
+    with _rules_lock:
+        if cls not in _rules:
+            msg = f"{getattr(cls, '__name__', cls)} has no transfer rule to unregister."
+            raise KeyError(msg)
+        del _rules[cls]
+        _forget_decisions()
 
 
 class _Plan:
@@ -116,9 +221,18 @@ class _Plan:
     Reading ``device.type`` costs a third of a microsecond, and a call that moves a
     small batch takes a few: every flag the walk consults is derived here, and plans
     are cached, so a call only looks its plan up.
+
+    There is one rule for ``non_blocking``, :meth:`_Transfer.tensor_non_blocking`:
+    under ``"auto"``, copies to an accelerator are asynchronous; copies from one to the
+    host, and MPS copies, are asynchronous and waited for once. The flags below only
+    pick the fast path that rule leads to: ``plain`` (one blocking ``.to()``: host
+    targets), ``async_host_to_accelerator`` (one ``non_blocking`` ``.to()``), and
+    ``opaque_non_blocking``, what objects that move themselves are told, since
+    devicekit cannot wait for their copies.
     """
 
     __slots__ = (
+        "async_host_to_accelerator",
         "copy",
         "device",
         "device_is_cpu",
@@ -129,6 +243,7 @@ class _Plan:
         "non_blocking",
         "opaque_non_blocking",
         "packs",
+        "pins",
         "plain",
         "rule_options",
         "strict",
@@ -147,13 +262,14 @@ class _Plan:
         strict: bool,
     ) -> None:
         kind = device.type
+        simulated = kind in _simulated_accelerators
         self.device = device
         self.non_blocking = non_blocking
         self.dtype = dtype
         self.copy = copy
         self.memory_format = None if memory_format is torch.preserve_format else memory_format
         self.strict = strict
-        self.to_accelerator = kind not in _HOST_DEVICE_TYPES
+        self.to_accelerator = kind not in _HOST_DEVICE_TYPES or simulated
         self.device_is_cpu = kind == "cpu"
         self.device_is_meta = kind == "meta"
         self.device_is_mps = kind == "mps"
@@ -163,14 +279,26 @@ class _Plan:
         # "auto" a cpu target is not plain: host tensors are already there (the hot path
         # returns them first), and the rest come from accelerators, whose copies are
         # issued asynchronously and waited for once.
-        self.plain = non_blocking is False or (non_blocking == "auto" and self.device_is_meta)
-        self.packs = kind in PACKABLE_DEVICE_TYPES and self.memory_format is None
+        self.plain = non_blocking is False or (
+            non_blocking == "auto" and self.device_is_meta and not simulated
+        )
+        self.packs = (
+            _packing.packs_to(device) or (simulated and _packing.can_pack)
+        ) and self.memory_format is None
+        self.pins = not simulated
         # For objects that move themselves, whose copies devicekit cannot wait for:
         # asynchronous only where reading the result is ordered after the copy anyway.
         self.opaque_non_blocking = (
             self.to_accelerator and not self.device_is_mps
             if non_blocking == "auto"
             else bool(non_blocking)
+        )
+        # The usual accelerator call: host tensors go with a plain non_blocking copy.
+        self.async_host_to_accelerator = (
+            self.trivial
+            and self.to_accelerator
+            and not self.device_is_mps
+            and non_blocking in ("auto", True)
         )
         self.rule_options = {
             "non_blocking": self.opaque_non_blocking,
@@ -180,8 +308,29 @@ class _Plan:
         }
 
 
-_plans: dict[tuple[object, ...], _Plan] = {}
-_default_plans: dict[torch.device, _Plan] = {}  # all options at their defaults: the usual call
+_plans: dict[object, _Plan] = {}
+_PLANS_KEPT = 256  # bounded: option values seen at run time must not pile up
+
+
+_simulated_accelerators: set[str] = set()
+
+
+@contextlib.contextmanager
+def as_accelerator(device_type: str) -> Iterator[None]:
+    """Move data to ``device_type`` (``"meta"``) as to an accelerator, packing included.
+
+    Everything to_device does on the host for an accelerator (the walk, the packing
+    decision, grouping, gathering into staging, making the pieces, asynchronous
+    copies) then runs on machines without one, with the staging buffer in ordinary
+    memory: the tests and the host-side benchmark use it.
+    """
+    _simulated_accelerators.add(device_type)
+    _plans.clear()
+    try:
+        yield
+    finally:
+        _simulated_accelerators.discard(device_type)
+        _plans.clear()
 
 
 class _Transfer:
@@ -189,9 +338,13 @@ class _Transfer:
 
     __slots__ = ("memo", "moved_ids", "plan", "remember", "wait_for")
 
-    def __init__(self, plan: _Plan, *, remember: bool = False) -> None:
+    def __init__(
+        self, plan: _Plan, *, remember: bool = False, memo: dict[int, Any] | None = None
+    ) -> None:
         self.plan = plan
-        self.memo: dict[int, torch.Tensor] = {}
+        # id -> result, for tensors found twice and for every object moved by a rule,
+        # a .to() or in place: each is moved once, however often the data holds it.
+        self.memo: dict[int, Any] = {} if memo is None else memo
         self.wait_for: set[torch.device] = set()
         # remember=True: look every tensor up in the memo. False: the optimistic path,
         # which only notes the ids of what it moved (see leaf_function).
@@ -207,6 +360,8 @@ class _Transfer:
         plan = self.plan
         if not plan.trivial or self.remember:
             return self.leaf
+        if plan.async_host_to_accelerator:
+            return self._host_to_accelerator()
         device, moved_ids, plain = plan.device, self.moved_ids, plan.plain
         # `obj.device` builds a torch.device each time; for the host targets a flag says
         # the same thing at a third of the cost.
@@ -238,12 +393,35 @@ class _Transfer:
 
         return move
 
+    def _host_to_accelerator(self) -> Callable[[Any], Any]:
+        """The leaf function of the usual accelerator call: host tensors copied async.
+
+        Host tensors are all a batch usually holds, and they need no check beyond
+        ``is_cpu``: nothing to wait for, nothing already there. Anything else takes the
+        general path.
+        """
+        device, moved_ids, leaf = self.plan.device, self.moved_ids, self.leaf
+
+        def move(obj: Any) -> Any:
+            if type(obj) is _Tensor and obj.is_cpu:
+                moved_ids.append(id(obj))  # optimistic about aliasing, as in leaf_function
+                return obj.to(device, non_blocking=True)
+            return leaf(obj)
+
+        return move
+
     def leaf(self, obj: Any) -> Any:
         """Move one leaf of the data, whatever the options."""
         if type(obj) is _Tensor:
             return self.tensor(obj)
         rule = _leaf_rules.get(type(obj)) or _choose_leaf_rule(type(obj))
-        return rule(obj, self)
+        if rule in _SIDE_EFFECT_FREE:
+            return rule(obj, self)
+        # A user's .to() or rule, a module or an optimizer: called once per object.
+        moved = self.memo.get(id(obj), _UNSEEN)
+        if moved is _UNSEEN:
+            moved = self.memo[id(obj)] = rule(obj, self)
+        return moved
 
     def meta_error(self, tensor: torch.Tensor) -> LeafError:
         """The error for a meta tensor asked onto a device with data."""
@@ -256,7 +434,7 @@ class _Transfer:
 
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move one tensor, or return it as is where it already is what was asked for."""
-        moved = self.memo.get(id(tensor))
+        moved: torch.Tensor | None = self.memo.get(id(tensor))
         if moved is not None:
             return moved
         plan = self.plan
@@ -311,17 +489,32 @@ class _Transfer:
             self.wait_for.add(plan.device)  # MPS copies likewise
         return True
 
-    def pack_small_tensors(self, data: Any) -> None:
-        """Send the data's small host tensors in one packed copy, ahead of the walk."""
-        plan = self.plan
-        unique = {id(leaf): leaf for leaf in _walker.leaves(data) if type(leaf) is _Tensor}
-        small = [tensor for tensor in unique.values() if is_packable(tensor)]
-        if len(small) < 2:
-            return
-        copies = packed_copy(small, plan.device, non_blocking=plan.non_blocking is not False)
-        for tensor, copy in zip(small, copies, strict=True):
-            cast = plan.dtype is not None and copy.is_floating_point()
-            self.memo[id(tensor)] = copy.to(plan.dtype) if cast else copy
+    def each(
+        self, leaves: list[Any], active: list[int], packed: Callable[[int], Any], data: Any
+    ) -> list[Any]:
+        """The leaves at ``active`` moved one by one (the packed ones looked up)."""
+        moved = leaves.copy()
+        memo, device, leaf = self.memo, self.plan.device, self.leaf
+        fast = self.plan.async_host_to_accelerator
+        for index in active:
+            obj = leaves[index]
+            kind = type(obj)
+            try:
+                if kind is _Tensor:
+                    copy = packed(id(obj))
+                    if copy is None:
+                        copy = memo.get(id(obj))
+                    if copy is None:
+                        if fast and obj.is_cpu:
+                            copy = memo[id(obj)] = obj.to(device, non_blocking=True)
+                        else:
+                            copy = self.tensor(obj)
+                    moved[index] = copy
+                elif kind not in _scalar_types:
+                    moved[index] = leaf(obj)
+            except Exception as err:
+                raise _walker.locate(err, data, index) from None
+        return moved
 
     def finish(self) -> None:
         """Wait once per source device for the asynchronous copies that need it."""
@@ -329,6 +522,123 @@ class _Transfer:
             event = torch.Event(device=device)
             event.record(torch.accelerator.current_stream(device))
             event.synchronize()
+
+
+def _flat(data: dict[Any, Any] | list[Any] | tuple[Any, ...], device: torch.device) -> Any:
+    """The most common batch moved with one comprehension, or None for any other batch.
+
+    A few host tensors (and scalars) in a dict, list or tuple, such as
+    ``(images, labels)`` or ``{"input_ids": ..., "attention_mask": ...}``, would
+    otherwise pay for taking apart and rebuilding a structure that has none.
+    """
+    values = data.values() if type(data) is dict else data
+    if len(values) >= _packing.MIN_TENSORS:
+        return None  # enough tensors for packing to be worth deciding
+    distinct = set()
+    for value in values:
+        if type(value) is _Tensor:
+            if not value.is_cpu or id(value) in distinct:
+                return None
+            distinct.add(id(value))
+        elif type(value) not in _scalar_types:
+            return None
+    if type(data) is dict:
+        return {
+            key: value.to(device, non_blocking=True) if type(value) is _Tensor else value
+            for key, value in data.items()
+        }
+    moved = [
+        value.to(device, non_blocking=True) if type(value) is _Tensor else value for value in data
+    ]
+    return moved if type(data) is list else tuple(moved)
+
+
+def _to_accelerator(data: Any, plan: _Plan) -> Any:
+    """to_device's work for an accelerator, once its options are a plan."""
+    if plan.async_host_to_accelerator:  # the usual call: its commonest batches
+        if type(data) is _Tensor and data.is_cpu:
+            return data.to(plan.device, non_blocking=True)
+        if plan.packs and type(data) in _FLAT_TYPES:
+            moved = _flat(data, plan.device)
+            if moved is not None:
+                return moved
+    if plan.packs and type(data) is not _Tensor:
+        return _in_bulk(data, plan)
+    transfer = _Transfer(plan)
+    moved = _walker.map(transfer.leaf_function(), data)
+    moved_ids = transfer.moved_ids
+    if len(moved_ids) > 1 and len(set(moved_ids)) < len(moved_ids):
+        transfer = _Transfer(plan, remember=True, memo=transfer.memo)  # as on the host path
+        moved = _walker.map(transfer.leaf_function(), data)
+    if transfer.wait_for:
+        transfer.finish()
+    return moved
+
+
+def _in_bulk(data: Any, plan: _Plan) -> Any:
+    """Move ``data`` to an accelerator by taking it apart, moving, and rebuilding.
+
+    The accelerator path: the leaves are moved as a list, so small host tensors can go
+    packed (see :mod:`devicekit._packing`) and the rest need no call per leaf beyond
+    their own copy; plain scalars are not looked at; the containers are rebuilt
+    around the moved leaves.
+    """
+    leaves, spec, active, _, _ = _walker.flatten(data)
+    if not active:  # nothing to move: token ids, metadata
+        return _walker.unflatten(spec, leaves)
+    everything = len(active) == len(leaves)
+    candidates = leaves if everything else list(map(leaves.__getitem__, active))
+    tensors = [leaf for leaf in candidates if type(leaf) is _Tensor]
+    packed: dict[int, torch.Tensor] = {}
+    if len(tensors) >= _packing.MIN_TENSORS:
+        packed = _packing.pack(
+            tensors,
+            plan.device,
+            non_blocking=plan.non_blocking is not False,
+            dtype=plan.dtype,
+            pin=plan.pins,
+        )
+    moved = None
+    if len(tensors) < len(active):
+        pass  # objects with rules or .to() among them: one by one, below
+    elif packed and len(packed) == len(tensors):  # all packed, each once: no call per leaf
+        moved = _placed(leaves, active, list(map(packed.__getitem__, map(id, candidates))))
+    elif not packed and plan.async_host_to_accelerator:
+        copies = _copied(tensors, plan.device)
+        if copies is not None:
+            moved = _placed(leaves, active, copies)
+    if moved is None:
+        transfer = _Transfer(plan)
+        moved = transfer.each(leaves, active, packed.get, data)
+        if transfer.wait_for:
+            transfer.finish()
+    return _walker.unflatten(spec, moved)
+
+
+def _placed(leaves: list[Any], active: list[int], moved: list[Any]) -> list[Any]:
+    """The leaves with those at ``active`` replaced by ``moved``, in order."""
+    if len(active) == len(leaves):
+        return moved
+    placed = leaves.copy()
+    for index, value in zip(active, moved, strict=True):
+        placed[index] = value
+    return placed
+
+
+def _copied(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor] | None:
+    """Each tensor (each once) copied in one comprehension, or None.
+
+    None where a tensor is found twice (the memo's work), or where a copy fails: the
+    caller's loop then raises that error with its path.
+    """
+    if len(set(map(id, tensors))) < len(tensors):
+        return None
+    # .to() alone is right for any plain tensor here: a host one is copied async, one
+    # on the target comes back as it is, one on another accelerator is copied.
+    try:
+        return [tensor.to(device, non_blocking=True) for tensor in tensors]
+    except Exception:  # raised again, with its path, by the loop that follows
+        return None
 
 
 def _format_applies(memory_format: torch.memory_format, tensor: torch.Tensor) -> bool:
@@ -348,6 +658,20 @@ def _move_tensor_subclass(tensor: torch.Tensor, transfer: _Transfer) -> torch.Te
     return transfer.tensor(tensor)
 
 
+def _move_parameter(param: torch.nn.Parameter, transfer: _Transfer) -> torch.nn.Parameter:
+    """A Parameter comes back a Parameter, as nn.Module.to makes it.
+
+    Its own .to() returns a plain tensor; the moved data is wrapped again, with the
+    same requires_grad.
+    """
+    moved: torch.nn.Parameter | None = transfer.memo.get(id(param))
+    if moved is None:
+        with torch.no_grad():
+            data = transfer.tensor(param)
+        moved = transfer.memo[id(param)] = torch.nn.Parameter(data, param.requires_grad)
+    return moved
+
+
 def _keep(obj: Any, transfer: _Transfer) -> Any:
     return obj
 
@@ -363,6 +687,19 @@ def _refuse(obj: Any, transfer: _Transfer) -> Any:
         "to leave such objects as they are."
     )
     raise LeafError(msg)
+
+
+def _numpy_array(array: Any, transfer: _Transfer) -> Any:
+    # Arrays of numbers are data, left as they are; an array of objects may hold
+    # tensors, which no rule here can reach without rebuilding the array.
+    if array.dtype == object and any(isinstance(item, torch.Tensor) for item in array.flat):
+        msg = (
+            "Cannot move {path}: it is a numpy array of objects holding tensors, which "
+            "devicekit cannot move inside it. Make it a list (array.tolist()), or register "
+            "how to move it with @devicekit.register_transfer(numpy.ndarray)."
+        )
+        raise LeafError(msg)
+    return _refuse(array, transfer)
 
 
 def _in_place_only(obj: torch.nn.Module | torch.optim.Optimizer) -> LeafError:
@@ -395,7 +732,7 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, transfer: _Transfer) -> An
             if param.device != transfer.plan.device:
                 where = f"param_groups[{group_index}]['params'][{param_index}]"
                 msg = (
-                    f"Cannot move the optimizer {{path}} to {transfer.plan.device}: its state "
+                    f"Cannot move {{path}} (an optimizer) to {transfer.plan.device}: its state "
                     f"follows its parameters, and {where} is on {param.device}. Move the model "
                     "first (to_device(model, device)): the optimizer holds the model's own "
                     "parameters. Where the model was moved already, PyTorch replaced its "
@@ -409,7 +746,12 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, transfer: _Transfer) -> An
         step_on_device = bool(group.get("capturable") or group.get("fused"))
         for param in group["params"]:
             state = optimizer.state.get(param)
-            if not state:
+            if state is None:
+                continue
+            if not isinstance(state, dict):  # a state object of the optimizer's own
+                optimizer.state[param] = to_device(
+                    state, param.device, non_blocking=transfer.plan.non_blocking
+                )
                 continue
             for key, value in state.items():
                 if key == "step" and not step_on_device:
@@ -440,15 +782,31 @@ def _registered_rule(rule: TransferRule) -> Callable[[Any, _Transfer], Any]:
     return move
 
 
+# What a .to(*args, **kwargs) is taken to accept: the options a method that hands its
+# arguments on to Tensor.to (PackedSequence.to, for one) handles for every tensor it holds.
+_FORWARDED_OPTIONS = frozenset({"non_blocking", "dtype"})
+
+
 def _to_method_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
-    """Call ``obj.to(device, ...)`` with the options its signature takes, found once."""
+    """Call ``obj.to(device, ...)`` with the options its signature takes, found once.
+
+    An option is passed where the signature names it; a bare ``**kwargs`` is trusted
+    with ``non_blocking`` and ``dtype`` only. ``memory_format`` applies, as in
+    :meth:`torch.nn.Module.to`, to the 4-d tensors it can: an object that does not name
+    it moves without it. ``dtype`` or ``copy`` asked of an object that cannot take them
+    is refused, not dropped.
+    """
     try:
         parameters = inspect.signature(cls.to).parameters.values()  # type: ignore[attr-defined]
     except (TypeError, ValueError):  # no signature to read: hand it the device only
         parameters = ()  # type: ignore[assignment]
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
     names = {p.name for p in parameters}
-    accepted = [name for name in _OPTION_NAMES if takes_any or name in names]
+    accepted = [
+        name
+        for name in _OPTION_NAMES
+        if name in names or (takes_any and name in _FORWARDED_OPTIONS)
+    ]
 
     def move(obj: Any, transfer: _Transfer) -> Any:
         asked = {
@@ -459,11 +817,11 @@ def _to_method_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
         }
         options = {name: asked[name] for name in accepted if asked[name]}
         for name, value in asked.items():
-            if value and name not in accepted and name != "non_blocking":
+            if value and name not in accepted and name in ("dtype", "copy"):
                 msg = (
                     f"Cannot move {{path}} with {name}={value!r}: "
-                    f"{cls.__name__}.to() takes no {name} argument. Register how to move "
-                    f"it with @devicekit.register_transfer({cls.__name__})."
+                    f"{cls.__name__}.to() does not name a {name} argument. Register how to "
+                    f"move it with @devicekit.register_transfer({cls.__name__})."
                 )
                 raise LeafError(msg)
         return _check_result(obj.to(transfer.plan.device, **options), obj, f"{cls.__name__}.to()")
@@ -472,33 +830,48 @@ def _to_method_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
 
 
 _LeafRule: TypeAlias = Callable[[Any, _Transfer], Any]
+# Rules that call no user code and move nothing in place: they need no memo.
+_SIDE_EFFECT_FREE = frozenset({_keep, _refuse, _numpy_array, _move_tensor_subclass})
+_UNSEEN: Any = object()
 _leaf_rules: dict[type, _LeafRule] = {}
 
 
 def _choose_leaf_rule(cls: type) -> _LeafRule:
     """Decide once per type how its instances move, and remember it."""
+    if len(_leaf_rules) >= TYPES_KEPT:
+        _leaf_rules.clear()  # types made at run time must not pile up
     rule = _leaf_rules[cls] = _leaf_rule(cls)
     return rule
 
 
 def _leaf_rule(cls: type) -> _LeafRule:
-    for klass in cls.__mro__:
-        if klass in _rules:
-            return _registered_rule(_rules[klass])
+    registered = _rule_for(cls)
+    if registered is not None:
+        return _registered_rule(registered)
+    if issubclass(cls, torch.nn.Parameter):
+        return _move_parameter
     if issubclass(cls, torch.Tensor):
         return _move_tensor_subclass
     if issubclass(cls, torch.nn.Module):
         return _move_module
     if issubclass(cls, torch.optim.Optimizer):
         return _move_optimizer
-    if issubclass(cls, _SCALAR_TYPES):
+    if issubclass(cls, _SCALAR_TYPES) or issubclass(cls, enum.Enum):
         return _keep
     if callable(getattr(cls, "to", None)):
         return _to_method_rule(cls)
+    if cls.__module__ == "numpy" and cls.__name__ == "ndarray":  # numpy is not imported
+        return _numpy_array
     return _refuse
 
 
-def _check_options(non_blocking: object, dtype: object, memory_format: object) -> None:
+def _check_options(
+    non_blocking: object, dtype: object, memory_format: object, *, copy: object, strict: object
+) -> None:
+    for name, value in (("copy", copy), ("strict", strict)):
+        if value is not True and value is not False:
+            msg = f"Expected {name} to be True or False, got {value!r}."
+            raise TypeError(msg)
     if non_blocking not in ("auto", True, False) or (
         isinstance(non_blocking, int | float) and not isinstance(non_blocking, bool)
     ):
@@ -529,6 +902,7 @@ def to_device(
     copy: bool = False,
     memory_format: torch.memory_format | None = None,
     strict: bool = False,
+    skip_keys: Collection[Hashable] = (),
 ) -> T:
     """Move tensors, modules, optimizers and any nesting of them to a device.
 
@@ -565,6 +939,10 @@ def to_device(
             :meth:`torch.nn.Module.to`.
         strict: Raise on leaves that cannot be moved and are not plain scalars,
             instead of returning them unchanged.
+        skip_keys: Keys whose values, in any mapping at any depth, stay where they are
+            (the same objects), as accelerate's ``send_to_device`` has it: a batch's
+            ``"raw_text"`` or a host-side index, say. One key may be given alone. Such a
+            call is not packed.
 
     Returns:
         The data on ``device``, with the same structure.
@@ -576,42 +954,173 @@ def to_device(
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
         ValueError: An option has a value outside those listed above.
     """
-    defaults = non_blocking == "auto" and dtype is None and memory_format is None
+    if _is_compiling():
+        return _traced(data, device, non_blocking, dtype)  # type: ignore[no-any-return]
+    if skip_keys:
+        return _skipping(  # type: ignore[no-any-return]
+            data,
+            skip_keys,
+            device,
+            non_blocking=non_blocking,
+            dtype=dtype,
+            copy=copy,
+            memory_format=memory_format,
+            strict=strict,
+        )
+    # Identity, not truth: copy="False" and strict="no" are mistakes to report, not
+    # values to read as True.
+    defaults = (
+        non_blocking == "auto"
+        and dtype is None
+        and memory_format is None
+        and copy is False
+        and strict is False
+    )
     if not defaults:
-        _check_options(non_blocking, dtype, memory_format)
+        _check_options(non_blocking, dtype, memory_format, copy=copy, strict=strict)
     target = current_device() if device is None else resolve_device(device)
-    if defaults and not copy and not strict:
-        plan = _default_plans.get(target)
-        if plan is None:
-            plan = _default_plans[target] = _Plan(
-                target,
-                non_blocking="auto",
-                dtype=None,
-                copy=False,
-                memory_format=None,
-                strict=False,
-            )
-    else:
-        key = (target, non_blocking, dtype, copy, memory_format, strict)
-        plan = _plans.get(key)
-        if plan is None:
-            plan = _plans[key] = _Plan(
-                target,
-                non_blocking=non_blocking,
-                dtype=dtype,
-                copy=copy,
-                memory_format=memory_format,
-                strict=strict,
-            )
+    # One cache: the usual call (every option at its default) is keyed by the device
+    # alone, since building a tuple key costs as much as the rest of the lookup.
+    key = target if defaults else (target, non_blocking, dtype, copy, memory_format, strict)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _PLANS_KEPT:
+            _plans.clear()
+        plan = _plans[key] = _Plan(
+            target,
+            non_blocking=non_blocking,
+            dtype=dtype,
+            copy=copy,
+            memory_format=memory_format,
+            strict=strict,
+        )
+    if plan.to_accelerator:
+        return _to_accelerator(data, plan)  # type: ignore[no-any-return]
+    # The host path inline: a call per to_device is a measurable share of a small batch.
     transfer = _Transfer(plan)
-    if plan.packs and type(data) is not _Tensor:
-        transfer.pack_small_tensors(data)
     moved = _walker.map(transfer.leaf_function(), data)
     moved_ids = transfer.moved_ids
     if len(moved_ids) > 1 and len(set(moved_ids)) < len(moved_ids):
-        # The optimistic walk moved some tensor twice: walk again, through the memo.
-        transfer = _Transfer(plan, remember=True)
+        # The optimistic walk moved some tensor twice: walk again, through the memo,
+        # which keeps what objects with rules became, so none is moved twice.
+        transfer = _Transfer(plan, remember=True, memo=transfer.memo)
         moved = _walker.map(transfer.leaf_function(), data)
     if transfer.wait_for:
         transfer.finish()
     return moved  # type: ignore[no-any-return]
+
+
+class _Kept:
+    """A value under a skipped key, carried through the walk untouched."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def to(self, device: torch.device) -> _Kept:
+        return self
+
+
+def _raw_items(mapping: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+    """A mapping's items as its container rule pairs them."""
+    if isinstance(mapping, dict):
+        return list(dict.items(mapping))
+    if isinstance(mapping, UserDict):
+        return list(mapping.data.items())
+    return list(mapping.items())
+
+
+def _skipping_walker(skip: frozenset[Hashable]) -> Walker:
+    def skipping(cls: type) -> Node | None:
+        base = container_node(cls) if not _has_own_rule(cls) else None
+        if base is None or not issubclass(cls, Mapping):
+            return None
+        rules = base
+
+        def children(node: Any) -> list[Any]:
+            return [_Kept(value) if key in skip else value for key, value in _raw_items(node)]
+
+        def rebuild(node: Any, values: list[Any]) -> Any:
+            kept = [value.value if type(value) is _Kept else value for value in values]
+            return rules.rebuild(node, kept)
+
+        return Node(children, rebuild, rules.keys)
+
+    return Walker(_has_own_rule, inert_types=_SCALAR_TYPES, extra_nodes=skipping)
+
+
+_skipping_walkers: dict[frozenset[Hashable], Walker] = {}
+
+
+def _skipping(
+    data: Any, skip_keys: Collection[Hashable], device: DeviceLike | None, **options: Any
+) -> Any:
+    """to_device with values under ``skip_keys`` left where they are.
+
+    A walker whose mapping rules hand those values over wrapped, so that they pass as
+    leaves that do not move, and unwrap them when the mapping is rebuilt.
+    """
+    # One key alone, as accelerate takes it too; a string is not a collection of letters.
+    skip = frozenset((skip_keys,) if isinstance(skip_keys, str | bytes) else skip_keys)
+    walker = _skipping_walkers.get(skip)
+    if walker is None:
+        if len(_skipping_walkers) >= 64:
+            _skipping_walkers.clear()
+        walker = _skipping_walkers[skip] = _skipping_walker(skip)
+    _check_options(
+        options["non_blocking"],
+        options["dtype"],
+        options["memory_format"],
+        copy=options["copy"],
+        strict=options["strict"],
+    )
+    target = current_device() if device is None else resolve_device(device)
+    plan = _Plan(target, **options)
+    transfer = _Transfer(plan, remember=True)  # aliases through the memo: one walk
+    moved = walker.map(transfer.leaf, data)
+    if transfer.wait_for:
+        transfer.finish()
+    return moved
+
+
+def _traced(data: Any, device: DeviceLike | None, non_blocking: object, dtype: Any) -> Any:
+    """to_device as torch.compile traces it: the common containers, by plain recursion.
+
+    Caches, type registries and context variables are what a compiler cannot follow;
+    inside a compiled function the device is taken as given (None: the current device),
+    and dicts, lists, tuples and namedtuples of tensors move as written here. Anything
+    else is returned as it is, as the eager to_device returns other leaves.
+    """
+    if device is None:
+        device = current_device()
+    target = torch.device(device)
+    asynchronous = (
+        bool(non_blocking)
+        if non_blocking != "auto"
+        else target.type
+        not in (
+            "cpu",
+            "meta",
+        )
+    )
+
+    memo: dict[int, torch.Tensor] = {}  # a tensor found twice comes back as one
+
+    def move(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:
+                cast = dtype if dtype is not None and obj.is_floating_point() else obj.dtype
+                memo[id(obj)] = obj.to(target, dtype=cast, non_blocking=asynchronous)
+            return memo[id(obj)]
+        if type(obj) is dict:
+            return {key: move(value) for key, value in obj.items()}
+        if type(obj) is list:
+            return [move(value) for value in obj]
+        if type(obj) is tuple:
+            return tuple(move(value) for value in obj)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(move(value) for value in obj))
+        return obj
+
+    return move(data)

@@ -16,20 +16,38 @@ The walk keeps its own stack instead of recursing, so depth is bounded by
 
 from __future__ import annotations
 
+import array
+import collections
 import copy
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from typing import Any, Final, NamedTuple, TypeAlias
+from collections import UserDict, UserList
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 from devicekit._errors import TransferError
 
-__all__ = ["MAX_DEPTH", "LeafError", "Node", "Walker", "container_node", "format_path"]
+__all__ = [
+    "MAX_DEPTH",
+    "TYPES_KEPT",
+    "Flat",
+    "LeafError",
+    "Node",
+    "Spec",
+    "Walker",
+    "container_node",
+    "format_path",
+]
 
 MAX_DEPTH: Final = 10_000
 """Containers nested deeper than this are refused: no real batch comes near it."""
 
+# How many types a walker remembers its decision for before it starts over.
+TYPES_KEPT: Final = 1024
+"""How many types a cache of per-type decisions holds before it starts over."""
+# Lists and tuples at least this long are checked in one pass for holding scalars only.
+_SCAN_FROM = 64
 # How many path fragments an error message shows before eliding the middle.
 _PATH_SHOWN = 16
 
@@ -61,33 +79,117 @@ def _index_keys(node: Iterable[Any]) -> Iterator[str]:
     return (f"[{index}]" for index, _ in enumerate(node))
 
 
-def _mapping_keys(node: Mapping[Any, Any]) -> Iterator[str]:
-    return (f"[{key!r}]" for key in node)
+def _keys_of(keys: Iterable[Any]) -> Iterator[str]:
+    return (f"[{key!r}]" for key in keys)
 
 
-def _rebuild_mapping(node: Mapping[Any, Any], values: list[Any]) -> Mapping[Any, Any]:
-    # A shallow copy keeps what a subclass carries beyond its items (a defaultdict's
-    # factory, BatchEncoding's encodings); the copy's items are then replaced.
-    if isinstance(node, MutableMapping):
-        clone = copy.copy(node)
-        for key, value in zip(node, values, strict=True):
-            clone[key] = value
-        return clone
+def _refusal(node: Any, why: str) -> LeafError:
+    name = type(node).__name__
+    msg = (
+        f"Cannot rebuild {{path}}: it is a {type(node).__module__}.{name}, {why}. Register "
+        f"how to move it with @devicekit.register_transfer({name})."
+    )
+    return LeafError(msg)
+
+
+C = TypeVar("C")
+
+
+def _own_copy(node: C) -> C:
+    """A shallow copy of a container, refused where it is the container itself.
+
+    The copy keeps what a subclass carries beyond its items (a defaultdict's factory,
+    BatchEncoding's encodings), as torch's pin_memory does.
+    """
+    clone = copy.copy(node)
+    if clone is node:
+        raise _refusal(node, "whose copy is the object itself")
+    return clone
+
+
+# Mappings. Children and keys come from one source each time, so every value is
+# paired with its own key whatever the class does to __iter__, keys() or values().
+
+
+def _rebuild_dict_subclass(node: dict[Any, Any], values: list[Any]) -> dict[Any, Any]:
+    # A dict subclass's items are the dict itself, so its copy has storage of its own;
+    # dict's own methods are used, not the subclass's.
+    clone = _own_copy(node)
+    for key, value in zip(dict.keys(node), values, strict=True):
+        dict.__setitem__(clone, key, value)
+    return clone
+
+
+def _rebuild_user_dict(node: UserDict[Any, Any], values: list[Any]) -> UserDict[Any, Any]:
+    clone = _own_copy(node)
+    if clone.data is node.data:
+        raise _refusal(node, "a UserDict whose copy shares its data with the original")
+    clone.data = dict(zip(node.data, values, strict=True))
+    return clone
+
+
+def _items(node: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+    return list(node.items())
+
+
+def _rebuild_read_only_mapping(node: Mapping[Any, Any], values: list[Any]) -> Mapping[Any, Any]:
+    keys = [key for key, _ in _items(node)]
     try:
-        return type(node)(dict(zip(node, values, strict=True)))  # type: ignore[call-arg]
+        return type(node)(dict(zip(keys, values, strict=True)))  # type: ignore[call-arg]
     except Exception as err:
-        msg = (
-            f"Cannot rebuild {{path}}: {type(node).__name__} is a read-only Mapping that "
-            f"cannot be built from a dict ({err}). Register how to move it with "
-            f"@devicekit.register_transfer({type(node).__name__})."
-        )
-        raise LeafError(msg) from err
+        why = f"a read-only Mapping that cannot be built from a dict ({err})"
+        raise _refusal(node, why) from err
+
+
+def _refuse_mutable_mapping(node: Mapping[Any, Any], values: list[Any]) -> Any:
+    # Its copy may share its storage (shelve.Shelf writes through to its file, ChainMap
+    # to the maps after the first): writing moved values into it could change the input.
+    raise _refusal(node, "a mutable mapping whose copy could share its contents with the original")
+
+
+_DICT = Node(dict.values, lambda node, values: dict(zip(node, values, strict=True)), _keys_of)
+_DICT_SUBCLASS = Node(dict.values, _rebuild_dict_subclass, lambda node: _keys_of(dict.keys(node)))
+_USER_DICT = Node(
+    lambda node: node.data.values(), _rebuild_user_dict, lambda node: _keys_of(node.data)
+)
+_READ_ONLY_MAPPING = Node(
+    lambda node: [value for _, value in _items(node)],
+    _rebuild_read_only_mapping,
+    lambda node: _keys_of(key for key, _ in _items(node)),
+)
+_MUTABLE_MAPPING = Node(
+    lambda node: [value for _, value in _items(node)],
+    _refuse_mutable_mapping,
+    lambda node: _keys_of(key for key, _ in _items(node)),
+)
+
+
+# Sequences.
 
 
 def _rebuild_list_subclass(node: list[Any], values: list[Any]) -> list[Any]:
-    clone = copy.copy(node)
+    clone = _own_copy(node)
     clone[:] = values
     return clone
+
+
+def _rebuild_deque(node: collections.deque[Any], values: list[Any]) -> collections.deque[Any]:
+    clone = _own_copy(node)  # keeps maxlen
+    clone.clear()
+    clone.extend(values)
+    return clone
+
+
+def _rebuild_user_list(node: UserList[Any], values: list[Any]) -> UserList[Any]:
+    clone = _own_copy(node)
+    if clone.data is node.data:
+        raise _refusal(node, "a UserList whose copy shares its data with the original")
+    clone.data = values
+    return clone
+
+
+def _refuse_sequence(node: Sequence[Any], values: list[Any]) -> Any:
+    raise _refusal(node, "a Sequence that devicekit cannot rebuild as the same type")
 
 
 def _rebuild_namedtuple(node: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
@@ -98,48 +200,64 @@ def _rebuild_by_type(node: Any, values: list[Any]) -> Any:
     return type(node)(values)
 
 
-def _field_keys(names: tuple[str, ...]) -> Callable[[Any], Iterable[str]]:
-    return lambda node: (f".{name}" for name in names)
-
-
-def _dataclass_node(cls: type) -> Node:
-    fields = dataclasses.fields(cls)
-    names = tuple(field.name for field in fields)
-    init_names = [field.name for field in fields if field.init]
-    late_names = [field.name for field in fields if not field.init]
-    frozen = cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
-
-    def children(node: Any) -> list[Any]:
-        return [getattr(node, name) for name in names]
-
-    def rebuild(node: Any, values: list[Any]) -> Any:
-        new = dict(zip(names, values, strict=True))
-        if frozen:
-            # replace() runs __init__ and __post_init__ as the class intends; fields
-            # outside __init__ are then set the way dataclasses itself sets them.
-            clone = dataclasses.replace(node, **{name: new[name] for name in init_names})
-            for name in late_names:
-                object.__setattr__(clone, name, new[name])
-            return clone
-        clone = copy.copy(node)
-        for name in names:
-            setattr(clone, name, new[name])
-        return clone
-
-    return Node(children, rebuild, _field_keys(names))
-
-
-_DICT = Node(dict.values, lambda node, values: dict(zip(node, values, strict=True)), _mapping_keys)
-_MAPPING = Node(lambda node: node.values(), _rebuild_mapping, _mapping_keys)
 _LIST = Node(iter, lambda node, values: values, _index_keys)
 _LIST_SUBCLASS = Node(iter, _rebuild_list_subclass, _index_keys)
+_DEQUE = Node(iter, _rebuild_deque, _index_keys)
+_USER_LIST = Node(lambda node: node.data, _rebuild_user_list, _index_keys)
+_OTHER_SEQUENCE = Node(iter, _refuse_sequence, _index_keys)
 _TUPLE = Node(iter, lambda node, values: tuple(values), _index_keys)
 _TUPLE_SUBCLASS = Node(iter, _rebuild_by_type, _index_keys)  # torch.Size, struct sequences
 _SET = Node(iter, _rebuild_by_type, lambda node: (f"{{{i}}}" for i, _ in enumerate(node)))
+# Sequences that hold only numbers or bytes: leaves, as strings are.
+_FLAT_SEQUENCES = (str, bytes, bytearray, range, memoryview, array.array)
 
 
-@functools.cache
-def container_node(cls: type) -> Node | None:
+# Dataclasses.
+
+
+def _dataclass_node(cls: type) -> Node:
+    """Rules for a dataclass: its fields, and attributes its instances gained since.
+
+    A rebuilt instance is made without running ``__init__`` or ``__post_init__`` again
+    (which could apply a computation twice, or need an InitVar it no longer has): each
+    field, and each attribute set outside the fields (in ``__post_init__``, say), is
+    moved and set as dataclasses themselves set frozen fields. Values cached by
+    ``functools.cached_property`` are not carried over: they would describe the old
+    fields.
+    """
+    fields = tuple(field.name for field in dataclasses.fields(cls))
+    known = frozenset(fields)
+    cached = frozenset(
+        name
+        for klass in cls.__mro__
+        for name, attribute in vars(klass).items()
+        if isinstance(attribute, functools.cached_property)
+    )
+
+    def names(node: Any) -> tuple[str, ...]:
+        state = getattr(node, "__dict__", None)
+        if not state:
+            return fields
+        extra = tuple(name for name in state if name not in known and name not in cached)
+        return fields + extra if extra else fields
+
+    def children(node: Any) -> list[Any]:
+        return [getattr(node, name) for name in names(node)]
+
+    def rebuild(node: Any, values: list[Any]) -> Any:
+        clone: Any = cls.__new__(cls)  # type: ignore[call-overload] # not __init__
+        for name, value in zip(names(node), values, strict=True):
+            object.__setattr__(clone, name, value)
+        return clone
+
+    def keys(node: Any) -> Iterator[str]:
+        return (f".{name}" for name in names(node))
+
+    return Node(children, rebuild, keys)
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: types made at run time must not pile up
+def container_node(cls: type) -> Node | None:  # noqa: PLR0912 - one rule per kind
     """The container rules for a type, or None when its instances are leaves.
 
     >>> container_node(dict) is not None, container_node(str)
@@ -151,17 +269,29 @@ def container_node(cls: type) -> Node | None:
         return _LIST
     if cls is tuple:
         return _TUPLE
-    if issubclass(cls, str | bytes | bytearray):
+    if issubclass(cls, _FLAT_SEQUENCES):
         return None
+    if issubclass(cls, dict):
+        return _DICT_SUBCLASS
+    if issubclass(cls, UserDict):
+        return _USER_DICT
+    if issubclass(cls, MutableMapping):
+        return _MUTABLE_MAPPING
     if issubclass(cls, Mapping):
-        return _MAPPING
+        return _READ_ONLY_MAPPING
     if issubclass(cls, list):
         return _LIST_SUBCLASS
     if issubclass(cls, tuple):
         if isinstance(getattr(cls, "_fields", None), tuple):
             names = cls._fields  # type: ignore[attr-defined]
-            return Node(iter, _rebuild_namedtuple, _field_keys(names))
+            return Node(iter, _rebuild_namedtuple, lambda node: (f".{name}" for name in names))
         return _TUPLE_SUBCLASS
+    if issubclass(cls, collections.deque):
+        return _DEQUE
+    if issubclass(cls, UserList):
+        return _USER_LIST
+    if issubclass(cls, Sequence):
+        return _OTHER_SEQUENCE
     if issubclass(cls, set | frozenset):
         return _SET
     if dataclasses.is_dataclass(cls):
@@ -184,7 +314,28 @@ def format_path(root: str, fragments: Iterable[str]) -> str:
 
 
 _UNSEEN: Any = object()
+_UP: Any = object()  # in pairs' stack: leaving a pair of containers
 _INERT: Any = object()  # in Walker._nodes: a leaf that map passes through untouched
+
+Spec: TypeAlias = list[tuple[int, Node, Any, int]]
+"""How :meth:`Walker.flatten` took data apart: per container, in the order they close,
+(leaves seen when it closed, its rules, the container, its number of children)."""
+
+
+class Flat(NamedTuple):
+    """Data taken apart by :meth:`Walker.flatten`."""
+
+    leaves: list[Any]
+    """Every leaf, in walk order, repeats included."""
+    spec: Spec
+    """How to rebuild the containers around new leaves (:meth:`Walker.unflatten`)."""
+    active: list[int]
+    """Where the leaves that are not plain scalars (the walker's inert types) are."""
+    paths: list[str] | None
+    """Each leaf's path from the root, where asked for."""
+    container_paths: list[str]
+    """Each container's path, in the order of ``spec``, where paths were asked for."""
+
 
 # A frame of the walk: (node rules, container, iterator over its children, results so far).
 # Plain tuples, not a NamedTuple: frames are made per container, on the hot path.
@@ -235,15 +386,39 @@ class Walker:
 
     def node_of(self, cls: type) -> Node | None:
         """The container rules this walker applies to ``cls``, or None for a leaf."""
+        node = self._learn(cls)
+        return None if node is _INERT else node
+
+    def _learn(self, cls: type) -> Any:
+        """What the walk does with ``cls``: its Node, None (a leaf) or _INERT.
+
+        The answer is returned, not read back from the table: another thread may clear
+        the table (a new transfer rule) between the two.
+        """
         node = self._nodes.get(cls, _UNSEEN)
         if node is _UNSEEN:
             node = self._extra_nodes(cls) if self._extra_nodes is not None else None
             if node is None:
                 node = None if self._is_leaf_type(cls) else container_node(cls)
-            self._nodes[cls] = _INERT if node is None and cls in self._inert_types else node
-        return None if node is _INERT else node
+            if node is None and cls in self._inert_types and not self._is_leaf_type(cls):
+                node = _INERT  # a plain scalar nobody registered a rule for
+            if len(self._nodes) >= TYPES_KEPT:
+                self._nodes.clear()  # types made at run time must not pile up
+            self._nodes[cls] = node
+        return node
 
-    def map(self, fn: Callable[[Any], Any], tree: Any) -> Any:  # noqa: PLR0912 - one loop on purpose: a call per container costs more than its branches
+    def _only_scalars(self, sequence: list[Any] | tuple[Any, ...]) -> bool:
+        """Whether a long list or tuple holds plain scalars only (token ids, metadata).
+
+        Such a sequence is copied whole, at C speed, instead of element by element: a
+        type check per element in C costs a fraction of a step of the walk. Short ones,
+        and those whose first element is not a scalar, are not looked at.
+        """
+        if len(sequence) < _SCAN_FROM or self._learn(type(sequence[0])) is not _INERT:
+            return False
+        return all(self._learn(kind) is _INERT for kind in set(map(type, sequence)))
+
+    def map(self, fn: Callable[[Any], Any], tree: Any) -> Any:  # noqa: PLR0912, PLR0915 - one loop on purpose: a call per container costs more than its branches
         """Rebuild ``tree`` with ``fn`` applied to every leaf; containers keep their type.
 
         Containers are rebuilt wherever they occur; ``fn`` keeps its own memo if a
@@ -253,12 +428,20 @@ class Walker:
         {'a': [2, (4, 'xx')]}
         """
         nodes = self._nodes
-        node = self.node_of(type(tree))
-        if node is None:
+        node = nodes.get(type(tree), _UNSEEN)
+        if node is _UNSEEN:
+            node = self._learn(type(tree))
+        if node is None or node is _INERT:
             try:
                 return fn(tree)
             except Exception as err:
                 raise self._located(err, [], tree) from None
+        if (
+            (node is _LIST or node is _TUPLE)
+            and len(tree) >= _SCAN_FROM
+            and self._only_scalars(tree)
+        ):
+            return list(tree) if node is _LIST else tree
         # The current frame lives in locals; the frames above it wait on `stack`.
         # No recursion, so depth is bounded by MAX_DEPTH, not by the interpreter.
         stack: list[_Frame] = []
@@ -270,8 +453,7 @@ class Walker:
             for child in children:
                 child_node = nodes.get(type(child), unseen)
                 if child_node is unseen:
-                    self.node_of(type(child))
-                    child_node = nodes[type(child)]
+                    child_node = self._learn(type(child))
                 if child_node is None:
                     try:
                         results.append(fn(child))
@@ -281,6 +463,13 @@ class Walker:
                     continue
                 if child_node is inert:
                     results.append(child)
+                    continue
+                if (
+                    (child_node is _LIST or child_node is _TUPLE)
+                    and len(child) >= _SCAN_FROM  # before a call: most lists are short
+                    and self._only_scalars(child)
+                ):
+                    results.append(list(child) if child_node is _LIST else child)
                     continue
                 stack.append((node, container, children, results))
                 if len(stack) >= MAX_DEPTH:
@@ -306,14 +495,137 @@ class Walker:
                 node, container, children, results = stack.pop()
                 results.append(result)
 
-    def leaves(self, tree: Any) -> Iterator[Any]:
+    def leaves(self, tree: Any) -> list[Any]:
         """Every leaf of ``tree`` in the order :meth:`map` meets them, repeats included.
 
-        >>> list(Walker(lambda cls: False).leaves({"a": [1, (2, "x")], "b": None}))
+        >>> Walker(lambda cls: False).leaves({"a": [1, (2, "x")], "b": None})
         [1, 2, 'x', None]
         """
-        for _, leaf in self._walk(tree, with_paths=False):
-            yield leaf
+        return self.flatten(tree).leaves
+
+    def flatten(self, tree: Any, *, paths: bool = False) -> Flat:  # noqa: PLR0912 - one loop, as in map
+        """The leaves of ``tree`` in walk order, and how to put new ones in their place.
+
+        :meth:`unflatten` rebuilds the containers around a new list of leaves. Leaves
+        can then be handled in bulk (grouped, packed, moved) with no call per leaf, and
+        rebuilding costs a few list operations per container. With ``paths=True`` the
+        path of every leaf and container comes too (for messages: it costs more).
+
+        >>> walker = Walker(lambda cls: False)
+        >>> flat = walker.flatten({"a": [1, (2, "x")]}, paths=True)
+        >>> flat.leaves, flat.paths, walker.unflatten(flat.spec, [10, 20, "y"])
+        ([1, 2, 'x'], ["['a'][0]", "['a'][1][0]", "['a'][1][1]"], {'a': [10, (20, 'y')]})
+
+        Raises:
+            TransferError: The data nests deeper than :data:`MAX_DEPTH` (a cycle).
+        """
+        nodes = self._nodes
+        leaves: list[Any] = []
+        node = self._learn(type(tree))
+        if node is None or node is _INERT:
+            return Flat([tree], [], [] if node is _INERT else [0], [""] if paths else None, [])
+        if (node is _LIST or node is _TUPLE) and not paths and self._only_scalars(tree):
+            return Flat(list(tree), [(len(tree), node, tree, len(tree))], [], None, [])
+        spec: Spec = []  # containers in the order they close: children before parents
+        leaf_paths: list[str] | None = [] if paths else None
+        container_paths: list[str] = []
+        active: list[int] = []
+        stack: list[tuple[Node, Any, Iterator[Any], int, Iterator[str] | None, str]] = []
+        unseen = _UNSEEN
+        container, children, count = tree, iter(node.children(tree)), 0
+        keys = iter(node.keys(tree)) if paths else None
+        prefix = key = ""
+        while True:
+            for child in children:
+                count += 1
+                if keys is not None:
+                    key = prefix + next(keys)
+                child_node = nodes.get(type(child), unseen)
+                if child_node is unseen:
+                    child_node = self._learn(type(child))
+                if child_node is None or child_node is _INERT:
+                    if child_node is None:
+                        active.append(len(leaves))
+                    leaves.append(child)
+                    if leaf_paths is not None:
+                        leaf_paths.append(key)
+                    continue
+                if (
+                    (child_node is _LIST or child_node is _TUPLE)
+                    and len(child) >= _SCAN_FROM
+                    and leaf_paths is None
+                    and self._only_scalars(child)
+                ):
+                    # Its scalars become leaves in one step; the container closes at once.
+                    leaves += child
+                    spec.append((len(leaves), child_node, child, len(child)))
+                    continue
+                stack.append((node, container, children, count, keys, prefix))
+                if len(stack) >= MAX_DEPTH:
+                    raise self._too_deep([(f[0], f[1], f[2], []) for f in stack], child)
+                node, container, count, prefix = child_node, child, 0, key
+                children = iter(node.children(child))
+                keys = iter(node.keys(child)) if paths else None
+                break
+            else:
+                spec.append((len(leaves), node, container, count))
+                if paths:
+                    container_paths.append(prefix)
+                if not stack:
+                    return Flat(leaves, spec, active, leaf_paths, container_paths)
+                node, container, children, count, keys, prefix = stack.pop()
+
+    def unflatten(self, spec: Spec, leaves: list[Any]) -> Any:
+        """The data :meth:`flatten` took apart, rebuilt around ``leaves``.
+
+        Raises:
+            TransferError: A container cannot be rebuilt; the message names its path.
+        """
+        if not spec:
+            return leaves[0]
+        values: list[Any] = []
+        taken = 0
+        for end, node, container, count in spec:
+            # Leaves up to this container's close come first; its children are the last
+            # `count` values: its own leaves and the containers closed inside it.
+            if count <= end - taken:
+                # No container inside it: its children are the last `count` new leaves.
+                values += leaves[taken : end - count]
+                children = leaves[end - count : end]
+            else:
+                values += leaves[taken:end]
+                children = values[len(values) - count :]
+                del values[len(values) - count :]
+            taken = end
+            if node is _LIST:
+                values.append(children)
+            elif node is _DICT:
+                values.append(dict(zip(container, children)))  # noqa: B905 - same dict
+            elif node is _TUPLE:
+                values.append(tuple(children))
+            elif node.rebuild is _rebuild_namedtuple:
+                values.append(type(container)(*children))
+            else:
+                try:
+                    values.append(node.rebuild(container, children))
+                except Exception as err:
+                    # Rare: walk again to say where (the hot path keeps no paths).
+                    raise self._rebuild_error(err, container, spec) from None
+        return values[0]
+
+    def _rebuild_error(self, err: Exception, container: Any, spec: Spec) -> Exception:
+        flat = self.flatten(spec[-1][2], paths=True)
+        for (_, _, found, _), path in zip(flat.spec, flat.container_paths, strict=True):
+            if found is container:
+                return self._with_path(err, format_path(self._root, [path]), container)
+        return err
+
+    def locate(self, err: Exception, tree: Any, index: int) -> Exception:
+        """``err``, raised for the ``index``-th leaf of ``tree``, with that leaf's path."""
+        flat = self.flatten(tree, paths=True)
+        assert flat.paths is not None  # asked for
+        where = format_path(self._root, [flat.paths[index]])
+        return self._with_path(err, where, flat.leaves[index])
 
     def leaves_with_paths(self, tree: Any) -> Iterator[tuple[str, Any]]:
         """Every leaf with its path from the root, such as ``"['a'][1][0]"``.
@@ -321,7 +633,9 @@ class Walker:
         >>> dict(Walker(lambda cls: False).leaves_with_paths({"a": [1, (2,)]}))
         {"['a'][0]": 1, "['a'][1][0]": 2}
         """
-        return self._walk(tree, with_paths=True)
+        flat = self.flatten(tree, paths=True)
+        assert flat.paths is not None  # asked for
+        return zip(flat.paths, flat.leaves, strict=True)
 
     def pairs(self, left: Any, right: Any) -> Iterator[tuple[str, Any, Any]]:
         """Corresponding objects of two structures, with their paths, parents first.
@@ -335,18 +649,40 @@ class Walker:
         [("['x']", [1, 2], [1, 3]), ("['x'][0]", 1, 1), ("['x'][1]", 2, 3)]
 
         Raises:
-            TransferError: The structures nest deeper than :data:`MAX_DEPTH` (a cycle).
+            TransferError: The structures hold a reference cycle, or nest deeper than
+                :data:`MAX_DEPTH`.
         """
-        stack: list[tuple[tuple[str, ...], Any, Any]] = [((), left, right)]
+        # The left containers on the way down, by id, with their paths: a container met
+        # again inside itself is a cycle, found at its first repeat, not MAX_DEPTH later.
+        inside: dict[int, str] = {}
+        paired: set[tuple[int, int]] = set()  # container pairs being compared, on the way down
+        stack: list[tuple[Any, Any, Any]] = [((), left, right)]
         while stack:
             fragments, a, b = stack.pop()
-            yield "".join(fragments), a, b
+            if fragments is _UP:  # the way back up, past this pair of containers
+                del inside[a]
+                paired.discard((a, b))
+                continue
+            path = "".join(fragments)
+            yield path, a, b
             node = self.node_of(type(a)) if type(a) is type(b) else None
             if node is None or isinstance(a, set | frozenset):
                 continue
             keys = list(node.keys(a))
             if keys != list(node.keys(b)):
                 continue
+            if (id(a), id(b)) in paired:
+                continue  # both sides repeat here together: compared where they began
+            if id(a) in inside:
+                msg = (
+                    "Expected data without reference cycles, but "
+                    f"{format_path(self._root, [path])} is the {type(a).__name__} "
+                    f"{format_path(self._root, [inside[id(a)]])} itself, which contains it."
+                )
+                raise TransferError(msg)
+            inside[id(a)] = path
+            paired.add((id(a), id(b)))
+            stack.append((_UP, id(a), id(b)))
             if len(fragments) >= MAX_DEPTH:
                 path = format_path(self._root, fragments)
                 msg = (
@@ -357,35 +693,6 @@ class Walker:
             children = zip(keys, node.children(a), node.children(b), strict=True)
             stack.extend(((*fragments, key), x, y) for key, x, y in reversed(list(children)))
 
-    def _walk(self, tree: Any, *, with_paths: bool) -> Iterator[tuple[str, Any]]:
-        node = self.node_of(type(tree))
-        if node is None:
-            yield "", tree
-            return
-        stack: list[_Frame] = [(node, tree, iter(node.children(tree)), [])]
-        # Parallel to `stack`: each frame's key iterator and its own path, when wanted.
-        keys: list[Iterator[str] | None] = [iter(node.keys(tree)) if with_paths else None]
-        paths = [""]
-        while stack:
-            children = stack[-1][2]
-            child_keys = keys[-1]
-            for child in children:
-                path = paths[-1] + next(child_keys) if child_keys is not None else ""
-                child_node = self.node_of(type(child))
-                if child_node is None:
-                    yield path, child
-                    continue
-                if len(stack) >= MAX_DEPTH:
-                    raise self._too_deep(stack, child)
-                stack.append((child_node, child, iter(child_node.children(child)), []))
-                keys.append(iter(child_node.keys(child)) if with_paths else None)
-                paths.append(path)
-                break
-            else:
-                stack.pop()
-                keys.pop()
-                paths.pop()
-
     # Errors: the stack is the path, so it is only read here, once something failed.
 
     def _path(self, stack: list[_Frame], last: Any) -> str:
@@ -395,7 +702,9 @@ class Walker:
         return format_path(self._root, fragments)
 
     def _located(self, err: Exception, stack: list[_Frame], where: Any) -> Exception:
-        path = self._path(stack, where)
+        return self._with_path(err, self._path(stack, where), where)
+
+    def _with_path(self, err: Exception, path: str, where: Any) -> Exception:
         if isinstance(err, LeafError):
             located = TransferError(err.template.format(path=path))
             located.__cause__ = err.__cause__

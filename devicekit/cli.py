@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -22,7 +23,12 @@ import torch
 import devicekit
 from devicekit._bench import report as bench_report
 from devicekit._demo import train
+from devicekit._errors import DeviceKitError
 from devicekit._manager import DeviceManager
+
+
+class UserError(Exception):
+    """A mistake in what was asked of the command: one line on stderr, status 2."""
 
 
 def _manager(device: str | None = None) -> DeviceManager:
@@ -30,7 +36,7 @@ def _manager(device: str | None = None) -> DeviceManager:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         if device is not None:
-            return DeviceManager(int(device) if device.isdigit() else device)
+            return DeviceManager(int(device) if device.isascii() and device.isdecimal() else device)
         return DeviceManager.from_env()
 
 
@@ -48,22 +54,37 @@ def _progress(epochs: int) -> Any:
     return show
 
 
-def _demo(manager: DeviceManager, epochs: int, *, as_json: bool) -> int:
+@dataclasses.dataclass
+class _Run:
+    """What the demo has done so far: what Ctrl-C reports."""
+
+    epochs_done: int = 0
+
+
+def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, run: _Run) -> int:
+    if manager.device.type == "meta":
+        msg = (
+            "the demo trains on real data, and meta tensors have none (only shapes): "
+            "choose cpu or an accelerator"
+        )
+        raise UserError(msg)
     if not as_json:
         print(f"devicekit {devicekit.__version__}: a small CNN on synthetic 16x16 images")
-        print(f"device: {manager.device} ({manager.reason})")
+        print(f"device: {manager.device} ({manager.reason})", flush=True)
     progress = None if as_json else _progress(epochs)
     reports = []
     # Over a progress line, the epoch's line goes back to the start and covers it.
     start, pad = ("\r", " " * 20) if progress is not None else ("", "")
     for report in train(manager.device, epochs=epochs, on_batch=progress):
         reports.append(report)
+        run.epochs_done = report.epoch
         if not as_json:
             print(
-                f"{start}epoch {report.epoch}/{epochs}  loss {report.loss:.3f}  "
-                f"{report.samples_per_second:,.0f} samples/s  {report.seconds:.1f} s{pad}"
+                f"{start}epoch {report.epoch}/{epochs}  loss {report.first_loss:.3f} -> "
+                f"{report.loss:.3f}  {report.samples_per_second:,.0f} samples/s  "
+                f"{report.seconds:.1f} s{pad}",
+                flush=True,
             )
-    first, last = reports[0], reports[-1]
     if as_json:
         summary = {
             "device": str(manager.device),
@@ -72,10 +93,12 @@ def _demo(manager: DeviceManager, epochs: int, *, as_json: bool) -> int:
         }
         print(json.dumps(summary, indent=2))
     else:
-        rate = sum(r.samples_per_second for r in reports) / len(reports)
+        samples = sum(report.samples for report in reports)
+        seconds = sum(report.seconds for report in reports)
         print(
-            f"Trained {epochs} epoch(s) on {manager.device}: loss {first.loss:.3f} -> "
-            f"{last.loss:.3f}, {rate:,.0f} samples/s."
+            f"Trained {epochs} epoch(s) on {manager.device}: loss {reports[0].first_loss:.3f} "
+            f"(first batch) -> {reports[-1].loss:.3f} (last epoch), {samples / seconds:,.0f} "
+            f"samples/s over {seconds:.1f} s."
         )
     return 0
 
@@ -131,6 +154,11 @@ def _info_json(manager: DeviceManager) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line.
 
+    A mistake in what was asked (a device this machine lacks, a bad environment
+    variable) is one line on stderr and status 2; ``--debug`` (or ``DEVICEKIT_DEBUG=1``)
+    shows the traceback instead. Ctrl-C ends with one line and status 130; a closed
+    pipe (``devicekit info | head -1``) ends quietly.
+
     >>> main([])  # doctest: +ELLIPSIS
     devicekit ... (PyTorch ...)
     device: ...
@@ -142,10 +170,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status.
     """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("DEVICEKIT_DEBUG", "") not in ("", "0")
+    run = _Run()
+    try:
+        status = _run(args, parser, run)
+        sys.stdout.flush()  # here, so a closed pipe is caught below and not at exit
+    except KeyboardInterrupt:
+        done = f" after {run.epochs_done} epoch(s)" if args.command == "demo" else ""
+        print(f"\ndevicekit: interrupted{done}.", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (| head): say nothing more, and let Python's exit not try
+        # to flush into the closed pipe either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except (UserError, DeviceKitError, ValueError) as error:
+        if debug:
+            raise
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"devicekit: error: {message}", file=sys.stderr)
+        return 2
+    return status
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="devicekit", description="Device handling for PyTorch training loops."
     )
     parser.add_argument("--version", action="version", version=devicekit.__version__)
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (DEVICEKIT_DEBUG=1)"
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = commands.add_parser("info", help="list the devices, the one selected, and why")
     info.add_argument("--json", action="store_true", help="print a JSON report instead")
@@ -154,14 +212,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--device", help="a device such as cuda:1 (default: devicekit's choice)")
     demo.add_argument("--json", action="store_true", help="print a JSON report at the end only")
     commands.add_parser("bench", help="measure devicekit's transfers on this machine")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, run: _Run) -> int:
     if args.command == "bench":
         print("\n".join(bench_report()))
         return 0
     if args.command == "demo":
         if args.epochs < 1:
             parser.error(f"--epochs must be 1 or more, got {args.epochs}")
-        return _demo(_manager(args.device), args.epochs, as_json=args.json)
+        return _demo(_manager(args.device), args.epochs, as_json=args.json, run=run)
     manager = _manager()
     if args.command == "info":
         print(_info_json(manager) if args.json else _info_table(manager))

@@ -1,13 +1,15 @@
 """Data-parallel training under torchrun: each rank on its own device, its own shard.
 
 Run ``torchrun --nproc_per_node=4 examples/distributed.py`` (``--epochs``). On GPUs each
-rank trains on ``cuda:LOCAL_RANK`` with NCCL; without them, on the CPU with gloo.
+rank trains on ``cuda:LOCAL_RANK`` with NCCL; without them, on the CPU with gloo. Run with
+plain ``python``, it is one process: a group of one, which is how a script written for
+torchrun is tried out on a laptop.
 """
 
 from __future__ import annotations
 
 import argparse
-import warnings
+import os
 
 import torch
 import torch.distributed as dist
@@ -23,12 +25,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback, said below
-        manager = dk.DeviceManager.from_env()  # cuda:LOCAL_RANK under torchrun
+    manager = dk.DeviceManager.from_env()  # cuda:LOCAL_RANK under torchrun
     if manager.device.type == "cuda":
         torch.cuda.set_device(manager.device)  # for code that says "cuda"
-    dist.init_process_group("nccl" if manager.device.type == "cuda" else "gloo")
+    backend = "nccl" if manager.device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:  # torchrun's rendezvous, from the variables it sets
+        dist.init_process_group(backend)
+    else:  # plain python: a group of one, kept in this process
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank()
     print(f"rank {rank}: {manager.device} ({manager.reason})")
 

@@ -216,12 +216,20 @@ def test_once_cuda_started_gpus_are_matched_by_uuid() -> None:
 
 @pytest.mark.cuda
 def test_a_forked_child_can_use_cuda_after_devices_were_listed() -> None:
-    import multiprocessing  # noqa: PLC0415 - only this GPU test forks
-
-    dk.DeviceManager()
-    assert not torch.cuda.is_initialized()
-    context = multiprocessing.get_context("fork")
-    child = context.Process(target=lambda: torch.zeros(1, device="cuda").sum().item())
-    child.start()
-    child.join(60)
-    assert child.exitcode == 0
+    # In a fresh interpreter: once an earlier test has started CUDA in this process, no
+    # forked child could use it, whatever devicekit does.
+    program = """
+import multiprocessing, torch, devicekit as dk
+dk.DeviceManager()
+assert not torch.cuda.is_initialized(), "listing devices started CUDA"
+child = multiprocessing.get_context("fork").Process(
+    target=lambda: torch.zeros(1, device="cuda").sum().item()
+)
+child.start()
+child.join(60)
+raise SystemExit(child.exitcode)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+
+import pytest
 
 import devicekit
 
@@ -55,3 +58,74 @@ def test_info_json_is_machine_readable() -> None:
 
 def test_version_flag() -> None:
     assert _run("--version").strip() == devicekit.__version__
+
+
+def _fails(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "devicekit", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **environ},
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "says"),
+    [
+        (("demo", "--device", "cuda:7"), {}, "got 'cuda:7'"),
+        (("info",), {"DEVICEKIT_DEVICE": "cuda:7"}, "DEVICEKIT_DEVICE='cuda:7' cannot be used"),
+        (("info",), {"LOCAL_RANK": "x"}, "LOCAL_RANK (set by torchrun)"),
+        (("demo", "--device", "meta"), {}, "meta tensors have none"),
+    ],
+)
+def test_a_mistake_is_one_line_and_status_2(
+    args: tuple[str, ...], environ: dict[str, str], says: str
+) -> None:
+    result = _fails(*args, **environ)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("devicekit: error: ")
+    assert says in result.stderr
+
+
+def test_debug_shows_the_traceback() -> None:
+    by_flag = _fails("--debug", "demo", "--device", "cuda:7")
+    by_environment = _fails("demo", "--device", "cuda:7", DEVICEKIT_DEBUG="1")
+    for result in (by_flag, by_environment):
+        assert result.returncode == 1
+        assert "Traceback (most recent call last)" in result.stderr
+        assert "DeviceUnavailableError" in result.stderr
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-m", "devicekit", "info"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "DEVICEKIT_DEVICE": "cpu"},
+    ) as process:
+        assert process.stdout is not None
+        process.stdout.close()  # the reader is gone before the first line is written
+        _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 141
+    assert stderr == b""
+
+
+def test_ctrl_c_says_how_far_the_demo_got() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-m", "devicekit", "demo", "--epochs", "50", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(3)]
+        assert lines[2].startswith("epoch 1/50"), lines  # an epoch is done
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130
+    done = int(stderr.split("interrupted after ")[1].split(" epoch")[0])
+    assert done >= 1
+    assert "Traceback" not in stderr

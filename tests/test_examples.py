@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,26 @@ def test_distributed_runs_under_torchrun(epochs: str) -> None:
     assert "rank 0: " in out
     assert "rank 1: " in out
     assert "epoch 1: loss" in out
+
+
+def test_distributed_runs_alone_as_one_process() -> None:
+    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    environ = {key: value for key, value in os.environ.items() if key not in torchrun}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "distributed.py"), "--epochs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=environ,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("rank 0: ")
+    assert "epoch 1: loss" in result.stdout
+    # A fallback to the CPU is devicekit's to say, and the example leaves it said.
+    fell_back = first.endswith("so the CPU is the fallback)")
+    assert fell_back == ("RuntimeWarning: devicekit uses the CPU" in result.stderr)
 
 
 def test_the_demo_trains_for_one_epoch() -> None:

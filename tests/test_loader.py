@@ -146,8 +146,9 @@ def test_a_used_up_iterator_is_refused_for_a_second_epoch() -> None:
     loader = dk.DeviceDataLoader(iter([torch.ones(1)]), META)
     assert len(list(loader)) == 1
     msg = (
-        "Expected a re-iterable loader for a second epoch, but the wrapped list_iterator is an "
-        "iterator that is used up."
+        "Expected a re-iterable loader for another epoch, but the wrapped list_iterator is an "
+        "iterator that is used up. Wrap a list, a DataLoader, or a function that returns a new "
+        "iterable each epoch."
     )
     with pytest.raises(TypeError, match=re.escape(msg)):
         list(loader)

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
-from devicekit._loader import _pin
+from devicekit._loader import StreamPrefetcher, _pin
 
 pytestmark = pytest.mark.cuda
 
@@ -18,21 +18,23 @@ def cuda() -> torch.device:
 
 
 def test_pinning_keeps_structure_and_aliases() -> None:
-    shared = torch.ones(4)
-    pinned = _pin({"a": shared, "b": [shared, torch.zeros(2)], "n": 3})
+    shared = torch.ones(1 << 16)  # 256 KiB: large enough to be pinned, not packed
+    small = torch.zeros(2)
+    pinned = _pin({"a": shared, "b": [shared, small], "n": 3})
     assert pinned["a"].is_pinned()
     assert pinned["a"] is pinned["b"][0]
-    assert pinned["b"][1].is_pinned()
+    assert pinned["b"][1] is small  # small tensors travel packed through pinned staging
     assert pinned["n"] == 3
     assert not shared.is_pinned()  # the input is not changed
 
 
+@pytest.mark.parametrize("prefetch", [1, 2, 3, 4])
 def test_each_batch_is_complete_when_handed_over_even_under_in_place_use(
-    cuda: torch.device,
+    cuda: torch.device, prefetch: int
 ) -> None:
     batches = [torch.full((1 << 18,), float(i)) for i in range(300)]
     wrong = torch.zeros((), device=cuda)
-    for step, batch in enumerate(dk.DeviceDataLoader(batches, cuda, prefetch=2)):
+    for step, batch in enumerate(dk.DeviceDataLoader(batches, cuda, prefetch=prefetch)):
         torch.cuda._sleep(20_000)  # a busy step: copies of later batches overlap it
         wrong += (batch != step).sum()
         batch.add_(1)  # the consumer mutates its batch in place
@@ -40,10 +42,12 @@ def test_each_batch_is_complete_when_handed_over_even_under_in_place_use(
     assert wrong.item() == 0
 
 
-def test_device_memory_stays_within_the_prefetched_batches(cuda: torch.device) -> None:
+@pytest.mark.parametrize("prefetch", [1, 2, 3, 4])
+def test_device_memory_stays_within_the_prefetched_batches(
+    cuda: torch.device, prefetch: int
+) -> None:
     batch_bytes = 16 << 20
     batches = [torch.ones(batch_bytes // 4) for _ in range(40)]
-    prefetch = 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
@@ -62,12 +66,15 @@ def test_one_side_stream_for_the_loader_s_whole_life(cuda: torch.device) -> None
     for _ in range(3):
         for _batch in loader:
             pass
-        streams.add(loader._streams[cuda])
+        prefetcher = loader._prefetchers[cuda]
+        assert isinstance(prefetcher, StreamPrefetcher)
+        streams.add(prefetcher._stream)
     assert len(streams) == 1
-    assert len(loader._streams) == 1
-    assert loader._streams[cuda] != torch.cuda.current_stream(cuda)
+    assert len(loader._prefetchers) == 1
+    assert streams.pop() != torch.cuda.current_stream(cuda)
 
 
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
 def test_no_synchronisation_while_iterating_pinned_batches(cuda: torch.device) -> None:
     data = TensorDataset(torch.randn(256, 32), torch.arange(256))
     loader = dk.DeviceDataLoader(DataLoader(data, batch_size=32, pin_memory=True), cuda)

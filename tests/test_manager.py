@@ -28,7 +28,7 @@ def cuda(index: int) -> torch.device:
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in ("LOCAL_RANK", "DEVICEKIT_DEVICE"):
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "DEVICEKIT_DEVICE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     _manager._fallback_warned.clear()
     yield
@@ -69,7 +69,9 @@ def test_unknown_free_memory_takes_the_first() -> None:
 def test_min_free_memory_skips_full_gpus() -> None:
     manager = dk.DeviceManager(min_free_memory="50GiB", backends=machine(10, 60, 30))
     assert manager.device == cuda(1)
-    assert "Skipped cuda:0: 10.0 GiB free, under min_free_memory 50.0 GiB." in manager.explain()
+    assert (
+        "Skipped cuda:0: 10.0 GiB free of 80.0 GiB, less than the 50.0 GiB min" in manager.explain()
+    )
 
 
 def test_min_free_memory_in_bytes() -> None:
@@ -96,26 +98,39 @@ def test_cuda_in_prefer_matches_rocm_gpus() -> None:
 
 
 def test_no_gpu_falls_back_to_the_cpu_and_warns_once() -> None:
-    msg = "devicekit found no usable accelerator (no cuda, xpu or mps device is usable)"
-    with pytest.warns(RuntimeWarning, match=re.escape(msg)):
+    msg = (
+        "devicekit uses the CPU: no cuda, xpu or mps device is usable. No cuda device is "
+        "visible (this PyTorch build has no CUDA support). DeviceManager(...).explain()"
+    )
+    with pytest.warns(RuntimeWarning, match=re.escape(msg)) as record:
         manager = dk.DeviceManager(backends=machine(note="this PyTorch build has no CUDA support"))
+    assert record[0].filename == __file__  # the user's line, not devicekit's
     assert manager.device == CPU
     assert manager.reason == "no cuda, xpu or mps device is usable, so the CPU is the fallback"
     again = dk.DeviceManager(backends=machine())  # no second warning: filterwarnings=error
     assert again.device == CPU
 
 
-def test_full_gpus_fall_back_too() -> None:
-    with pytest.warns(RuntimeWarning):
+def test_full_gpus_fall_back_too_and_say_why_for_each() -> None:
+    msg = (
+        "devicekit uses the CPU: no cuda, xpu or mps device is usable. Passed over cuda:0: "
+        "1.0 GiB free of 80.0 GiB, less than the 8.0 GiB min_free_memory asks. Passed over "
+        "cuda:1: 2.0 GiB free of 80.0 GiB, less than the 8.0 GiB min_free_memory asks. "
+        "DeviceManager(...).explain() says what it saw"
+    )
+    with pytest.warns(RuntimeWarning, match=re.escape(msg)):
         manager = dk.DeviceManager(min_free_memory="8GiB", backends=machine(1, 2))
     assert manager.device == CPU
-    assert "Skipped cuda:1: 2.0 GiB free, under min_free_memory 8.0 GiB." in manager.explain()
+    skipped = (
+        "Skipped cuda:1: 2.0 GiB free of 80.0 GiB, less than the 8.0 GiB min_free_memory asks."
+    )
+    assert skipped in manager.explain()
 
 
 def test_fallback_error_lists_what_was_found() -> None:
     msg = (
-        "Expected a cuda, xpu or mps device, but no cuda, xpu or mps device is usable. "
-        "Devices here: cpu. this PyTorch build has no CUDA support."
+        "Expected a usable cuda, xpu or mps device, but no cuda, xpu or mps device is usable. "
+        "No cuda device is visible (this PyTorch build has no CUDA support). Devices here: cpu."
     )
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
         dk.DeviceManager(
@@ -126,7 +141,26 @@ def test_fallback_error_lists_what_was_found() -> None:
 def test_preferring_the_cpu_is_not_a_fallback() -> None:
     manager = dk.DeviceManager(prefer=("cpu",), backends=machine(70))
     assert manager.device == CPU
-    assert manager.reason == "prefer asks for the CPU"
+    assert manager.reason == "prefer puts the CPU first"
+    # The CPU first, an accelerator after it, usable GPUs: the CPU, without a warning.
+    manager = dk.DeviceManager(prefer=("cpu", "cuda"), backends=machine(70))
+    assert manager.device == CPU
+    assert manager.reason == "prefer puts the CPU first"
+
+
+def test_the_fallback_warning_points_at_the_user_s_line_from_to_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from devicekit import _manager  # noqa: PLC0415 - the process default is what is tested
+
+    monkeypatch.setattr(_manager, "builtin_backends", machine)
+    _manager._process_default.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="devicekit uses the CPU") as record:
+            dk.to_device(torch.ones(1))  # the default manager is made, deep inside
+        assert record[0].filename == __file__
+    finally:
+        _manager._process_default.cache_clear()
 
 
 # Explicit devices and bad specs.
@@ -214,9 +248,39 @@ def test_local_rank_selects_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_local_rank_with_one_visible_gpu_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the launcher gave each rank its own
     manager = dk.DeviceManager.from_env(backends=machine(70))
     assert manager.device == cuda(0)
     assert manager.reason == "LOCAL_RANK=3, and this process sees one cuda device"
+
+
+def test_more_ranks_than_gpus_is_refused_before_nccl_finds_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchrun --nproc_per_node=2 on a machine with one GPU: both ranks would use cuda:0.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    msg = (
+        "Expected LOCAL_RANK to be below the number of cuda devices this process sees (1), "
+        "got 1: ranks would share a device, which NCCL refuses ('Duplicate GPU detected'). "
+        "Start at most 1 process per node (torchrun --nproc_per_node=1), or give each "
+        "process its own CUDA_VISIBLE_DEVICES."
+    )
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager.from_env(backends=machine(70))
+    # Rank 0 of the same launch is told too, from LOCAL_WORLD_SIZE, so no rank waits on NCCL.
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    msg = (
+        "Expected at most 1 process on this node, one per cuda device, but "
+        "LOCAL_WORLD_SIZE=2: ranks would share a device, which NCCL refuses ('Duplicate GPU "
+        "detected'). Start 1 per node (torchrun --nproc_per_node=1), or give each process its "
+        "own CUDA_VISIBLE_DEVICES."
+    )
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager.from_env(backends=machine(70))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert dk.DeviceManager.from_env(backends=machine(70)).device == cuda(0)
 
 
 def test_local_rank_policy_needs_local_rank() -> None:
@@ -243,8 +307,10 @@ def test_devicekit_device_wins_over_local_rank(monkeypatch: pytest.MonkeyPatch) 
             "5",
             dk.DeviceUnavailableError,
             (
-                "Expected LOCAL_RANK to be below the 4 cuda devices this process sees, got 5: "
-                "start at most 4 processes per node, or give each its own CUDA_VISIBLE_DEVICES."
+                "Expected LOCAL_RANK to be below the number of cuda devices this process sees "
+                "(4), got 5: ranks would share a device, which NCCL refuses ('Duplicate GPU "
+                "detected'). Start at most 4 processes per node (torchrun --nproc_per_node=4), "
+                "or give each process its own CUDA_VISIBLE_DEVICES."
             ),
         ),
         (

@@ -10,17 +10,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import devicekit as dk
-from devicekit.testing import assert_same_structure, batches, tensors
+from devicekit._transfer import as_accelerator
+from devicekit.testing import batches, tensors
 
 from .helpers import assert_unchanged, snapshot, tensor_leaves
+from .reference import assert_moved_like, reference_move
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
 
 
-@given(batches())
-def test_structure_and_container_types_are_preserved(batch: Any) -> None:
-    assert_same_structure(dk.to_device(batch, META), batch)
+@given(batches(), st.sampled_from([META, CPU]), st.sampled_from([None, torch.float16]))
+def test_to_device_does_what_the_reference_does(
+    batch: Any, device: torch.device, dtype: torch.dtype | None
+) -> None:
+    # The reference (tests/reference.py) knows nothing of devicekit's walker.
+    assert_moved_like(
+        dk.to_device(batch, device, dtype=dtype), reference_move(batch, device, dtype=dtype)
+    )
 
 
 @given(batches())
@@ -61,3 +68,32 @@ def test_ci_runs_each_property_on_at_least_200_examples() -> None:
     assert settings.get_profile("ci").max_examples >= 200
     if os.environ.get("CI") and not os.environ.get("HYPOTHESIS_PROFILE"):
         assert settings.default.max_examples >= 200
+
+
+_ALIKE = tensors(dtypes=[torch.float32, torch.int64], shapes=st.sampled_from([(2, 3), (4,), ()]))
+
+
+@given(
+    batches()
+    | st.lists(_ALIKE, min_size=11, max_size=40).flatmap(
+        # Many alike tensors, some of them twice, nested: batches that go packed.
+        lambda items: st.builds(
+            lambda picks, split: {"a": items[:split] + picks, "b": tuple(items[split:])},
+            st.lists(st.sampled_from(items), max_size=3),
+            st.integers(0, len(items)),
+        )
+    )
+)
+def test_the_accelerator_path_keeps_structure_shapes_dtypes_and_aliases(batch: Any) -> None:
+    # meta standing in for an accelerator: the batch is taken apart, its small tensors
+    # packed where that pays, and rebuilt.
+    with as_accelerator("meta"):
+        moved = dk.to_device(batch, META)
+    assert_moved_like(moved, reference_move(batch, META))
+    before, after = list(tensor_leaves(batch)), list(tensor_leaves(moved))
+    assert len(before) == len(after)
+    copies: dict[int, torch.Tensor] = {}
+    for source, copy in zip(before, after, strict=True):
+        assert copy.device == META
+        assert (copy.shape, copy.dtype) == (source.shape, source.dtype)
+        assert copies.setdefault(id(source), copy) is copy  # one copy per source tensor

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
 
 import devicekit as dk
 from devicekit.testing import (
@@ -24,6 +25,8 @@ from devicekit.testing import (
     devices,
     tensors,
 )
+
+from .helpers import tensor_leaves
 
 KIND_TYPES: dict[str, type] = {
     "dict": dict,
@@ -60,11 +63,23 @@ def test_batches_generate_every_container_kind(kind: str) -> None:
     assert KIND_TYPES[kind] in _kinds(batch)
 
 
-@given(batches(containers=("list",), dtypes=(torch.int8,)))
+@given(batches(containers=("list",), dtypes=(torch.int8, torch.float64)))
 def test_batches_keep_to_the_kinds_and_dtypes_asked_for(batch: Any) -> None:
     assert _kinds(batch) <= {list, torch.Tensor, type(None), int, str, bool}
-    for leaf in dk.find_devices(batch):
-        assert leaf == torch.device("cpu")
+    for tensor in tensor_leaves(batch):
+        assert tensor.dtype in (torch.int8, torch.float64)
+        assert tensor.device == torch.device("cpu")
+
+
+def test_batches_draw_every_dtype_asked_for() -> None:
+    wanted = (torch.int8, torch.float64, torch.bool)
+    for dtype in wanted:
+        batch = find(
+            batches(dtypes=wanted),
+            lambda b, dtype=dtype: any(t.dtype == dtype for t in tensor_leaves(b)),
+            settings=settings(max_examples=2000),
+        )
+        assert any(t.dtype == dtype for t in tensor_leaves(batch))
 
 
 def test_an_unknown_container_kind_is_refused() -> None:
@@ -73,9 +88,23 @@ def test_an_unknown_container_kind_is_refused() -> None:
         batches(containers=("set",))
 
 
-@given(devices())
-def test_devices_are_those_of_this_machine(device: torch.device) -> None:
-    assert torch.ones(1).to(device).device.type == device.type
+def test_devices_are_the_cpu_meta_and_the_accelerators_torch_sees() -> None:
+    # The expectation comes from torch itself, not from devicekit's own listing.
+    expected = {torch.device("cpu"), torch.device("meta")}
+    expected |= {torch.device("cuda", i) for i in range(torch.cuda.device_count())}
+    if torch.backends.mps.is_available():
+        expected.add(torch.device("mps", 0))
+    found: set[torch.device] = set()
+    while True:  # every device the strategy can draw, until it has no other
+        try:
+            found.add(
+                find(devices(), lambda d: d not in found, settings=settings(max_examples=500))
+            )
+        except NoSuchExample:  # noqa: PERF203 - how the search ends
+            break
+    assert found == expected
+    with pytest.raises(NoSuchExample):
+        find(devices(meta=False), lambda d: d.type == "meta")
 
 
 @given(batches(), devices())

@@ -1,10 +1,16 @@
-"""Example tests for every to_device rule, with meta as the second device on CPU machines."""
+"""Example tests for every to_device rule, with meta as the second device on CPU machines.
+
+Every test runs twice: once as a move to meta is (the host path), and once with meta
+standing in for an accelerator (the walk taken apart and rebuilt, small tensors
+packed), so both of to_device's paths keep every rule.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 from collections import OrderedDict, UserDict, defaultdict, namedtuple
+from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
@@ -14,6 +20,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
+from devicekit._transfer import as_accelerator
 from devicekit.testing import assert_same_structure
 
 from .helpers import assert_unchanged, snapshot, tensor_leaves
@@ -21,6 +28,16 @@ from .helpers import assert_unchanged, snapshot, tensor_leaves
 META = torch.device("meta")
 CPU = torch.device("cpu")
 Point = namedtuple("Point", ["x", "y"])
+
+
+@pytest.fixture(autouse=True, params=["host path", "accelerator path"])
+def to_accelerator(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Whether meta stands in for an accelerator in this run of the test."""
+    if request.param == "host path":
+        yield False
+        return
+    with as_accelerator("meta"):
+        yield True
 
 
 class Encoding(UserDict[str, Any]):
@@ -137,14 +154,13 @@ def test_dataclass_is_copied_with_fields_outside_init() -> None:
     assert data.area.device == CPU
 
 
-def test_frozen_dataclass_is_rebuilt_through_replace() -> None:
+def test_frozen_dataclass_is_rebuilt_without_running_its_init_again() -> None:
     data = Frozen(torch.ones(2))
     moved = dk.to_device(data, META)
     assert type(moved) is Frozen
     assert moved.image.device == META
     assert data.image.device == CPU
-    # replace() ran __post_init__ on the copy, as the class intends.
-    assert moved.calls == [1, 1]
+    assert moved.calls == [1]  # __post_init__ ran once, when the user made it
 
 
 def test_str_and_bytes_are_leaves_not_sequences() -> None:
@@ -238,10 +254,25 @@ def test_gradients_flow_through_a_move() -> None:
     assert torch.equal(weight.grad, torch.ones(3))
 
 
-def test_parameters_and_tensor_subclasses_move() -> None:
+class Tagged(torch.Tensor):
+    """A tensor subclass that keeps its type through PyTorch's ops, as most do."""
+
+
+def test_parameters_and_tensor_subclasses_move_and_keep_their_type() -> None:
     param = nn.Parameter(torch.ones(2))
-    moved = dk.to_device([param], META)[0]
-    assert moved.device == META
+    tagged = torch.ones(3).as_subclass(Tagged)
+    frozen = nn.Parameter(torch.ones(1), requires_grad=False)
+    moved = dk.to_device([param, tagged, frozen, param], META)
+    assert type(moved[0]) is nn.Parameter
+    assert moved[0].device == META
+    assert moved[0].requires_grad
+    assert moved[0].is_leaf  # a parameter of its own, not a copy with a graph to the old
+    assert moved[0] is moved[3]  # found twice, moved once
+    assert type(moved[1]) is Tagged
+    assert moved[1].device == META
+    assert type(moved[2]) is nn.Parameter
+    assert not moved[2].requires_grad
+    assert param.device == CPU
 
 
 # Modules and optimizers.
@@ -313,7 +344,7 @@ def test_an_optimizer_whose_model_stayed_behind_is_refused() -> None:
     model = nn.Linear(2, 2)
     optimizer = _trained_adam(model)
     msg = (
-        "Cannot move the optimizer data['optimizer'] to meta: its state follows its parameters, "
+        "Cannot move data['optimizer'] (an optimizer) to meta: its state follows its parameters, "
         "and param_groups[0]['params'][0] is on cpu."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
@@ -348,7 +379,7 @@ def test_packed_sequence_moves_with_its_own_to() -> None:
     assert moved.batch_sizes.device == CPU  # PackedSequence.to keeps these on the host
 
 
-def test_the_to_signature_is_read_once_per_type() -> None:
+def test_the_to_signature_is_read_once_per_type(to_accelerator: bool) -> None:
     calls: list[tuple[Any, ...]] = []
 
     class Counted:
@@ -357,13 +388,15 @@ def test_the_to_signature_is_read_once_per_type() -> None:
             return self
 
     dk.to_device([Counted(), Counted()], META, dtype=torch.float16)
-    assert calls == [(META, {"dtype": torch.float16})] * 2
+    # Objects that move themselves get non_blocking only where their copies need no wait.
+    asked = {"non_blocking": True} if to_accelerator else {}
+    assert calls == [(META, {**asked, "dtype": torch.float16})] * 2
 
 
 def test_an_option_a_to_method_cannot_take_is_refused() -> None:
     msg = (
         "Cannot move data['thing'] with dtype=torch.float16: "
-        "Movable.to() takes no dtype argument. Register how to move it with "
+        "Movable.to() does not name a dtype argument. Register how to move it with "
         "@devicekit.register_transfer(Movable)."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
@@ -383,7 +416,7 @@ def test_a_to_method_returning_none_is_refused() -> None:
         dk.to_device([1, InPlace()], META)
 
 
-def test_registered_rules_win_over_to_and_containers() -> None:
+def test_registered_rules_win_over_to_and_containers(to_accelerator: bool) -> None:
     seen: list[dict[str, Any]] = []
 
     @dataclasses.dataclass
@@ -406,7 +439,7 @@ def test_registered_rules_win_over_to_and_containers() -> None:
     assert moved["b"].xyxy.device == META
     assert moved["s"].xyxy.device == META  # subclasses use their base's rule
     assert seen[0] == {
-        "non_blocking": False,
+        "non_blocking": to_accelerator,
         "dtype": None,
         "copy": False,
         "memory_format": torch.preserve_format,

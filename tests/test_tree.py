@@ -88,7 +88,10 @@ def test_a_read_only_mapping_that_cannot_be_rebuilt_is_refused() -> None:
         def __len__(self) -> int:
             return len(self._items)
 
-    msg = "Cannot rebuild data['x']: Frozen is a read-only Mapping that cannot be built from a dict"
+    msg = (
+        "Cannot rebuild data['x']: it is a tests.test_tree.Frozen, a read-only Mapping that "
+        "cannot be built from a dict ("
+    )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
         everything_walks.map(str, {"x": Frozen(items={"a": 1})})
 
@@ -119,8 +122,16 @@ def test_pairs_descend_only_where_both_sides_agree() -> None:
     ]
 
 
-def test_pairs_of_a_cycle_end_in_an_error() -> None:
-    loop: list[Any] = []
+def test_pairs_of_a_cycle_end_in_an_error_at_the_first_repeat() -> None:
+    loop: list[Any] = [1]
     loop.append(loop)
-    with pytest.raises(dk.TransferError, match=re.escape("containers deep, but data[0][0]")):
-        list(everything_walks.pairs(loop, loop))
+    msg = (
+        "Expected data without reference cycles, but data[1] is the list data itself, which "
+        "contains it."
+    )
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        list(everything_walks.pairs(loop, [1, [1, [1]]]))
+    # Two cycles that repeat together are compared once round, not refused.
+    other: list[Any] = [1]
+    other.append(other)
+    assert len(list(everything_walks.pairs(loop, other))) == 3

@@ -1,0 +1,348 @@
+"""Packed transfers: many small host tensors cross to an accelerator in a few copies.
+
+Every host->device copy costs a fixed few microseconds of host time however small it
+is (7.6 us for 4 KiB on an H100 machine, its device allocation included), so a batch
+of a thousand small tensors spends its time launching copies, not moving bytes.
+Packing gathers small tensors into one staging buffer in pinned host memory, sends it
+in a few bounded *chunks*, and hands back pieces of the device chunks.
+
+The figures behind every choice here are the H100 costs in the project's cost model
+(each primitive's host time per call; see docs/performance.rst):
+
+* Which tensors: only those of at most :data:`PACK_MAX_BYTES`. Gathering costs a
+  host memcpy of the bytes; beyond 64 KiB that memcpy costs more than the copy
+  launch it saves, and larger tensors are bandwidth-bound anyway.
+* Whether at all, per batch: :func:`pack` compares the modelled cost of packing (a
+  fixed part per call, per chunk, per run of alike tensors, and per tensor) with one
+  copy per tensor, and sends everything directly where packing would not pay (a few
+  small tensors, or many of unlike shapes).
+* How: tensors of one dtype and one trailing shape form a *run*; a run is gathered
+  with one ``torch.cat``/``torch.stack`` into the staging buffer and taken apart on
+  the device with one ``split``/``unbind``, so no Python call is made per tensor
+  beyond those (a Python ``view`` per tensor costs 3 us on that machine, as much as
+  the copy it saves).
+* How much one result keeps alive: each chunk is its own device allocation of at most
+  :data:`CHUNK_BYTES`, so a kept (or ``torch.save``-d) packed tensor carries at most
+  that much of its batch-mates' bytes. ``tensor.clone()`` gives it storage of its own.
+
+Pieces are made below autograd's view tracking, so each behaves as a tensor of its
+own: an in-place change to one (``labels.sub_(1)``) does not bump the version of
+another that autograd saved (the image a convolution saved for backward), which would
+fail the backward pass, as it would with ordinary views of one buffer.
+
+The staging buffer comes from PyTorch's caching pinned-memory allocator, which does not
+hand a block out again before the asynchronous copies out of it have completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import operator
+from collections.abc import Callable, Iterable
+from typing import Final, TypeAlias
+
+import torch
+
+from devicekit._devices import streams_to
+
+__all__ = [
+    "CHUNK_BYTES",
+    "MIN_TENSORS",
+    "PACK_MAX_BYTES",
+    "can_pack",
+    "pack",
+    "packs_to",
+]
+
+PACK_MAX_BYTES: Final = 32 * 1024
+"""Tensors up to this size may be packed; larger ones are copied alone."""
+
+CHUNK_BYTES: Final = 256 * 1024
+"""The most bytes one packed device allocation holds, so the most a kept result shares."""
+
+# The cost model: host microseconds on the H100 machine. COPY_US is measured there (per
+# small tensor); the others are this module's own host work, timed on the CPU by
+# benchmarks/bench_host_side.py and converted to that host the way the benchmark does.
+COPY_US: Final = 7.6
+"""One host->device copy of a small tensor, its device allocation included."""
+TENSOR_US: Final = 2.0
+"""Packing one tensor: grouping it, its share of the gather and of the split."""
+KIB_US: Final = 0.1
+"""Gathering one KiB into the staging buffer (a host memcpy at about 10 GB/s)."""
+RUN_US: Final = 10.0
+"""One run: a gather call or a split call, with the views around it."""
+CALL_US: Final = 30.0
+"""Once per packed call: staging allocation, layout, the pieces' guard and bookkeeping."""
+MIN_TENSORS: Final = int((CALL_US + COPY_US + 2 * RUN_US) // (COPY_US - TENSOR_US)) + 1
+"""Below this many tensors in a batch packing cannot pay: nothing is even grouped."""
+
+_ALIGN = 16  # every run starts 16-byte aligned: the widest element, and vector loads
+_PACKABLE_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+_STRIDED = torch.strided
+
+# Pieces made under this guard are tensors of their own to autograd (no shared version
+# counter, no multi-output-view restrictions); without it PyTorch offers no cheap way
+# to that, and packing is off.
+_independent_pieces: Callable[[], contextlib.AbstractContextManager[object]] | None = getattr(
+    torch._C, "_AutoDispatchBelowADInplaceOrView", None
+)
+can_pack: Final = _independent_pieces is not None
+"""Whether this PyTorch offers what packing needs."""
+
+
+def packs_to(device: torch.device) -> bool:
+    """Whether small host tensors bound for ``device`` go packed.
+
+    Only accelerators with pinned host memory and asynchronous copies gain: this
+    build's accelerator, as torch.accelerator names it, unless it is MPS.
+
+    >>> packs_to(torch.device("cpu")), packs_to(torch.device("meta"))
+    (False, False)
+    """
+    return can_pack and streams_to(device)
+
+
+class _Run:
+    """Tensors of one dtype and trailing shape, laid out back to back.
+
+    A kind's tensors are gathered as one run into the staging buffer, and taken apart
+    on the device as one run per chunk they landed in.
+    """
+
+    __slots__ = ("chunk", "dtype", "nbytes", "offset", "sizes", "tensors", "trailing")
+
+    def __init__(
+        self, dtype: torch.dtype, trailing: tuple[int, ...] | None, chunk: int, offset: int
+    ) -> None:
+        self.dtype = dtype
+        self.trailing = trailing  # None for 0-d tensors: stacked, then unbound
+        self.chunk = chunk  # the chunk it lies in (on the device side)
+        self.offset = offset  # in the staging buffer
+        self.nbytes = 0
+        self.tensors: list[torch.Tensor] = []
+        self.sizes: list[int] = []  # each tensor's first dimension
+
+
+_Shape: TypeAlias = tuple[int, ...]
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+
+
+_Kinds: TypeAlias = dict[
+    tuple[torch.dtype, "_Shape | None"], list[tuple[_Shape, list[torch.Tensor]]]
+]
+
+
+def _kinds(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> _Kinds:
+    """The tensors worth packing, by dtype and trailing shape, then by whole shape.
+
+    The trailing shape (all but the first dimension) is what a run shares: tensors with
+    different first dimensions (a detection batch's boxes) gather with one ``cat`` and
+    come apart with one ``split``. 0-d tensors have ``None`` there: they are stacked.
+    Tensors are grouped by whole shape first, at two attribute reads each; sizes and the
+    checks (on the host, outside autograd, dense) are then made once per group, and only
+    for kinds of two tensors or more.
+    """
+    groups = _alike(tensors, dtypes)
+    kinds: _Kinds = {}
+    for (dtype, shape), members in groups.items():
+        if dtype in _PACKABLE_DTYPES and 0 < members[0].nbytes <= PACK_MAX_BYTES:
+            kinds.setdefault((dtype, shape[1:] if shape else None), []).append((shape, members))
+    worth: _Kinds = {}
+    for kind, alike in kinds.items():
+        if len(alike) == 1 and len(alike[0][1]) == 1:
+            continue  # alone, a tensor is cheaper to copy directly
+        checked = [(shape, _checked(members)) for shape, members in alike]
+        if sum(len(members) for _, members in checked) > 1:
+            worth[kind] = [(shape, members) for shape, members in checked if members]
+    return worth
+
+
+def _alike(
+    tensors: list[torch.Tensor], dtypes: list[torch.dtype]
+) -> dict[tuple[torch.dtype, _Shape], list[torch.Tensor]]:
+    """The tensors grouped by dtype and shape, in order of first appearance."""
+    if not tensors:
+        return {}
+    shapes = list(map(_shape_of, tensors))
+    # One shape and dtype throughout (a list of equal tensors) is common, and C-level
+    # counts tell it at a fraction of the cost of grouping.
+    if dtypes.count(dtypes[0]) == len(dtypes) and shapes.count(shapes[0]) == len(shapes):
+        return {(dtypes[0], shapes[0]): tensors}
+    groups: dict[tuple[torch.dtype, _Shape], list[torch.Tensor]] = {}
+    for key, tensor in zip(zip(dtypes, shapes, strict=True), tensors, strict=True):
+        members = groups.get(key)
+        if members is None:
+            groups[key] = [tensor]
+        else:
+            members.append(tensor)
+    return groups
+
+
+def _checked(members: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The members that are dense host tensors outside autograd.
+
+    A packed copy would cut an autograd graph. Usually all members qualify, and then
+    the list itself comes back.
+    """
+    for tensor in members:
+        if not tensor.is_cpu or tensor.requires_grad or tensor.layout is not _STRIDED:
+            return [t for t in members if t.is_cpu and not t.requires_grad and t.layout is _STRIDED]
+    return members
+
+
+def _layout(kinds: _Kinds) -> tuple[list[_Run], list[_Run], list[int]]:
+    """Where each packed tensor goes: its kind's run in staging, its chunk's run on device.
+
+    Each kind starts aligned and lies contiguous in the staging buffer, so one call
+    gathers it; chunks of at most CHUNK_BYTES are cut at tensor boundaries (each chunk
+    is its own device allocation, so a cut needs no alignment).
+
+    Returns:
+        The gather runs, the device runs, and the chunk boundaries (offsets into the
+        staging buffer, the last being its size).
+    """
+    gathers: list[_Run] = []
+    pieces: list[_Run] = []
+    bounds = [0]
+    end = 0  # where the next tensor goes
+    for (dtype, trailing), groups in kinds.items():
+        end = _aligned(end)
+        gather = _Run(dtype, trailing, len(bounds) - 1, end)
+        gathers.append(gather)
+        run = None
+        for shape, members in groups:
+            nbytes = members[0].nbytes  # one shape, one dtype: one size
+            first = shape[0] if trailing is not None else 1
+            placed = 0
+            while placed < len(members):
+                fits = (CHUNK_BYTES - (end - bounds[-1])) // nbytes
+                if fits == 0:  # the chunk is full: the rest open the next, in a new run
+                    bounds.append(end)
+                    run = None
+                    continue
+                if run is None:
+                    run = _Run(dtype, trailing, len(bounds) - 1, end)
+                    pieces.append(run)
+                taken = members[placed : placed + fits]
+                run.tensors += taken
+                run.sizes += [first] * len(taken)
+                run.nbytes += nbytes * len(taken)
+                end += nbytes * len(taken)
+                placed += len(taken)
+        gather.tensors = [tensor for _, members in groups for tensor in members]
+        gather.nbytes = end - gather.offset
+    bounds.append(end)
+    return gathers, pieces, bounds
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+def _pays(tensors: int, nbytes: int, runs: int, chunks: int) -> bool:
+    """Whether the modelled host time of a packed copy beats one copy per tensor."""
+    packed = (
+        CALL_US + chunks * COPY_US + runs * RUN_US + tensors * (TENSOR_US + nbytes / 1024 * KIB_US)
+    )
+    return packed < tensors * COPY_US
+
+
+def _may_pay(kinds: _Kinds) -> bool:
+    """The model with the fewest runs and chunks the kinds can have: a cheap first no."""
+    tensors = sum(len(members) for alike in kinds.values() for _, members in alike)
+    nbytes = sum(
+        members[0].nbytes * len(members) for alike in kinds.values() for _, members in alike
+    )
+    return _pays(tensors, nbytes // max(tensors, 1), 2 * len(kinds), -(-nbytes // CHUNK_BYTES))
+
+
+def pack(
+    tensors: Iterable[torch.Tensor],
+    device: torch.device,
+    *,
+    non_blocking: bool,
+    dtype: torch.dtype | None = None,
+    pin: bool,
+) -> dict[int, torch.Tensor]:
+    """Copy the small host tensors among ``tensors`` to ``device`` in packed chunks.
+
+    >>> labels = [torch.tensor([i, i + 1]) for i in range(16)]
+    >>> moved = pack(labels, torch.device("cpu"), non_blocking=False, pin=False)
+    >>> moved[id(labels[3])], moved[id(labels[3])].untyped_storage() is labels[3].untyped_storage()
+    (tensor([3, 4]), False)
+    >>> pack(labels[:3], torch.device("cpu"), non_blocking=False, pin=False)  # does not pay
+    {}
+
+    Args:
+        tensors: Tensors of exactly :class:`torch.Tensor`; those not on the
+            host, too large, tracked by autograd or of exotic dtypes are left out, as
+            are all of them where packing would not pay.
+        device: Where the copies go.
+        non_blocking: Whether the chunks' host->device copies are asynchronous.
+        dtype: A floating-point dtype that floating-point copies are cast to, on the
+            device, once per run.
+        pin: Stage in pinned memory (needs an accelerator); False serves tests and the
+            host-side benchmark on machines without one.
+
+    Returns:
+        ``id(source) -> copy`` for every tensor that went packed; the caller copies the
+        rest directly.
+    """
+    if _independent_pieces is None:  # mypy; to_device asks can_pack first
+        return {}
+    tensors = list(tensors)
+    dtypes = list(map(_dtype_of, tensors))
+    # Each dtype is a kind of its own at least, and each kind costs two runs: a cheap
+    # first no, before grouping.
+    if not _pays(len(tensors), 0, 2 * len(set(dtypes)), 1):
+        return {}
+    kinds = _kinds(tensors, dtypes)
+    if not kinds or not _may_pay(kinds):
+        return {}
+    gathers, pieces, bounds = _layout(kinds)
+    count = sum(len(run.tensors) for run in gathers)
+    nbytes = sum(run.nbytes for run in gathers)
+    if not _pays(count, nbytes // count, len(gathers) + len(pieces), len(bounds) - 1):
+        return {}
+    staging = torch.empty(bounds[-1], dtype=torch.uint8, pin_memory=pin)
+    for run in gathers:
+        region = staging[run.offset : run.offset + run.nbytes].view(run.dtype)
+        if run.trailing is None:
+            torch.stack(run.tensors, out=region)
+        else:
+            torch.cat(run.tensors, out=region.view(-1, *run.trailing))
+    on_device = [
+        # copy=True: each chunk its own allocation on a host target too (tests).
+        staging[start:end].to(device, non_blocking=non_blocking, copy=True)
+        for start, end in itertools.pairwise(bounds)
+    ]
+    moved: dict[int, torch.Tensor] = {}
+    with _independent_pieces():
+        for run in pieces:
+            start = run.offset - bounds[run.chunk]
+            region = on_device[run.chunk][start : start + run.nbytes].view(run.dtype)
+            if dtype is not None and run.dtype.is_floating_point and run.dtype != dtype:
+                region = region.to(dtype)
+            if run.trailing is None:
+                parts = region.unbind(0)
+            else:
+                parts = region.view(-1, *run.trailing).split_with_sizes(run.sizes)
+            moved.update(zip(map(id, run.tensors), parts, strict=True))
+    return moved
