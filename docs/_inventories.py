@@ -36,6 +36,14 @@ PYTHON = {
         "library/collections.abc.html#collections.abc.Callable",
     ),
     "collections.abc.Mapping": ("py:class", "library/collections.abc.html#collections.abc.Mapping"),
+    "collections.abc.Collection": (
+        "py:class",
+        "library/collections.abc.html#collections.abc.Collection",
+    ),
+    "collections.abc.Hashable": (
+        "py:class",
+        "library/collections.abc.html#collections.abc.Hashable",
+    ),
     "collections.abc.Sequence": (
         "py:class",
         "library/collections.abc.html#collections.abc.Sequence",

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import doctest
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -25,6 +29,7 @@ extensions = [
     "sphinx.ext.intersphinx",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
+    "sphinx_copybutton",
 ]
 
 templates_path = ["_templates"]
@@ -33,11 +38,15 @@ html_title = f"devicekit {release}"
 exclude_patterns = ["_build"]
 
 autosummary_generate = True
+# One parameter list per object, with the types in it: the class's own docstring
+# documents the constructor's arguments, and autodoc merges the annotations of
+# __init__ into that list (never a second list, never "Return type: None").
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented_params"
+autodoc_typehints_format = "short"
+autodoc_class_signature = "mixed"
+autoclass_content = "class"
 autodoc_member_order = "bysource"
-# The constructor is documented as a function, so its annotations are evaluated as a
-# function's are (a class signature would show type aliases as unresolved strings).
-autodoc_class_signature = "separated"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
@@ -65,7 +74,46 @@ nitpick_ignore = [
     ("py:class", "torch.utils.hooks.RemovableHandle"),
 ]
 
-doctest_global_setup = """
-import torch
-import devicekit as dk
-"""
+# No doctest_global_setup and no testsetup blocks: every page shows its own imports, so
+# what the doctest build runs is what a reader pastes (tests/test_docs.py keeps it so).
+# Sphinx ignores an exception's message by default; the messages are what these pages
+# show, so they are compared too.
+doctest_default_flags = doctest.ELLIPSIS | doctest.DONT_ACCEPT_TRUE_FOR_1
+
+# The copy button takes the code without its prompts and without the output lines.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
+
+# Long lines (error messages, outputs) wrap instead of scrolling sideways.
+html_static_path = ["_static"]
+html_css_files = ["wrap.css"]
+
+
+def _evaluate_annotations(app: Any, obj: Any, bound_method: bool) -> None:
+    """Give autodoc the constructor's annotations as types, not as strings.
+
+    The package's modules use ``from __future__ import annotations``. autodoc evaluates
+    a function's string annotations, but not those of ``__init__`` when it merges them
+    into the class's parameter list; there "DeviceLike | None" would stay a name no
+    reader can look up. Evaluated, it reads ``device | str | int | None``.
+    """
+    function = getattr(obj, "__init__", None) if isinstance(obj, type) else obj
+    if getattr(function, "__module__", "").startswith("devicekit"):
+        with contextlib.suppress(Exception):  # leave what cannot be evaluated as it is
+            function.__annotations__ = typing.get_type_hints(function)
+
+
+def _no_protocol_signature(  # noqa: PLR0917  # the event passes these seven positionally
+    app: Any, what: str, name: str, obj: Any, options: Any, signature: Any, annotation: Any
+) -> tuple[str, Any] | None:
+    """A protocol is implemented, never called: ``Backend(*args, **kwargs)`` misleads."""
+    if what == "class" and getattr(obj, "_is_protocol", False):
+        return "", annotation
+    return None
+
+
+def setup(app: Any) -> None:
+    """Connect the hooks above."""
+    app.connect("autodoc-before-process-signature", _evaluate_annotations)
+    app.connect("autodoc-process-signature", _no_protocol_signature)
