@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .programs import run_program
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def _run(*command: str) -> str:
-    result = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, timeout=300, check=False
-    )
+    result = run_program([sys.executable, *command], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -50,12 +49,9 @@ def test_distributed_runs_under_torchrun(epochs: str) -> None:
 def test_distributed_runs_alone_as_one_process() -> None:
     torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     environ = {key: value for key, value in os.environ.items() if key not in torchrun}
-    result = subprocess.run(
+    result = run_program(
         [sys.executable, str(EXAMPLES / "distributed.py"), "--epochs", "2"],
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
         env=environ,
     )
     assert result.returncode == 0, result.stderr[-3000:]

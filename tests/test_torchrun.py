@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .programs import run_program
+
 if TYPE_CHECKING:
     from pathlib import Path
-from typing import Any
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -34,6 +34,7 @@ RANK_SCRIPT = textwrap.dedent(
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(everyone), flush=True)
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
     """
 )
@@ -60,6 +61,7 @@ SAMPLER_SCRIPT = textwrap.dedent(
     dist.all_gather_object(everyone, seen)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(everyone), flush=True)
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
     """
 )
@@ -69,9 +71,7 @@ def _torchrun(tmp_path: Path, script: str) -> list[Any]:
     path = tmp_path / "script.py"
     path.write_text(script)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = subprocess.run(
-        [*launch, str(path)], capture_output=True, text=True, timeout=240, check=False
-    )
+    result = run_program([*launch, str(path)], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     everyone: list[Any] = json.loads(line.removeprefix("RESULT "))
