@@ -54,7 +54,6 @@ def main() -> None:
                 optimizer.step()
             if rank == 0:
                 print(f"epoch {epoch}: loss {loss.item():.4f}")
-    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 

@@ -14,68 +14,59 @@ from .programs import run_program
 if TYPE_CHECKING:
     from pathlib import Path
 
+# The scripts start no process group: what they check (each rank's LOCAL_RANK, the
+# sampler's shards) needs none, and PyTorch 2.6's gloo can deadlock tearing one down
+# (its worker thread waits for the GIL that destroy_process_group holds). Each rank
+# writes what it saw to a file of its own in the folder given as its argument.
 RANK_SCRIPT = textwrap.dedent(
     """
-    import json, os, warnings
-    import torch
-    import torch.distributed as dist
+    import json, os, sys, warnings
     import devicekit as dk
 
     warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback, on CPU machines
-    dist.init_process_group("gloo")
     manager = dk.DeviceManager.from_env()
     mine = {
-        "rank": dist.get_rank(),
+        "rank": int(os.environ["RANK"]),
         "local_rank": int(os.environ["LOCAL_RANK"]),
         "device": str(manager.device),
         "reason": manager.reason,
     }
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(everyone), flush=True)
-    dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
+    with open(os.path.join(sys.argv[1], f"rank{mine['rank']}.json"), "w") as out:
+        json.dump(mine, out)
     """
 )
 
 
 SAMPLER_SCRIPT = textwrap.dedent(
     """
-    import json, warnings
+    import json, os, sys, warnings
     import torch
-    import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
     import devicekit as dk
 
     warnings.simplefilter("ignore", RuntimeWarning)
-    dist.init_process_group("gloo")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dataset = TensorDataset(torch.arange(40))
-    sampler = DistributedSampler(dataset, shuffle=True, seed=3)
+    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=3)
     loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=4, sampler=sampler))
     seen = {}
     for epoch in range(2):
         loader.set_epoch(epoch)
         seen[epoch] = [int(i) for (batch,) in loader for i in batch.cpu()]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, seen)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(everyone), flush=True)
-    dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as out:
+        json.dump(seen, out)
     """
 )
 
 
 def _torchrun(tmp_path: Path, script: str) -> list[Any]:
+    """What each of two ranks wrote, in rank order."""
     path = tmp_path / "script.py"
     path.write_text(script)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = run_program([*launch, str(path)], timeout=240)
+    result = run_program([*launch, str(path), str(tmp_path)], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    everyone: list[Any] = json.loads(line.removeprefix("RESULT "))
-    return everyone
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 def test_set_epoch_through_the_loader_reshuffles_disjoint_shards(tmp_path: Path) -> None:
@@ -88,8 +79,8 @@ def test_set_epoch_through_the_loader_reshuffles_disjoint_shards(tmp_path: Path)
 
 
 def test_each_rank_gets_the_device_of_its_local_rank(tmp_path: Path) -> None:
-    ranks = sorted(_torchrun(tmp_path, RANK_SCRIPT), key=lambda entry: entry["rank"])
-    assert [entry["local_rank"] for entry in ranks] == [0, 1]
+    ranks = _torchrun(tmp_path, RANK_SCRIPT)
+    assert [(entry["rank"], entry["local_rank"]) for entry in ranks] == [(0, 0), (1, 1)]
     gpus = torch.cuda.device_count()
     for entry in ranks:
         assert f"LOCAL_RANK={entry['local_rank']}" in entry["reason"]
