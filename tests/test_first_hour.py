@@ -41,44 +41,6 @@ def test_a_backend_this_pytorch_lacks_is_refused() -> None:
         dk.to_device(torch.ones(1), "xla")
 
 
-@pytest.mark.parametrize(
-    ("variable", "value", "error", "message"),
-    [
-        (
-            "DEVICEKIT_DEVICE",
-            "²",
-            dk.DeviceUnavailableError,
-            "DEVICEKIT_DEVICE='²' cannot be used: Expected a device such as",
-        ),
-        (
-            "LOCAL_RANK",
-            "9" * 5000,
-            ValueError,
-            (
-                "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got "
-                "'999999999999999999999999999999999999999999999999999999999... (5,000 characters)."
-            ),
-        ),
-        (
-            "LOCAL_RANK",
-            "٣",  # an Arabic-Indic three: a digit to str.isdigit, not to a launcher
-            ValueError,
-            "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got '٣'.",
-        ),
-    ],
-)
-def test_the_environment_is_read_as_launchers_write_it(
-    monkeypatch: pytest.MonkeyPatch,
-    variable: str,
-    value: str,
-    error: type[Exception],
-    message: str,
-) -> None:
-    monkeypatch.setenv(variable, value)
-    with pytest.raises(error, match=re.escape(message)):
-        dk.DeviceManager.from_env(backends=machine(70))
-
-
 def test_a_long_device_string_is_cut_short_in_the_message() -> None:
     with pytest.raises(dk.DeviceUnavailableError) as info:
         dk.to_device(torch.ones(1), "c" * 100_000)

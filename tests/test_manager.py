@@ -325,6 +325,27 @@ def test_devicekit_device_wins_over_local_rank(monkeypatch: pytest.MonkeyPatch) 
             dk.DeviceUnavailableError,
             f"DEVICEKIT_DEVICE='nonsense' cannot be used: {EXPECTED_A_DEVICE}, got 'nonsense'.",
         ),
+        (
+            "DEVICEKIT_DEVICE",
+            "²",
+            dk.DeviceUnavailableError,
+            "DEVICEKIT_DEVICE='²' cannot be used: Expected a device such as",
+        ),
+        (
+            "LOCAL_RANK",
+            "9" * 5000,
+            ValueError,
+            (
+                "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got "
+                "'999999999999999999999999999999999999999999999999999999999... (5,000 characters)."
+            ),
+        ),
+        (
+            "LOCAL_RANK",
+            "٣",  # an Arabic-Indic three: a digit to str.isdigit, not to a launcher
+            ValueError,
+            "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got '٣'.",
+        ),
     ],
 )
 def test_a_bad_environment_is_refused(
