@@ -408,15 +408,26 @@ class Walker:
         return node
 
     def _only_scalars(self, sequence: list[Any] | tuple[Any, ...]) -> bool:
-        """Whether a long list or tuple holds plain scalars only (token ids, metadata).
+        """Whether a long list or tuple holds plain scalars only (token ids, metadata)."""
+        return self._one_kind(sequence) is _INERT
 
-        Such a sequence is copied whole, at C speed, instead of element by element: a
-        type check per element in C costs a fraction of a step of the walk. Short ones,
-        and those whose first element is not a scalar, are not looked at.
+    def _one_kind(self, sequence: list[Any] | tuple[Any, ...]) -> Any:
+        """How a long list or tuple can be taken whole: _INERT, None or _UNSEEN.
+
+        _INERT where it holds plain scalars only (token ids, metadata), None where it
+        holds leaves only (a list of tensors), _UNSEEN otherwise. The first two are
+        taken whole, at C speed, instead of element by element: a type check per
+        element in C costs a fraction of a step of the walk. Short ones, and those
+        whose first element is a container, are not looked at.
         """
-        if len(sequence) < _SCAN_FROM or self._learn(type(sequence[0])) is not _INERT:
-            return False
-        return all(self._learn(kind) is _INERT for kind in set(map(type, sequence)))
+        if len(sequence) < _SCAN_FROM:
+            return _UNSEEN
+        first = self._learn(type(sequence[0]))
+        if first is not _INERT and first is not None:
+            return _UNSEEN
+        if all(self._learn(kind) is first for kind in set(map(type, sequence))):
+            return first
+        return _UNSEEN
 
     def map(self, fn: Callable[[Any], Any], tree: Any) -> Any:  # noqa: PLR0912, PLR0915 - one loop on purpose: a call per container costs more than its branches
         """Rebuild ``tree`` with ``fn`` applied to every leaf; containers keep their type.
@@ -503,7 +514,7 @@ class Walker:
         """
         return self.flatten(tree).leaves
 
-    def flatten(self, tree: Any, *, paths: bool = False) -> Flat:  # noqa: PLR0912 - one loop, as in map
+    def flatten(self, tree: Any, *, paths: bool = False) -> Flat:  # noqa: PLR0912, PLR0915 - one loop, as in map
         """The leaves of ``tree`` in walk order, and how to put new ones in their place.
 
         :meth:`unflatten` rebuilds the containers around a new list of leaves. Leaves
@@ -524,8 +535,11 @@ class Walker:
         node = self._learn(type(tree))
         if node is None or node is _INERT:
             return Flat([tree], [], [] if node is _INERT else [0], [""] if paths else None, [])
-        if (node is _LIST or node is _TUPLE) and not paths and self._only_scalars(tree):
-            return Flat(list(tree), [(len(tree), node, tree, len(tree))], [], None, [])
+        if (node is _LIST or node is _TUPLE) and not paths:
+            kind = self._one_kind(tree)
+            if kind is _INERT or kind is None:  # scalars only, or leaves only: taken whole
+                whole = [] if kind is _INERT else list(range(len(tree)))
+                return Flat(list(tree), [(len(tree), node, tree, len(tree))], whole, None, [])
         spec: Spec = []  # containers in the order they close: children before parents
         leaf_paths: list[str] | None = [] if paths else None
         container_paths: list[str] = []
@@ -554,12 +568,15 @@ class Walker:
                     (child_node is _LIST or child_node is _TUPLE)
                     and len(child) >= _SCAN_FROM
                     and leaf_paths is None
-                    and self._only_scalars(child)
                 ):
-                    # Its scalars become leaves in one step; the container closes at once.
-                    leaves += child
-                    spec.append((len(leaves), child_node, child, len(child)))
-                    continue
+                    kind = self._one_kind(child)
+                    if kind is _INERT or kind is None:
+                        # Its elements become leaves in one step; it closes at once.
+                        if kind is None:
+                            active += range(len(leaves), len(leaves) + len(child))
+                        leaves += child
+                        spec.append((len(leaves), child_node, child, len(child)))
+                        continue
                 stack.append((node, container, children, count, keys, prefix))
                 if len(stack) >= MAX_DEPTH:
                     raise self._too_deep([(f[0], f[1], f[2], []) for f in stack], child)

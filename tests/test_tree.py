@@ -135,3 +135,33 @@ def test_pairs_of_a_cycle_end_in_an_error_at_the_first_repeat() -> None:
     other: list[Any] = [1]
     other.append(other)
     assert len(list(everything_walks.pairs(loop, other))) == 3
+
+
+@pytest.mark.parametrize("length", [63, 64, 200])  # taken whole from 64 elements on
+def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: int) -> None:
+    walker = Walker(lambda cls: False, inert_types=[int, type(None)])
+    leaves = [f"leaf {i}" for i in range(length)]  # str: a leaf this walker calls for
+    scalars = list(range(length))
+    mixed = [*leaves[:-1], None]  # one scalar among the leaves: walked one by one
+    data = {"leaves": leaves, "scalars": tuple(scalars), "mixed": mixed, "top": [leaves]}
+    flat = walker.flatten(data)
+    assert flat.leaves == [*leaves, *scalars, *mixed, *leaves]
+    start = 2 * length  # the scalars are not active; the leaves and the mixed ones are
+    expected_active = [
+        *range(length),
+        *range(start, start + length - 1),
+        *range(start + length, start + 2 * length),
+    ]
+    assert flat.active == expected_active
+    renamed = [f"new {leaf}" if isinstance(leaf, str) else leaf for leaf in flat.leaves]
+    rebuilt = walker.unflatten(flat.spec, renamed)
+    assert rebuilt == {
+        "leaves": [f"new {leaf}" for leaf in leaves],
+        "scalars": tuple(scalars),
+        "mixed": [*(f"new {leaf}" for leaf in leaves[:-1]), None],
+        "top": [[f"new {leaf}" for leaf in leaves]],
+    }
+    assert type(rebuilt["scalars"]) is tuple
+    alone = walker.flatten(leaves)  # a long list at the root
+    assert (alone.leaves, alone.active) == (leaves, list(range(length)))
+    assert walker.unflatten(alone.spec, renamed[:length]) == rebuilt["leaves"]
