@@ -586,9 +586,8 @@ def _in_bulk(data: Any, plan: _Plan) -> Any:
     leaves, spec, active, _, _ = _walker.flatten(data)
     if not active:  # nothing to move: token ids, metadata
         return _walker.unflatten(spec, leaves)
-    everything = len(active) == len(leaves)
-    candidates = leaves if everything else list(map(leaves.__getitem__, active))
-    tensors = [leaf for leaf in candidates if type(leaf) is _Tensor]
+    # Plain scalars (the inactive leaves) are never tensors: every tensor is active.
+    tensors = [leaf for leaf in leaves if type(leaf) is _Tensor]
     packed: dict[int, torch.Tensor] = {}
     if len(tensors) >= _packing.MIN_TENSORS:
         packed = _packing.pack(
@@ -602,11 +601,9 @@ def _in_bulk(data: Any, plan: _Plan) -> Any:
     if len(tensors) < len(active):
         pass  # objects with rules or .to() among them: one by one, below
     elif packed and len(packed) == len(tensors):  # all packed, each once: no call per leaf
-        moved = _placed(leaves, active, list(map(packed.__getitem__, map(id, candidates))))
+        moved = _placed(leaves, active, list(map(packed.__getitem__, map(id, tensors))))
     elif not packed and plan.async_host_to_accelerator:
-        copies = _copied(tensors, plan.device)
-        if copies is not None:
-            moved = _placed(leaves, active, copies)
+        moved = _copied(leaves, tensors, plan.device)
     if moved is None:
         transfer = _Transfer(plan)
         moved = transfer.each(leaves, active, packed.get, data)
@@ -625,18 +622,23 @@ def _placed(leaves: list[Any], active: list[int], moved: list[Any]) -> list[Any]
     return placed
 
 
-def _copied(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor] | None:
-    """Each tensor (each once) copied in one comprehension, or None.
+def _copied(
+    leaves: list[Any], tensors: list[torch.Tensor], device: torch.device
+) -> list[Any] | None:
+    """The leaves with each tensor among them (each once) copied, in one comprehension.
 
-    None where a tensor is found twice (the memo's work), or where a copy fails: the
-    caller's loop then raises that error with its path.
+    ``tensors`` are the leaves' tensors, and the leaves hold nothing else to move. None
+    where a tensor is found twice (the memo's work), or where a copy fails: the caller's
+    loop then raises that error with its path.
     """
     if len(set(map(id, tensors))) < len(tensors):
         return None
     # .to() alone is right for any plain tensor here: a host one is copied async, one
     # on the target comes back as it is, one on another accelerator is copied.
     try:
-        return [tensor.to(device, non_blocking=True) for tensor in tensors]
+        return [
+            leaf.to(device, non_blocking=True) if type(leaf) is _Tensor else leaf for leaf in leaves
+        ]
     except Exception:  # raised again, with its path, by the loop that follows
         return None
 
