@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = args.debug or os.environ.get("DEVICEKIT_DEBUG", "") not in ("", "0")
     run = _Run()
     try:
-        status = _run(args, parser, run)
+        status = _run(args, run)
         sys.stdout.flush()  # here, so a closed pipe is caught below and not at exit
     except KeyboardInterrupt:
         done = f" after {run.epochs_done} epoch(s)" if args.command == "demo" else ""
@@ -196,6 +196,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+def _epochs(text: str) -> int:
+    """``--epochs``: a whole number of 1 or more, reported under demo's own usage."""
+    try:
+        epochs = int(text)
+    except ValueError:
+        epochs = 0
+    if epochs < 1:
+        msg = f"expected a whole number of 1 or more, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return epochs
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="devicekit", description="Device handling for PyTorch training loops."
@@ -208,20 +220,18 @@ def _parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="list the devices, the one selected, and why")
     info.add_argument("--json", action="store_true", help="print a JSON report instead")
     demo = commands.add_parser("demo", help="train a small CNN on synthetic data through devicekit")
-    demo.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
+    demo.add_argument("--epochs", type=_epochs, default=3, help="passes over the data (default 3)")
     demo.add_argument("--device", help="a device such as cuda:1 (default: devicekit's choice)")
     demo.add_argument("--json", action="store_true", help="print a JSON report at the end only")
     commands.add_parser("bench", help="measure devicekit's transfers on this machine")
     return parser
 
 
-def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, run: _Run) -> int:
+def _run(args: argparse.Namespace, run: _Run) -> int:
     if args.command == "bench":
         print("\n".join(bench_report()))
         return 0
     if args.command == "demo":
-        if args.epochs < 1:
-            parser.error(f"--epochs must be 1 or more, got {args.epochs}")
         return _demo(_manager(args.device), args.epochs, as_json=args.json, run=run)
     manager = _manager()
     if args.command == "info":

@@ -76,6 +76,19 @@ def test_the_error_lines_shown_are_the_ones_printed(
     assert f"   {line}\n" in CLI_PAGE
 
 
+def test_a_usage_error_shows_the_command_s_usage_as_the_page_does() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "devicekit", "demo", "--epochs", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    usage, error = result.stderr.splitlines()
+    assert usage.startswith("usage: devicekit demo ")
+    assert f"   {usage}\n   {error}\n" in CLI_PAGE
+
+
 def _variables_read() -> set[str]:
     """Every environment variable the package's source reads, found in the source."""
     modules = (ROOT / "devicekit").glob("*.py")
