@@ -34,7 +34,8 @@ def main() -> None:
     else:  # plain python: a group of one, kept in this process
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank()
-    print(f"rank {rank}: {manager.device} ({manager.reason})")
+    # flush: each rank's output is a pipe under torchrun, written in blocks otherwise
+    print(f"rank {rank}: {manager.device} ({manager.reason})", flush=True)
 
     torch.manual_seed(0)  # the same data and initial weights on every rank
     inputs = torch.randn(512, 4)
@@ -53,7 +54,7 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
             if rank == 0:
-                print(f"epoch {epoch}: loss {loss.item():.4f}")
+                print(f"epoch {epoch}: loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -37,13 +37,27 @@ def test_cnn_learns() -> None:
     assert accuracy > 80
 
 
+# PyTorch's own teardown of a DDP process on gloo sometimes aborts a rank as it exits,
+# after the work is done ("terminate called without an active exception", SIGABRT): seen
+# in about one run in six on a loaded 2-core machine with torch 2.13, and as often with
+# a plain PyTorch DDP script that never imports devicekit. That abort, and nothing else,
+# is let pass once every rank has trained to the end.
+_GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.parametrize("epochs", ["2"])
 def test_distributed_runs_under_torchrun(epochs: str) -> None:
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    out = _run(*launch, str(EXAMPLES / "distributed.py"), "--epochs", epochs)
+    command = [*launch, str(EXAMPLES / "distributed.py"), "--epochs", epochs]
+    result = run_program([sys.executable, *command], timeout=300)
+    out = result.stdout
     assert "rank 0: " in out
     assert "rank 1: " in out
-    assert "epoch 1: loss" in out
+    assert "epoch 1: loss" in out  # the last epoch, after both ranks' last step
+    if result.returncode != 0:
+        assert _GLOO_TEARDOWN_ABORT in result.stderr, result.stderr[-3000:]
+        assert "exitcode  : -6" in result.stderr, result.stderr[-3000:]
+        assert "exitcode  : 1 " not in result.stderr, result.stderr[-3000:]  # no rank raised
 
 
 def test_distributed_runs_alone_as_one_process() -> None:
