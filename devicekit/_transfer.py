@@ -12,7 +12,6 @@ import contextlib
 import enum
 import inspect
 import threading
-from collections import UserDict
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
@@ -21,7 +20,7 @@ import torch
 from devicekit import _packing
 from devicekit._devices import DeviceLike, resolve_device
 from devicekit._manager import current_device
-from devicekit._tree import TYPES_KEPT, LeafError, Node, Walker, container_node
+from devicekit._tree import TYPES_KEPT, LeafError, Node, Walker, container_node, mapping_items
 
 __all__ = [
     "NonBlocking",
@@ -1024,15 +1023,6 @@ class _Kept:
         return self
 
 
-def _raw_items(mapping: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
-    """A mapping's items as its container rule pairs them."""
-    if isinstance(mapping, dict):
-        return list(dict.items(mapping))
-    if isinstance(mapping, UserDict):
-        return list(mapping.data.items())
-    return list(mapping.items())
-
-
 def _skipping_walker(skip: frozenset[Hashable]) -> Walker:
     def skipping(cls: type) -> Node | None:
         base = container_node(cls) if not _has_own_rule(cls) else None
@@ -1041,7 +1031,7 @@ def _skipping_walker(skip: frozenset[Hashable]) -> Walker:
         rules = base
 
         def children(node: Any) -> list[Any]:
-            return [_Kept(value) if key in skip else value for key, value in _raw_items(node)]
+            return [_Kept(value) if key in skip else value for key, value in mapping_items(node)]
 
         def rebuild(node: Any, values: list[Any]) -> Any:
             kept = [value.value if type(value) is _Kept else value for value in values]

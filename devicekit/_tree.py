@@ -128,12 +128,22 @@ def _rebuild_user_dict(node: UserDict[Any, Any], values: list[Any]) -> UserDict[
     return clone
 
 
-def _items(node: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+def mapping_items(node: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+    """A mapping's (key, value) pairs as the mapping rules below read them.
+
+    dict's own methods for dicts and dict subclasses, a UserDict's ``data``, and
+    ``items()`` for any other Mapping: a subclass's ``__iter__`` never pairs a value
+    with another key.
+    """
+    if isinstance(node, dict):
+        return list(dict.items(node))
+    if isinstance(node, UserDict):
+        return list(node.data.items())
     return list(node.items())
 
 
 def _rebuild_read_only_mapping(node: Mapping[Any, Any], values: list[Any]) -> Mapping[Any, Any]:
-    keys = [key for key, _ in _items(node)]
+    keys = [key for key, _ in mapping_items(node)]
     try:
         return type(node)(dict(zip(keys, values, strict=True)))  # type: ignore[call-arg]
     except Exception as err:
@@ -153,14 +163,14 @@ _USER_DICT = Node(
     lambda node: node.data.values(), _rebuild_user_dict, lambda node: _keys_of(node.data)
 )
 _READ_ONLY_MAPPING = Node(
-    lambda node: [value for _, value in _items(node)],
+    lambda node: [value for _, value in mapping_items(node)],
     _rebuild_read_only_mapping,
-    lambda node: _keys_of(key for key, _ in _items(node)),
+    lambda node: _keys_of(key for key, _ in mapping_items(node)),
 )
 _MUTABLE_MAPPING = Node(
-    lambda node: [value for _, value in _items(node)],
+    lambda node: [value for _, value in mapping_items(node)],
     _refuse_mutable_mapping,
-    lambda node: _keys_of(key for key, _ in _items(node)),
+    lambda node: _keys_of(key for key, _ in mapping_items(node)),
 )
 
 
