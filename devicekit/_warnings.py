@@ -10,10 +10,11 @@ import warnings
 
 __all__ = ["warn"]
 
-# Frames in these folders are devicekit's or the standard library's plumbing around it.
-_INSIDE = tuple(
-    os.path.dirname(path) + os.sep for path in (__file__, functools.__file__, contextlib.__file__)
-)
+# Frames in devicekit's folder, and in the standard library's plumbing that its calls go
+# through (decorators, context managers). Not the standard library's whole folder: a
+# package installed into the interpreter's own site-packages lives under it.
+_DEVICEKIT = os.path.dirname(__file__) + os.sep
+_PLUMBING = frozenset({functools.__file__, contextlib.__file__})
 
 
 def warn(message: str, category: type[Warning]) -> None:
@@ -25,7 +26,9 @@ def warn(message: str, category: type[Warning]) -> None:
     """
     frame = sys._getframe(1)
     level = 2  # 1 is this function
-    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_DEVICEKIT) or frame.f_code.co_filename in _PLUMBING
+    ):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     warnings.warn(message, category, stacklevel=level)
