@@ -111,14 +111,16 @@ def _has_own_rule(cls: type) -> bool:
 # unless a rule is registered for their type.
 _walker = Walker(_has_own_rule, inert_types=_SCALAR_TYPES)
 _scalar_types = _SCALAR_TYPE_SET  # the scalars without a registered rule
+_flat_leaf_types = _scalar_types | {torch.Tensor}  # what _flat moves or passes through
 
 
 def _forget_decisions() -> None:
     """Drop every per-type decision: a rule was registered or removed."""
-    global _scalar_types  # noqa: PLW0603 - the one place that rebinds it
+    global _scalar_types, _flat_leaf_types  # noqa: PLW0603 - the one place that rebinds them
     _walker.forget_types()
     _leaf_rules.clear()
     _scalar_types = frozenset(cls for cls in _SCALAR_TYPES if _rule_for(cls) is None)
+    _flat_leaf_types = _scalar_types | {torch.Tensor}
 
 
 def register_transfer(cls: type) -> Callable[[C], C]:
@@ -531,24 +533,30 @@ def _flat(data: dict[Any, Any] | list[Any] | tuple[Any, ...], device: torch.devi
     otherwise pay for taking apart and rebuilding a structure that has none.
     """
     values = data.values() if type(data) is dict else data
-    if len(values) >= _packing.MIN_TENSORS:
-        return None  # enough tensors for packing to be worth deciding
-    distinct = set()
-    for value in values:
-        if type(value) is _Tensor:
-            if not value.is_cpu or id(value) in distinct:
-                return None
-            distinct.add(id(value))
-        elif type(value) not in _scalar_types:
+    # The checks run at C speed: a Python loop over the values would cost as much as
+    # the comprehension that moves them.
+    if len(values) >= _packing.MIN_TENSORS or not _flat_leaf_types.issuperset(map(type, values)):
+        return None  # enough tensors for packing to be worth deciding, or containers
+    if len(set(map(id, values))) < len(values):
+        # Something found twice: fine for scalars (None, small ints), the memo's work
+        # for a tensor, which must come back as one moved tensor.
+        tensor_ids = [id(value) for value in values if type(value) is _Tensor]
+        if len(set(tensor_ids)) < len(tensor_ids):
             return None
-    if type(data) is dict:
-        return {
-            key: value.to(device, non_blocking=True) if type(value) is _Tensor else value
-            for key, value in data.items()
-        }
-    moved = [
-        value.to(device, non_blocking=True) if type(value) is _Tensor else value for value in data
-    ]
+    # .to() alone is right for any plain tensor, as in _copied; one that cannot move (a
+    # meta tensor) makes the general path raise its error with its path.
+    try:
+        if type(data) is dict:
+            return {
+                key: value.to(device, non_blocking=True) if type(value) is _Tensor else value
+                for key, value in data.items()
+            }
+        moved = [
+            value.to(device, non_blocking=True) if type(value) is _Tensor else value
+            for value in data
+        ]
+    except Exception:
+        return None
     return moved if type(data) is list else tuple(moved)
 
 

@@ -206,6 +206,24 @@ def _rebuild_namedtuple(node: tuple[Any, ...], values: list[Any]) -> tuple[Any, 
     return type(node)(*values)
 
 
+_tuple_new = tuple.__new__
+
+
+def _rebuild_plain_namedtuple(node: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
+    # What the __new__ that collections.namedtuple writes does, without its Python frame
+    # (a third of a small batch's rebuilding time).
+    return _tuple_new(type(node), values)
+
+
+def _new_is_generated(cls: type) -> bool:
+    """Whether ``cls.__new__`` is the one collections.namedtuple wrote for the class.
+
+    A subclass with a ``__new__`` of its own is rebuilt through it.
+    """
+    owner = next(klass for klass in cls.__mro__ if "__new__" in vars(klass))
+    return "_fields" in vars(owner) and "_make" in vars(owner)
+
+
 def _rebuild_by_type(node: Any, values: list[Any]) -> Any:
     return type(node)(values)
 
@@ -294,7 +312,8 @@ def container_node(cls: type) -> Node | None:  # noqa: PLR0912 - one rule per ki
     if issubclass(cls, tuple):
         if isinstance(getattr(cls, "_fields", None), tuple):
             names = cls._fields  # type: ignore[attr-defined]
-            return Node(iter, _rebuild_namedtuple, lambda node: (f".{name}" for name in names))
+            rebuild = _rebuild_plain_namedtuple if _new_is_generated(cls) else _rebuild_namedtuple
+            return Node(iter, rebuild, lambda node: (f".{name}" for name in names))
         return _TUPLE_SUBCLASS
     if issubclass(cls, collections.deque):
         return _DEQUE
@@ -524,7 +543,7 @@ class Walker:
         """
         return self.flatten(tree).leaves
 
-    def flatten(self, tree: Any, *, paths: bool = False) -> Flat:  # noqa: PLR0912, PLR0915 - one loop, as in map
+    def flatten(self, tree: Any, *, paths: bool = False) -> Flat:  # noqa: PLR0912 - one loop, as in map
         """The leaves of ``tree`` in walk order, and how to put new ones in their place.
 
         :meth:`unflatten` rebuilds the containers around a new list of leaves. Leaves
@@ -544,63 +563,85 @@ class Walker:
         leaves: list[Any] = []
         node = self._learn(type(tree))
         if node is None or node is _INERT:
-            return Flat([tree], [], [] if node is _INERT else [0], [""] if paths else None, [])
-        if (node is _LIST or node is _TUPLE) and not paths:
+            flat = Flat([tree], [], [] if node is _INERT else [0], None, [])
+            return self._with_paths(flat) if paths else flat
+        spec: Spec = []  # containers in the order they close: children before parents
+        active: list[int] = []
+        if node is _LIST or node is _TUPLE:
             kind = self._one_kind(tree)
             if kind is _INERT or kind is None:  # scalars only, or leaves only: taken whole
-                whole = [] if kind is _INERT else list(range(len(tree)))
-                return Flat(list(tree), [(len(tree), node, tree, len(tree))], whole, None, [])
-        spec: Spec = []  # containers in the order they close: children before parents
-        leaf_paths: list[str] | None = [] if paths else None
-        container_paths: list[str] = []
-        active: list[int] = []
-        stack: list[tuple[Node, Any, Iterator[Any], int, Iterator[str] | None, str]] = []
-        unseen = _UNSEEN
+                leaves += tree
+                active += [] if kind is _INERT else range(len(tree))
+                spec.append((len(tree), node, tree, len(tree)))
+                flat = _tuple_new(Flat, (leaves, spec, active, None, []))
+                return self._with_paths(flat) if paths else flat
+        stack: list[tuple[Node, Any, Iterator[Any], int]] = []
+        unseen, inert = _UNSEEN, _INERT
         container, children, count = tree, iter(node.children(tree)), 0
-        keys = iter(node.keys(tree)) if paths else None
-        prefix = key = ""
         while True:
             for child in children:
                 count += 1
-                if keys is not None:
-                    key = prefix + next(keys)
                 child_node = nodes.get(type(child), unseen)
                 if child_node is unseen:
                     child_node = self._learn(type(child))
-                if child_node is None or child_node is _INERT:
-                    if child_node is None:
-                        active.append(len(leaves))
+                if child_node is None:
+                    active.append(len(leaves))
                     leaves.append(child)
-                    if leaf_paths is not None:
-                        leaf_paths.append(key)
                     continue
-                if (
-                    (child_node is _LIST or child_node is _TUPLE)
-                    and len(child) >= _SCAN_FROM
-                    and leaf_paths is None
-                ):
+                if child_node is inert:
+                    leaves.append(child)
+                    continue
+                if (child_node is _LIST or child_node is _TUPLE) and len(child) >= _SCAN_FROM:
                     kind = self._one_kind(child)
-                    if kind is _INERT or kind is None:
+                    if kind is inert or kind is None:
                         # Its elements become leaves in one step; it closes at once.
                         if kind is None:
                             active += range(len(leaves), len(leaves) + len(child))
                         leaves += child
                         spec.append((len(leaves), child_node, child, len(child)))
                         continue
-                stack.append((node, container, children, count, keys, prefix))
+                stack.append((node, container, children, count))
                 if len(stack) >= MAX_DEPTH:
                     raise self._too_deep([(f[0], f[1], f[2], []) for f in stack], child)
-                node, container, count, prefix = child_node, child, 0, key
+                node, container, count = child_node, child, 0
                 children = iter(node.children(child))
-                keys = iter(node.keys(child)) if paths else None
                 break
             else:
                 spec.append((len(leaves), node, container, count))
-                if paths:
-                    container_paths.append(prefix)
                 if not stack:
-                    return Flat(leaves, spec, active, leaf_paths, container_paths)
-                node, container, children, count, keys, prefix = stack.pop()
+                    # A NamedTuple's own __new__ is a Python frame: a tenth of the walk
+                    # of a small batch.
+                    flat = _tuple_new(Flat, (leaves, spec, active, None, []))
+                    return self._with_paths(flat) if paths else flat
+                node, container, children, count = stack.pop()
+
+    def _with_paths(self, flat: Flat) -> Flat:
+        """``flat`` with the path of every leaf and container, worked out from its spec.
+
+        The walk itself keeps no paths (they cost a string per leaf): each container
+        in the spec names its children with its keys, and paths are then joined from
+        the root down, parents closing after their children.
+        """
+        if not flat.spec:
+            return flat._replace(paths=[""])
+        leaf_parents: list[tuple[int, str]] = [(-1, "")] * len(flat.leaves)
+        container_parents: list[tuple[int, str]] = [(-1, "")] * len(flat.spec)
+        waiting: list[tuple[bool, int]] = []  # (is a leaf, its index): children not placed yet
+        taken = 0
+        for number, (end, node, container, count) in enumerate(flat.spec):
+            waiting += ((True, index) for index in range(taken, end))
+            taken = end
+            children = waiting[len(waiting) - count :]
+            del waiting[len(waiting) - count :]
+            for key, (is_leaf, index) in zip(node.keys(container), children, strict=True):
+                (leaf_parents if is_leaf else container_parents)[index] = (number, key)
+            waiting.append((False, number))
+        container_paths = [""] * len(flat.spec)
+        for number in reversed(range(len(flat.spec) - 1)):  # the last to close is the root
+            parent, key = container_parents[number]
+            container_paths[number] = container_paths[parent] + key
+        leaf_paths = [container_paths[parent] + key for parent, key in leaf_parents]
+        return flat._replace(paths=leaf_paths, container_paths=container_paths)
 
     def unflatten(self, spec: Spec, leaves: list[Any]) -> Any:
         """The data :meth:`flatten` took apart, rebuilt around ``leaves``.
@@ -630,8 +671,8 @@ class Walker:
                 values.append(dict(zip(container, children)))  # noqa: B905 - same dict
             elif node is _TUPLE:
                 values.append(tuple(children))
-            elif node.rebuild is _rebuild_namedtuple:
-                values.append(type(container)(*children))
+            elif node.rebuild is _rebuild_plain_namedtuple:
+                values.append(_tuple_new(type(container), children))
             else:
                 try:
                     values.append(node.rebuild(container, children))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections import namedtuple
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -165,3 +165,69 @@ def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: i
     alone = walker.flatten(leaves)  # a long list at the root
     assert (alone.leaves, alone.active) == (leaves, list(range(length)))
     assert walker.unflatten(alone.spec, renamed[:length]) == rebuilt["leaves"]
+    # Paths are the same whichever way a list was taken.
+    with_paths = walker.flatten(data, paths=True)
+    assert with_paths.leaves == flat.leaves
+    assert with_paths.paths is not None
+    assert with_paths.paths[length - 1] == f"['leaves'][{length - 1}]"
+    assert with_paths.paths[-1] == f"['top'][0][{length - 1}]"
+    assert with_paths.container_paths == [
+        "['leaves']",
+        "['scalars']",
+        "['mixed']",
+        "['top'][0]",
+        "['top']",
+        "",
+    ]
+    assert walker.flatten(leaves, paths=True).paths == [f"[{i}]" for i in range(length)]
+
+
+def test_paths_name_every_leaf_and_container_of_a_nested_batch() -> None:
+    data = {"a": [Pair(1, {"b": (2, 3)}), []], "c": {5}, "d": 6}
+    flat = everything_walks.flatten(data, paths=True)
+    assert list(zip(flat.paths or [], flat.leaves, strict=True)) == [
+        ("['a'][0].left", 1),
+        ("['a'][0].right['b'][0]", 2),
+        ("['a'][0].right['b'][1]", 3),
+        ("['c']{0}", 5),
+        ("['d']", 6),
+    ]
+    assert flat.container_paths == [
+        "['a'][0].right['b']",
+        "['a'][0].right",
+        "['a'][0]",
+        "['a'][1]",
+        "['a']",
+        "['c']",
+        "",
+    ]
+    assert everything_walks.flatten(7, paths=True).paths == [""]
+
+
+class Clamped(Pair):
+    """A namedtuple subclass whose own __new__ changes what it is given."""
+
+    __slots__ = ()
+
+    def __new__(cls, left: int, right: int) -> Clamped:
+        return super().__new__(cls, min(left, 9), min(right, 9))
+
+
+class Typed(NamedTuple):
+    left: int
+    right: int = 0
+
+
+@pytest.mark.parametrize("cls", [Pair, Typed, Clamped])
+def test_namedtuples_are_rebuilt_as_their_own_new_would_build_them(cls: type) -> None:
+    data = {"pair": cls(1, 2), "nested": [cls(3, 4)]}
+    flat = everything_walks.flatten(data)
+    for rebuilt in (
+        everything_walks.map(lambda x: x * 10, data),
+        everything_walks.unflatten(flat.spec, [x * 10 for x in flat.leaves]),
+    ):
+        expected = (9, 9) if cls is Clamped else (10, 20)  # Clamped's __new__ ran
+        assert type(rebuilt["pair"]) is cls
+        assert type(rebuilt["nested"][0]) is cls
+        assert tuple(rebuilt["pair"]) == expected
+        assert rebuilt["pair"]._fields == ("left", "right")
