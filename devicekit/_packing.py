@@ -155,23 +155,23 @@ def _kinds(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> _Kinds:
     The trailing shape (all but the first dimension) is what a run shares: tensors with
     different first dimensions (a detection batch's boxes) gather with one ``cat`` and
     come apart with one ``split``. 0-d tensors have ``None`` there: they are stacked.
-    Tensors are grouped by whole shape first, at two attribute reads each; sizes and the
-    checks (on the host, outside autograd, dense) are then made once per group, and only
-    for kinds of two tensors or more.
+    Tensors are grouped by whole shape first, at two attribute reads each; sizes are
+    then read once per group, and kinds of one tensor are left out.
+
+    The tensors are taken to be dense host tensors outside autograd (see
+    :func:`_staged`); reading the shape of a nested tensor, or the size of a sparse one,
+    raises RuntimeError.
     """
     groups = _alike(tensors, dtypes)
     kinds: _Kinds = {}
     for (dtype, shape), members in groups.items():
         if dtype in _PACKABLE_DTYPES and 0 < members[0].nbytes <= PACK_MAX_BYTES:
             kinds.setdefault((dtype, shape[1:] if shape else None), []).append((shape, members))
-    worth: _Kinds = {}
-    for kind, alike in kinds.items():
-        if len(alike) == 1 and len(alike[0][1]) == 1:
-            continue  # alone, a tensor is cheaper to copy directly
-        checked = [(shape, _checked(members)) for shape, members in alike]
-        if sum(len(members) for _, members in checked) > 1:
-            worth[kind] = [(shape, members) for shape, members in checked if members]
-    return worth
+    return {
+        kind: alike
+        for kind, alike in kinds.items()
+        if len(alike) > 1 or len(alike[0][1]) > 1  # alone, a tensor is cheaper to copy directly
+    }
 
 
 def _alike(
@@ -195,16 +195,17 @@ def _alike(
     return groups
 
 
-def _checked(members: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The members that are dense host tensors outside autograd.
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether a tensor can be packed: dense, on the host, outside autograd.
 
-    A packed copy would cut an autograd graph. Usually all members qualify, and then
-    the list itself comes back.
+    A packed copy would cut an autograd graph.
     """
-    for tensor in members:
-        if not tensor.is_cpu or tensor.requires_grad or tensor.layout is not _STRIDED:
-            return [t for t in members if t.is_cpu and not t.requires_grad and t.layout is _STRIDED]
-    return members
+    return (
+        tensor.is_cpu
+        and not tensor.requires_grad
+        and tensor.layout is _STRIDED
+        and not tensor.is_nested
+    )
 
 
 def _layout(kinds: _Kinds) -> tuple[list[_Run], list[_Run], list[int]]:
@@ -273,6 +274,41 @@ def _may_pay(kinds: _Kinds) -> bool:
     return _pays(tensors, nbytes // max(tensors, 1), 2 * len(kinds), -(-nbytes // CHUNK_BYTES))
 
 
+def _staged(
+    tensors: list[torch.Tensor], dtypes: list[torch.dtype], *, pin: bool
+) -> tuple[torch.Tensor, list[_Run], list[int]] | None:
+    """The tensors worth packing gathered into one staging buffer, or None if none pay.
+
+    Returns:
+        The staging buffer, the runs the device chunks are taken apart in, and the
+        chunk boundaries.
+
+    Raises:
+        RuntimeError: Among the tensors is one that is not :func:`_plain`, and it
+            would have been packed: PyTorch refuses to read its shape (a nested
+            tensor) or size (a sparse one), or to gather it into the host buffer (one
+            on another device, or one that requires grad while autograd records).
+            Checking every tensor first would cost as much as grouping it; this is
+            the rare case, and nothing has been copied to the device yet.
+    """
+    kinds = _kinds(tensors, dtypes)
+    if not kinds or not _may_pay(kinds):
+        return None
+    gathers, pieces, bounds = _layout(kinds)
+    count = sum(len(run.tensors) for run in gathers)
+    nbytes = sum(run.nbytes for run in gathers)
+    if not _pays(count, nbytes // count, len(gathers) + len(pieces), len(bounds) - 1):
+        return None
+    staging = torch.empty(bounds[-1], dtype=torch.uint8, pin_memory=pin)
+    for run in gathers:
+        region = staging[run.offset : run.offset + run.nbytes].view(run.dtype)
+        if run.trailing is None:
+            torch.stack(run.tensors, out=region)
+        else:
+            torch.cat(run.tensors, out=region.view(-1, *run.trailing))
+    return staging, pieces, bounds
+
+
 def pack(
     tensors: Iterable[torch.Tensor],
     device: torch.device,
@@ -291,9 +327,10 @@ def pack(
     {}
 
     Args:
-        tensors: Tensors of exactly :class:`torch.Tensor`; those not on the
-            host, too large, tracked by autograd or of exotic dtypes are left out, as
-            are all of them where packing would not pay.
+        tensors: Tensors of exactly :class:`torch.Tensor`; those not on the host,
+            sparse or nested, too large, of exotic dtypes, or requiring grad while
+            autograd records are left out, as are all of them where packing would
+            not pay.
         device: Where the copies go.
         non_blocking: Whether the chunks' host->device copies are asynchronous.
         dtype: A floating-point dtype that floating-point copies are cast to, on the
@@ -313,21 +350,16 @@ def pack(
     # first no, before grouping.
     if not _pays(len(tensors), 0, 2 * len(set(dtypes)), 1):
         return {}
-    kinds = _kinds(tensors, dtypes)
-    if not kinds or not _may_pay(kinds):
+    try:
+        staged = _staged(tensors, dtypes, pin=pin)
+    except RuntimeError:
+        plain = list(filter(_plain, tensors))
+        if len(plain) == len(tensors):
+            raise  # not a tensor packing must leave out: a real failure
+        staged = _staged(plain, list(map(_dtype_of, plain)), pin=pin)
+    if staged is None:
         return {}
-    gathers, pieces, bounds = _layout(kinds)
-    count = sum(len(run.tensors) for run in gathers)
-    nbytes = sum(run.nbytes for run in gathers)
-    if not _pays(count, nbytes // count, len(gathers) + len(pieces), len(bounds) - 1):
-        return {}
-    staging = torch.empty(bounds[-1], dtype=torch.uint8, pin_memory=pin)
-    for run in gathers:
-        region = staging[run.offset : run.offset + run.nbytes].view(run.dtype)
-        if run.trailing is None:
-            torch.stack(run.tensors, out=region)
-        else:
-            torch.cat(run.tensors, out=region.view(-1, *run.trailing))
+    staging, pieces, bounds = staged
     on_device = [
         # copy=True: each chunk its own allocation on a host target too (tests).
         staging[start:end].to(device, non_blocking=non_blocking, copy=True)

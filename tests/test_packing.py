@@ -9,6 +9,7 @@ of it (aliasing, what goes packed and what alone) is checked through the whole w
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -92,6 +93,45 @@ def test_what_is_left_to_go_alone() -> None:
     }
     moved = _packed(alike + [t for group in left.values() for t in group])
     assert set(moved) == {id(t) for t in alike}
+
+
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():  # PyTorch: nested tensors are a prototype
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
+@pytest.mark.parametrize("odd", ["sparse", "nested", "tracked by autograd"])
+def test_tensors_packing_cannot_take_are_left_out_wherever_they_come(odd: str) -> None:
+    # Packing reads shapes and sizes and gathers without checking each tensor first:
+    # PyTorch refuses these, first in their group or not, and packing goes on without them.
+    make = {
+        "sparse": lambda: torch.ones(8).to_sparse(),
+        "nested": _nested,
+        "tracked by autograd": lambda: torch.ones(8, requires_grad=True),
+    }[odd]
+    alike = _many(lambda i: torch.full((8,), float(i)))
+    first, middle = make(), make()
+    moved = _packed([first, *alike[:8], middle, *alike[8:]])
+    assert set(moved) == {id(t) for t in alike}
+    _assert_copies(alike, moved)
+    if odd == "nested":
+        return  # PyTorch moves no nested tensor to meta: to_device is checked with the others
+    with as_accelerator("meta"):
+        batch = dk.to_device({"odd": [first, middle], "alike": alike}, "meta")
+    assert [t.device for t in batch["odd"]] == [META, META]
+    assert [t.layout for t in batch["odd"]] == [first.layout, middle.layout]
+    assert all(t.untyped_storage().nbytes() > t.nbytes for t in batch["alike"])  # packed
+
+
+def test_without_autograd_tensors_that_require_grad_are_packed_as_to_copies_them() -> None:
+    sources = _many(lambda i: torch.full((8,), float(i), requires_grad=True))
+    with torch.no_grad():
+        moved = _packed(sources)
+        one_by_one = [source.to(CPU, copy=True) for source in sources]
+    _assert_copies(sources, moved)
+    assert [moved[id(s)].requires_grad for s in sources] == [t.requires_grad for t in one_by_one]
+    assert not any(t.requires_grad for t in one_by_one)
 
 
 def test_packing_happens_only_where_the_cost_model_says_it_pays() -> None:
