@@ -51,6 +51,7 @@ __all__ = [
     "MIN_TENSORS",
     "PACK_MAX_BYTES",
     "can_pack",
+    "might_pay",
     "pack",
     "packs_to",
 ]
@@ -77,6 +78,7 @@ CALL_US: Final = 30.0
 MIN_TENSORS: Final = int((CALL_US + COPY_US + 2 * RUN_US) // (COPY_US - TENSOR_US)) + 1
 """Below this many tensors in a batch packing cannot pay: nothing is even grouped."""
 
+_GLANCE = 4  # how many tensors' dtypes pack reads before reading them all
 _ALIGN = 16  # every run starts 16-byte aligned: the widest element, and vector loads
 _PACKABLE_DTYPES = frozenset(
     {
@@ -309,6 +311,24 @@ def _staged(
     return staging, pieces, bounds
 
 
+def might_pay(tensors: list[torch.Tensor]) -> bool:
+    """A cheap first no: whether packing could pay for these tensors, at a glance.
+
+    Too few tensors never pay. Each dtype is a kind of its own at least, and each kind
+    costs two runs: a batch of a dozen tensors of a few dtypes (ids, masks, features:
+    too many runs for so few tensors) is told from its first tensors, without reading
+    every dtype.
+
+    >>> might_pay([torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)] * 6)
+    False
+    >>> might_pay([torch.zeros(2)] * 12)
+    True
+    """
+    if len(tensors) < MIN_TENSORS:
+        return False
+    return _pays(len(tensors), 0, 2 * len(set(map(_dtype_of, tensors[:_GLANCE]))), 1)
+
+
 def pack(
     tensors: Iterable[torch.Tensor],
     device: torch.device,
@@ -345,9 +365,10 @@ def pack(
     if _independent_pieces is None:  # mypy; to_device asks can_pack first
         return {}
     tensors = list(tensors)
+    if not might_pay(tensors):
+        return {}
     dtypes = list(map(_dtype_of, tensors))
-    # Each dtype is a kind of its own at least, and each kind costs two runs: a cheap
-    # first no, before grouping.
+    # Each dtype is a kind of its own at least, and each kind costs two runs.
     if not _pays(len(tensors), 0, 2 * len(set(dtypes)), 1):
         return {}
     try:

@@ -594,9 +594,11 @@ def _in_bulk(data: Any, plan: _Plan) -> Any:
     if not active:  # nothing to move: token ids, metadata
         return _walker.unflatten(spec, leaves)
     # Plain scalars (the inactive leaves) are never tensors: every tensor is active.
-    tensors = [leaf for leaf in leaves if type(leaf) is _Tensor]
+    # Each tensor once, by id: one pass finds the tensors and whether one repeats.
+    distinct = {id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}
+    tensors = list(distinct.values())
     packed: dict[int, torch.Tensor] = {}
-    if len(tensors) >= _packing.MIN_TENSORS:
+    if _packing.might_pay(tensors):
         packed = _packing.pack(
             tensors,
             plan.device,
@@ -606,11 +608,11 @@ def _in_bulk(data: Any, plan: _Plan) -> Any:
         )
     moved = None
     if len(tensors) < len(active):
-        pass  # objects with rules or .to() among them: one by one, below
-    elif packed and len(packed) == len(tensors):  # all packed, each once: no call per leaf
-        moved = _placed(leaves, active, list(map(packed.__getitem__, map(id, tensors))))
+        pass  # a tensor found twice, or objects with rules or .to(): one by one, below
+    elif packed and len(packed) == len(tensors):  # all packed: no call per leaf
+        moved = _placed(leaves, active, list(map(packed.__getitem__, distinct)))
     elif not packed and plan.async_host_to_accelerator:
-        moved = _copied(leaves, tensors, plan.device)
+        moved = _copied(leaves, plan.device)
     if moved is None:
         transfer = _Transfer(plan)
         moved = transfer.each(leaves, active, packed.get, data)
@@ -629,17 +631,12 @@ def _placed(leaves: list[Any], active: list[int], moved: list[Any]) -> list[Any]
     return placed
 
 
-def _copied(
-    leaves: list[Any], tensors: list[torch.Tensor], device: torch.device
-) -> list[Any] | None:
-    """The leaves with each tensor among them (each once) copied, in one comprehension.
+def _copied(leaves: list[Any], device: torch.device) -> list[Any] | None:
+    """The leaves with each tensor among them copied, in one comprehension.
 
-    ``tensors`` are the leaves' tensors, and the leaves hold nothing else to move. None
-    where a tensor is found twice (the memo's work), or where a copy fails: the caller's
-    loop then raises that error with its path.
+    The leaves hold tensors, each once, and plain scalars. None where a copy fails:
+    the caller's loop then raises that error with its path.
     """
-    if len(set(map(id, tensors))) < len(tensors):
-        return None
     # .to() alone is right for any plain tensor here: a host one is copied async, one
     # on the target comes back as it is, one on another accelerator is copied.
     try:

@@ -561,7 +561,9 @@ class Walker:
         """
         nodes = self._nodes
         leaves: list[Any] = []
-        node = self._learn(type(tree))
+        node = nodes.get(type(tree), _UNSEEN)
+        if node is _UNSEEN:
+            node = self._learn(type(tree))
         if node is None or node is _INERT:
             flat = Flat([tree], [], [] if node is _INERT else [0], None, [])
             return self._with_paths(flat) if paths else flat
@@ -658,7 +660,8 @@ class Walker:
             # `count` values: its own leaves and the containers closed inside it.
             if count <= end - taken:
                 # No container inside it: its children are the last `count` new leaves.
-                values += leaves[taken : end - count]
+                if taken < end - count:
+                    values += leaves[taken : end - count]
                 children = leaves[end - count : end]
             else:
                 values += leaves[taken:end]
