@@ -984,22 +984,26 @@ def to_device(
     )
     if not defaults:
         _check_options(non_blocking, dtype, memory_format, copy=copy, strict=strict)
-    target = current_device() if device is None else resolve_device(device)
     # One cache: the usual call (every option at its default) is keyed by the device
-    # alone, since building a tuple key costs as much as the rest of the lookup.
-    key = target if defaults else (target, non_blocking, dtype, copy, memory_format, strict)
-    plan = _plans.get(key)
+    # alone, since building a tuple key costs as much as the rest of the lookup. A
+    # torch.device found there is a target already resolved (an index, checked to
+    # exist), so the usual call with one skips resolving it again.
+    plan = _plans.get(device) if defaults and type(device) is torch.device else None
     if plan is None:
-        if len(_plans) >= _PLANS_KEPT:
-            _plans.clear()
-        plan = _plans[key] = _Plan(
-            target,
-            non_blocking=non_blocking,
-            dtype=dtype,
-            copy=copy,
-            memory_format=memory_format,
-            strict=strict,
-        )
+        target = current_device() if device is None else resolve_device(device)
+        key = target if defaults else (target, non_blocking, dtype, copy, memory_format, strict)
+        plan = _plans.get(key)
+        if plan is None:
+            if len(_plans) >= _PLANS_KEPT:
+                _plans.clear()
+            plan = _plans[key] = _Plan(
+                target,
+                non_blocking=non_blocking,
+                dtype=dtype,
+                copy=copy,
+                memory_format=memory_format,
+                strict=strict,
+            )
     if plan.to_accelerator:
         return _to_accelerator(data, plan)  # type: ignore[no-any-return]
     # The host path inline: a call per to_device is a measurable share of a small batch.
