@@ -485,14 +485,15 @@ class Walker:
         # The current frame lives in locals; the frames above it wait on `stack`.
         # No recursion, so depth is bounded by MAX_DEPTH, not by the interpreter.
         stack: list[_Frame] = []
-        unseen, inert = _UNSEEN, _INERT
+        inert = _INERT
         container = tree
         children = iter(node.children(tree))
         results: list[Any] = []
         while True:
             for child in children:
-                child_node = nodes.get(type(child), unseen)
-                if child_node is unseen:
+                try:  # a subscript, not .get(): the interpreter's fast path for dicts
+                    child_node = nodes[type(child)]
+                except KeyError:
                     child_node = self._learn(type(child))
                 if child_node is None:
                     try:
@@ -543,7 +544,7 @@ class Walker:
         """
         return self.flatten(tree).leaves
 
-    def flatten(self, tree: Any, *, paths: bool = False) -> Flat:  # noqa: PLR0912 - one loop, as in map
+    def flatten(self, tree: Any, *, paths: bool = False) -> Flat:  # noqa: PLR0912, PLR0915 - one loop, as in map
         """The leaves of ``tree`` in walk order, and how to put new ones in their place.
 
         :meth:`unflatten` rebuilds the containers around a new list of leaves. Leaves
@@ -578,13 +579,14 @@ class Walker:
                 flat = _tuple_new(Flat, (leaves, spec, active, None, []))
                 return self._with_paths(flat) if paths else flat
         stack: list[tuple[Node, Any, Iterator[Any], int]] = []
-        unseen, inert = _UNSEEN, _INERT
+        inert = _INERT
         container, children, count = tree, iter(node.children(tree)), 0
         while True:
             for child in children:
                 count += 1
-                child_node = nodes.get(type(child), unseen)
-                if child_node is unseen:
+                try:  # as in map
+                    child_node = nodes[type(child)]
+                except KeyError:
                     child_node = self._learn(type(child))
                 if child_node is None:
                     active.append(len(leaves))
