@@ -433,6 +433,28 @@ def test_the_device_of_a_spec_does_not_depend_on_what_was_asked_before(
     assert _devices.resolve_device(np.int64(0)) == META  # an integer index is one
 
 
+def test_a_device_without_an_index_is_resolved_on_every_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "cuda" means the current CUDA device, which set_device changes between calls; the
+    # plans cached for resolved devices must not answer for it. Stand-in: a device
+    # type whose current device is meta, then cpu.
+    from devicekit import _transfer  # noqa: PLC0415 - its resolution is what is stood in for
+
+    current = [META, CPU]
+    monkeypatch.setattr(_transfer, "_plans", {})  # no plan yet, for any device
+    monkeypatch.setattr(
+        _transfer,
+        "resolve_device",
+        lambda spec: current.pop(0) if spec == torch.device("xpu") else spec,
+    )
+    tensor = torch.ones(1)
+    assert dk.to_device(tensor, torch.device("xpu")).device == META  # meta's plan made
+    assert dk.to_device(tensor, torch.device("xpu")).device == CPU
+    assert dk.to_device(tensor, torch.device("meta")).device == META  # found as planned
+    assert current == []
+
+
 @pytest.mark.parametrize(("name", "value"), [("copy", "False"), ("strict", "no"), ("copy", 0)])
 def test_yes_no_options_take_booleans_only(name: str, value: object) -> None:
     msg = f"Expected {name} to be True or False, got {value!r}."
