@@ -34,10 +34,11 @@ def flat_dict() -> dict[str, torch.Tensor]:
     return {f"feature_{i}": torch.randn(16, 16) for i in range(8)}
 
 
-def mixed_batch() -> dict[str, Any]:
+def mixed_batch(targets: int = 4) -> dict[str, Any]:
+    """Namedtuples, lists, a tuple, None and strings around 5 + 2 x ``targets`` tensors."""
     return {
         "inputs": Inputs(torch.randint(0, 100, (8, 32)), torch.ones(8, 32, dtype=torch.bool)),
-        "targets": [Target(torch.randn(3, 4), torch.tensor([1, 2, 3])) for _ in range(4)],
+        "targets": [Target(torch.randn(3, 4), torch.tensor([1, 2, 3])) for _ in range(targets)],
         "pixel_values": torch.randn(8, 3, 16, 16),
         "names": ["a", "b", "c", "d"],
         "weights": None,

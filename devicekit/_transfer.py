@@ -78,7 +78,6 @@ _rules: dict[type, TransferRule] = {}
 _rules_lock = threading.Lock()  # registering while other threads move data
 _Tensor = torch.Tensor  # one global lookup on the hot path instead of two
 _is_compiling = torch.compiler.is_compiling  # likewise; torch.compile knows the function
-_CPU = torch.device("cpu")
 
 
 def _rule_for(cls: type) -> TransferRule | None:
@@ -543,21 +542,18 @@ def _flat(data: dict[Any, Any] | list[Any] | tuple[Any, ...], device: torch.devi
         tensor_ids = [id(value) for value in values if type(value) is _Tensor]
         if len(set(tensor_ids)) < len(tensor_ids):
             return None
+    if not isinstance(data, dict):  # exactly a list or a tuple: see _to_accelerator
+        moved = _copied(data, device)
+        return moved if moved is None or type(data) is list else tuple(moved)
     # .to() alone is right for any plain tensor, as in _copied; one that cannot move (a
     # meta tensor) makes the general path raise its error with its path.
     try:
-        if type(data) is dict:
-            return {
-                key: value.to(device, non_blocking=True) if type(value) is _Tensor else value
-                for key, value in data.items()
-            }
-        moved = [
-            value.to(device, non_blocking=True) if type(value) is _Tensor else value
-            for value in data
-        ]
+        return {
+            key: value.to(device, non_blocking=True) if type(value) is _Tensor else value
+            for key, value in data.items()
+        }
     except Exception:
         return None
-    return moved if type(data) is list else tuple(moved)
 
 
 def _to_accelerator(data: Any, plan: _Plan) -> Any:
@@ -631,7 +627,7 @@ def _placed(leaves: list[Any], active: list[int], moved: list[Any]) -> list[Any]
     return placed
 
 
-def _copied(leaves: list[Any], device: torch.device) -> list[Any] | None:
+def _copied(leaves: list[Any] | tuple[Any, ...], device: torch.device) -> list[Any] | None:
     """The leaves with each tensor among them copied, in one comprehension.
 
     The leaves hold tensors, each once, and plain scalars. None where a copy fails:
