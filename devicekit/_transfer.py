@@ -542,18 +542,23 @@ def _flat(data: dict[Any, Any] | list[Any] | tuple[Any, ...], device: torch.devi
         tensor_ids = [id(value) for value in values if type(value) is _Tensor]
         if len(set(tensor_ids)) < len(tensor_ids):
             return None
-    if not isinstance(data, dict):  # exactly a list or a tuple: see _to_accelerator
-        moved = _copied(data, device)
-        return moved if moved is None or type(data) is list else tuple(moved)
     # .to() alone is right for any plain tensor, as in _copied; one that cannot move (a
-    # meta tensor) makes the general path raise its error with its path.
+    # meta tensor) makes the general path raise its error with its path. The
+    # comprehensions are written out here, not borrowed from _copied: a call more is a
+    # tenth of the host time of an (images, labels) pair.
     try:
-        return {
-            key: value.to(device, non_blocking=True) if type(value) is _Tensor else value
-            for key, value in data.items()
-        }
+        if type(data) is dict:
+            return {
+                key: value.to(device, non_blocking=True) if type(value) is _Tensor else value
+                for key, value in data.items()
+            }
+        moved = [
+            value.to(device, non_blocking=True) if type(value) is _Tensor else value
+            for value in data
+        ]
     except Exception:
         return None
+    return moved if type(data) is list else tuple(moved)
 
 
 def _to_accelerator(data: Any, plan: _Plan) -> Any:
@@ -627,7 +632,7 @@ def _placed(leaves: list[Any], active: list[int], moved: list[Any]) -> list[Any]
     return placed
 
 
-def _copied(leaves: list[Any] | tuple[Any, ...], device: torch.device) -> list[Any] | None:
+def _copied(leaves: list[Any], device: torch.device) -> list[Any] | None:
     """The leaves with each tensor among them copied, in one comprehension.
 
     The leaves hold tensors, each once, and plain scalars. None where a copy fails:
