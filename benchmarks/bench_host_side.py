@@ -39,7 +39,8 @@ import devicekit as dk
 from devicekit import _packing
 from devicekit._bench import handwritten_per_image, per_image_batch
 from devicekit._packing import CHUNK_BYTES
-from devicekit._transfer import _walker, as_accelerator
+from devicekit._transfer import as_accelerator
+from devicekit._tree import flatten
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -84,7 +85,7 @@ def copies_of(batch: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
 
     What devicekit copies is a stand-in per chunk and each tensor sent alone.
     """
-    tensors = {id(leaf): leaf for leaf in _walker.leaves(batch) if type(leaf) is torch.Tensor}
+    tensors = {id(leaf): leaf for leaf in flatten(batch).leaves if type(leaf) is torch.Tensor}
     moved = _packing.pack(tensors.values(), META, non_blocking=True, pin=False)
     chunks = {piece.untyped_storage()._cdata: piece for piece in moved.values()}
     alone = [tensor for key, tensor in tensors.items() if key not in moved]

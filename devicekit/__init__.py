@@ -14,9 +14,10 @@ from devicekit._errors import (
     DeviceUnavailableError,
     TransferError,
 )
+from devicekit._kinds import register_transfer, unregister_transfer
 from devicekit._loader import DeviceDataLoader
 from devicekit._manager import DeviceManager, current_device
-from devicekit._transfer import register_transfer, to_device, unregister_transfer
+from devicekit._transfer import to_device
 
 __version__ = "0.1.0"
 

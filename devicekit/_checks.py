@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from devicekit import _tree
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import DeviceMismatchError
-from devicekit._transfer import _has_own_rule as _moves_itself
-from devicekit._tree import Node, Walker
+from devicekit._kinds import READ
 
 __all__ = ["GuardHandle", "check_same_device", "describe_devices", "find_devices", "guard"]
 
@@ -26,76 +26,29 @@ __all__ = ["GuardHandle", "check_same_device", "describe_devices", "find_devices
 _PATHS_SHOWN = 3
 
 
-def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*module.named_parameters(), *module.named_buffers()]
-
-
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, Any]]:
-    found: list[tuple[str, Any]] = []
-    for group_index, group in enumerate(optimizer.param_groups):
-        for param_index, param in enumerate(group["params"]):
-            where = f"param_groups[{group_index}]['params'][{param_index}]"
-            found.append((where, param))
-            state = optimizer.state.get(param, {})
-            found += [(f"state[{where}][{key!r}]", value) for key, value in state.items()]
-    return found
-
-
-def _named_node(named: Any) -> Node:
-    def children(obj: Any) -> list[Any]:
-        return [value for _, value in named(obj)]
-
-    def keys(obj: Any) -> list[str]:
-        return [f".{name}" for name, _ in named(obj)]
-
-    def rebuild(obj: Any, values: list[Any]) -> Any:
-        msg = "modules and optimizers are read by find_devices, not rebuilt"
-        raise NotImplementedError(msg)
-
-    return Node(children, rebuild, keys)
-
-
-def _attributes(obj: Any) -> list[tuple[str, Any]]:
-    return list(getattr(obj, "__dict__", {}).items())
-
-
-_MODULE_NODE = _named_node(_module_tensors)
-_OPTIMIZER_NODE = _named_node(_optimizer_tensors)
-# Objects that move themselves (with .to() or a registered rule) hold their tensors
-# in attributes: the checks look there, so they see what to_device moves.
-_MOVER_NODE = _named_node(_attributes)
-
-
-def _holders(cls: type) -> Node | None:
-    if issubclass(cls, torch.nn.Module):
-        return _MODULE_NODE
-    if issubclass(cls, torch.optim.Optimizer):
-        return _OPTIMIZER_NODE
-    if not issubclass(cls, torch.Tensor) and _moves_itself(cls):
-        return _MOVER_NODE
-    return None
-
-
-def _is_opaque(cls: type) -> bool:
-    # Tensors and objects that move themselves are leaves; mappings are always walked.
-    return issubclass(cls, torch.Tensor)
-
-
-_finder = Walker(_is_opaque, extra_nodes=_holders, root="")
-
-
 def _tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for path, leaf in _finder.leaves_with_paths(data):
+    """Every tensor in ``data`` with its path, as the READ view of the table sees them.
+
+    That is every tensor to_device would move, inside modules, optimizers and objects
+    that move themselves too (a PackedSequence's ``.data``, a graph's ``.x``).
+    """
+    flat = _tree.flatten(data, view=READ)
+    leaf_paths, _ = _tree.paths(flat)
+    for index in flat.active:
+        leaf = flat.leaves[index]
         if isinstance(leaf, torch.Tensor):
-            joined = root + path if root or not path.startswith(".") else path[1:]
-            yield joined, leaf
+            path = leaf_paths[index]
+            yield (root + path if root or not path.startswith(".") else path[1:]), leaf
 
 
 def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
     """Every device the data's tensors are on, with the paths of the tensors there.
 
-    Walks what :func:`~devicekit.to_device` walks, and modules (``fc.weight``) and
-    optimizers (``param_groups[0]['params'][1]``, ``state[...]['exp_avg']``) too.
+    Sees every tensor :func:`~devicekit.to_device` moves, named as you write them:
+    inside containers, modules (``fc.weight``), optimizers
+    (``param_groups[0]['params'][1]``, ``state[...]['exp_avg']``; not a ``step`` that
+    PyTorch keeps on the host on purpose), and objects that move themselves (a
+    PackedSequence's ``.data``, a torch_geometric graph's ``.x``).
 
     >>> import torch, devicekit as dk
     >>> batch = {"image": torch.zeros(2, device="meta"), "labels": [torch.ones(1), 3]}

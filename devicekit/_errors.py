@@ -8,6 +8,7 @@ __all__ = [
     "DeviceKitError",
     "DeviceMismatchError",
     "DeviceUnavailableError",
+    "LeafError",
     "TransferError",
 ]
 
@@ -82,3 +83,16 @@ class TransferError(DeviceKitError):
     """
 
     __module__ = "devicekit"
+
+
+class LeafError(Exception):
+    """Raised inside a walk by code that knows what went wrong but not where.
+
+    Internal: the traversal engine fills ``{path}`` in the message with the path of the
+    object that failed and raises :class:`TransferError` in its place.
+    """
+
+    @property
+    def template(self) -> str:
+        """The message, with ``{path}`` where the path goes."""
+        return str(self.args[0])

@@ -41,7 +41,8 @@ import torch
 from devicekit._devices import DeviceLike, resolve_device, streams_to
 from devicekit._manager import current_device
 from devicekit._packing import PACK_MAX_BYTES
-from devicekit._transfer import NonBlocking, _walker, to_device
+from devicekit._transfer import NonBlocking, to_device
+from devicekit._tree import map_leaves
 
 __all__ = ["DeviceDataLoader", "Prefetcher", "StreamPrefetcher"]
 
@@ -95,7 +96,7 @@ def _pin(batch: Any) -> Any:
             copy = pinned[id(leaf)] = leaf.pin_memory()
         return copy
 
-    return _walker.map(pin, batch)
+    return map_leaves(pin, batch)
 
 
 class StreamPrefetcher:

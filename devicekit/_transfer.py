@@ -1,315 +1,88 @@
 """to_device: move tensors, modules, optimizers and nested batches to a device.
 
-The walk itself is :mod:`devicekit._tree`'s; this module decides what happens to
-each leaf. Per-type decisions (is this registered? does its ``.to()`` take
-``dtype=``?) are made once per type and cached, so the hot path is a dict lookup.
+One call goes like this::
+
+    options --(checked, cached per device and options)--> _Plan
+    _Plan   --(per call: memo, devices to wait for)-----> _Call, and its mover
+    data    --_tree.map_leaves(mover)-------------------> moved data          (host targets)
+    data    --_tree.map_flat(mover, before=pack)--------> moved data          (accelerators)
+
+The mover is the one function that moves a leaf, on every path: exact tensors in a few
+lines, everything else as the table of per-type decisions (:mod:`devicekit._kinds`)
+says. Accelerator targets take the flat route so that small host tensors can first
+go packed (:mod:`devicekit._packing`); the mover then finds their pieces in its memo,
+the same memo that makes a tensor found twice come back as one moved tensor and
+calls a rule or a ``.to()`` once per object.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
-import enum
-import inspect
-import threading
-from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
-from typing import Any, Literal, Protocol, TypeAlias, TypeVar
+import copy as copy_module
+from collections.abc import Callable, Collection, Hashable, Iterator
+from typing import Any, Final, Literal, NamedTuple, TypeAlias, TypeVar
 
 import torch
 
-from devicekit import _packing
+from devicekit import _packing, _tree
 from devicekit._devices import DeviceLike, resolve_device
+from devicekit._errors import LeafError, TransferError
+from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how
 from devicekit._manager import current_device
-from devicekit._tree import TYPES_KEPT, LeafError, Node, Walker, container_node, mapping_items
 
-__all__ = [
-    "NonBlocking",
-    "TransferRule",
-    "register_transfer",
-    "to_device",
-    "unregister_transfer",
-]
+__all__ = ["NonBlocking", "as_accelerator", "to_device"]
 
 T = TypeVar("T")
-C = TypeVar("C", bound=Callable[..., Any])
 
 NonBlocking: TypeAlias = bool | Literal["auto"]
 """``"auto"``, True or False; see :func:`to_device`."""
 
-# Devices whose copies are no-ops or synchronous by nature: no stream to wait on.
+# Devices whose copies are synchronous by nature, or move no data: no stream to wait on.
 _HOST_DEVICE_TYPES = frozenset({"cpu", "meta"})
-# Leaves that hold no data to move; strict=True accepts them.
-# Plain values, left as they are, strict or not: scalars, and the settings a batch or a
-# config carries beside its tensors.
-_SCALAR_TYPES = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    range,
-    slice,
-    type(Ellipsis),
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-)
-_SCALAR_TYPE_SET = frozenset(_SCALAR_TYPES)
-_FLAT_TYPES = frozenset({dict, list, tuple})
-# The options a registered rule or a .to() method may be handed, in to_device's order.
-_OPTION_NAMES = ("non_blocking", "dtype", "copy", "memory_format")
-
-
-class TransferRule(Protocol):
-    """How to move one user type: ``rule(obj, device, **options)`` returns the moved object.
-
-    ``options`` are ``non_blocking`` (a bool), ``dtype``, ``copy`` and
-    ``memory_format``, exactly as :func:`to_device` received them (``non_blocking``
-    resolved from ``"auto"``).
-    """
-
-    def __call__(self, obj: Any, device: torch.device, /, **options: Any) -> Any: ...
-
-
-_rules: dict[type, TransferRule] = {}
-_rules_lock = threading.Lock()  # registering while other threads move data
 _Tensor = torch.Tensor  # one global lookup on the hot path instead of two
 _is_compiling = torch.compiler.is_compiling  # likewise; torch.compile knows the function
+_UNSEEN: Any = object()
 
 
-def _rule_for(cls: type) -> TransferRule | None:
-    """The registered rule that applies to ``cls``, if any.
+class Options(NamedTuple):
+    """to_device's options, each under its one name, as the user gave them."""
 
-    The nearest class in its MRO that has a rule wins; then abstract base classes with
-    rules, in the order registered, for the classes they recognise without inheritance
-    (``collections.abc.Sequence`` covers ``list``).
-    """
-    for klass in cls.__mro__:
-        rule = _rules.get(klass)
-        if rule is not None:
-            return rule
-    for base, rule in list(_rules.items()):
-        metaclass: type = type(base)
-        if issubclass(metaclass, abc.ABCMeta) and issubclass(cls, base):
-            return rule
-    return None
+    non_blocking: NonBlocking = "auto"
+    dtype: torch.dtype | None = None
+    copy: bool = False
+    memory_format: torch.memory_format | None = None
+    strict: bool = False
 
 
-def _has_own_rule(cls: type) -> bool:
-    # Mappings are rebuilt item by item even when they have .to(): BatchEncoding.to,
-    # for one, moves its input in place instead of returning a moved copy.
-    registered = _rule_for(cls) is not None
-    to_method = not issubclass(cls, Mapping) and callable(getattr(cls, "to", None))
-    return registered or to_method
+_DEFAULTS: Final = Options()
 
 
-# Plain scalars are left as they are, strict or not: the walk passes them through,
-# unless a rule is registered for their type.
-_walker = Walker(_has_own_rule, inert_types=_SCALAR_TYPES)
-_scalar_types = _SCALAR_TYPE_SET  # the scalars without a registered rule
-_flat_leaf_types = _scalar_types | {torch.Tensor}  # what _flat moves or passes through
-
-
-def _forget_decisions() -> None:
-    """Drop every per-type decision: a rule was registered or removed."""
-    global _scalar_types, _flat_leaf_types  # noqa: PLW0603 - the one place that rebinds them
-    _walker.forget_types()
-    _leaf_rules.clear()
-    _scalar_types = frozenset(cls for cls in _SCALAR_TYPES if _rule_for(cls) is None)
-    _flat_leaf_types = _scalar_types | {torch.Tensor}
-
-
-def register_transfer(cls: type) -> Callable[[C], C]:
-    """Register how :func:`to_device` moves instances of ``cls``.
-
-    A registered rule wins over the type's ``.to()`` method and over the container
-    rules, so it also serves containers that must not be rebuilt item by item. It
-    applies to ``cls`` and its subclasses, the nearest registered class in a type's MRO
-    winning; a rule for an abstract base class applies to every class it recognises
-    (one for ``collections.abc.Sequence`` takes lists too).
-
-    >>> import dataclasses, torch, devicekit as dk
-    >>> @dataclasses.dataclass
-    ... class Boxes:
-    ...     xyxy: torch.Tensor
-    ...     image_size: tuple[int, int]
-    >>> @dk.register_transfer(Boxes)
-    ... def move_boxes(boxes, device, **options):
-    ...     return Boxes(boxes.xyxy.to(device), boxes.image_size)
-    >>> dk.to_device(Boxes(torch.zeros(1, 4), (32, 32)), "meta").xyxy.device
-    device(type='meta')
-    >>> dk.unregister_transfer(Boxes)
-
-    Args:
-        cls: The type whose instances the decorated function moves.
-
-    Returns:
-        A decorator that registers ``fn(obj, device, **options) -> moved`` and returns it
-        unchanged. ``options`` are ``non_blocking``, ``dtype``, ``copy`` and ``memory_format``.
-
-    Raises:
-        TypeError: ``cls`` is not a class, is :class:`torch.Tensor` (moved by to_device
-            itself) or ``object`` (whose rule would take every leaf); or what is
-            decorated is not callable.
-        ValueError: ``cls`` has a rule already; :func:`unregister_transfer` removes it.
-    """
-    if not isinstance(cls, type):  # for callers without a type checker
-        msg = f"Expected a class to register a transfer rule for, got {type(cls).__name__} {cls!r}."  # type: ignore[unreachable]
-        raise TypeError(msg)
-    if cls is torch.Tensor:
-        msg = (
-            "Expected a user type, got torch.Tensor: tensors are moved by to_device itself. "
-            "Register a tensor subclass instead."
-        )
-        raise TypeError(msg)
-    if cls is object:
-        msg = (
-            "Expected a type narrower than object: a rule for object would take every leaf "
-            "and every container of every batch. Register the types you mean."
-        )
-        raise TypeError(msg)
-
-    def decorator(fn: C) -> C:
-        if not callable(fn):  # for callers without a type checker
-            msg = (  # type: ignore[unreachable]
-                f"Expected a function fn(obj, device, **options) to register for "
-                f"{cls.__name__}, got {type(fn).__name__} {fn!r}."
-            )
+def _check(options: Options) -> Options:
+    """The options, checked; ``preserve_format`` is the same as no memory format."""
+    non_blocking, dtype, copy, memory_format, strict = options
+    for name, value in (("copy", copy), ("strict", strict)):
+        if value is not True and value is not False:
+            msg = f"Expected {name} to be True or False, got {value!r}."
             raise TypeError(msg)
-        with _rules_lock:
-            existing = _rules.get(cls)
-            if existing is not None:
-                name = f"{existing.__module__}.{getattr(existing, '__qualname__', existing)}"
-                msg = (
-                    f"{cls.__name__} already has a transfer rule ({name}); call "
-                    f"devicekit.unregister_transfer({cls.__name__}) first to replace it."
-                )
-                raise ValueError(msg)
-            _rules[cls] = fn
-            _forget_decisions()
-        return fn
-
-    return decorator
-
-
-def unregister_transfer(cls: type) -> None:
-    """Remove the rule :func:`register_transfer` registered for ``cls``.
-
-    >>> import devicekit as dk
-    >>> @dk.register_transfer(complex)
-    ... def move_complex(value, device, **options):
-    ...     return value
-    >>> dk.unregister_transfer(complex)
-
-    Raises:
-        KeyError: ``cls`` has no rule registered.
-    """
-    with _rules_lock:
-        if cls not in _rules:
-            msg = f"{getattr(cls, '__name__', cls)} has no transfer rule to unregister."
-            raise KeyError(msg)
-        del _rules[cls]
-        _forget_decisions()
-
-
-class _Plan:
-    """What a to_device call's options imply, worked out once per (device, options).
-
-    Reading ``device.type`` costs a third of a microsecond, and a call that moves a
-    small batch takes a few: every flag the walk consults is derived here, and plans
-    are cached, so a call only looks its plan up.
-
-    There is one rule for ``non_blocking``, :meth:`_Transfer.tensor_non_blocking`:
-    under ``"auto"``, copies to an accelerator are asynchronous; copies from one to the
-    host, and MPS copies, are asynchronous and waited for once. The flags below only
-    pick the fast path that rule leads to: ``plain`` (one blocking ``.to()``: host
-    targets), ``async_host_to_accelerator`` (one ``non_blocking`` ``.to()``), and
-    ``opaque_non_blocking``, what objects that move themselves are told, since
-    devicekit cannot wait for their copies.
-    """
-
-    __slots__ = (
-        "async_host_to_accelerator",
-        "copy",
-        "device",
-        "device_is_cpu",
-        "device_is_meta",
-        "device_is_mps",
-        "dtype",
-        "memory_format",
-        "non_blocking",
-        "opaque_non_blocking",
-        "packs",
-        "pins",
-        "plain",
-        "rule_options",
-        "strict",
-        "to_accelerator",
-        "trivial",
-    )
-
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        non_blocking: NonBlocking,
-        dtype: torch.dtype | None,
-        copy: bool,
-        memory_format: torch.memory_format | None,
-        strict: bool,
-    ) -> None:
-        kind = device.type
-        simulated = kind in _simulated_accelerators
-        self.device = device
-        self.non_blocking = non_blocking
-        self.dtype = dtype
-        self.copy = copy
-        self.memory_format = None if memory_format is torch.preserve_format else memory_format
-        self.strict = strict
-        self.to_accelerator = kind not in _HOST_DEVICE_TYPES or simulated
-        self.device_is_cpu = kind == "cpu"
-        self.device_is_meta = kind == "meta"
-        self.device_is_mps = kind == "mps"
-        # With nothing but the device to change, "already there" is one comparison.
-        self.trivial = dtype is None and not copy and self.memory_format is None
-        # A plain blocking .to(): asked for, or a move to meta, which copies no data. Under
-        # "auto" a cpu target is not plain: host tensors are already there (the hot path
-        # returns them first), and the rest come from accelerators, whose copies are
-        # issued asynchronously and waited for once.
-        self.plain = non_blocking is False or (
-            non_blocking == "auto" and self.device_is_meta and not simulated
+    if not (non_blocking is True or non_blocking is False or (isinstance(non_blocking, str) and non_blocking == "auto")):
+        msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
+        raise ValueError(msg)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        msg = (
+            "Expected dtype to be None or a floating-point dtype such as torch.float16 or "
+            f"torch.bfloat16, got {dtype!r}: to_device casts floating-point tensors only, so "
+            "integer tensors (labels, indices) keep their dtype."
         )
-        self.packs = (
-            _packing.packs_to(device) or (simulated and _packing.can_pack)
-        ) and self.memory_format is None
-        self.pins = not simulated
-        # For objects that move themselves, whose copies devicekit cannot wait for:
-        # asynchronous only where reading the result is ordered after the copy anyway.
-        self.opaque_non_blocking = (
-            self.to_accelerator and not self.device_is_mps
-            if non_blocking == "auto"
-            else bool(non_blocking)
+        raise ValueError(msg)
+    if memory_format is not None and not isinstance(memory_format, torch.memory_format):
+        msg = (
+            "Expected memory_format to be None or a torch.memory_format such as "
+            f"torch.channels_last, got {memory_format!r}."
         )
-        # The usual accelerator call: host tensors go with a plain non_blocking copy.
-        self.async_host_to_accelerator = (
-            self.trivial
-            and self.to_accelerator
-            and not self.device_is_mps
-            and non_blocking in ("auto", True)
-        )
-        self.rule_options = {
-            "non_blocking": self.opaque_non_blocking,
-            "dtype": dtype,
-            "copy": copy,
-            "memory_format": self.memory_format or torch.preserve_format,
-        }
-
-
-_plans: dict[object, _Plan] = {}
-_PLANS_KEPT = 256  # bounded: option values seen at run time must not pile up
+        raise ValueError(msg)
+    if memory_format is torch.preserve_format:
+        return options._replace(memory_format=None)
+    return options
 
 
 _simulated_accelerators: set[str] = set()
@@ -333,97 +106,238 @@ def as_accelerator(device_type: str) -> Iterator[None]:
         _plans.clear()
 
 
-class _Transfer:
-    """One to_device call: its plan, its alias memo, and the devices to wait on."""
+class _Plan:
+    """What a call's device and options imply, worked out once and cached.
 
-    __slots__ = ("memo", "moved_ids", "plan", "remember", "wait_for")
+    ``non_blocking`` has one rule, :meth:`_Call.non_blocking`; ``told`` is what objects
+    that move themselves are told, since devicekit cannot wait for their copies:
+    asynchronous only where reading the result is ordered after the copy anyway.
+    """
 
-    def __init__(
-        self, plan: _Plan, *, remember: bool = False, memo: dict[int, Any] | None = None
-    ) -> None:
+    __slots__ = ("device", "is_cpu", "is_meta", "options", "packs", "pins", "plain", "told")
+
+    def __init__(self, device: torch.device, options: Options, *, traced: bool = False) -> None:
+        simulated = device.type in _simulated_accelerators
+        to_accelerator = device.type not in _HOST_DEVICE_TYPES or simulated
+        auto = options.non_blocking == "auto"
+        self.device = device
+        self.options = options
+        self.is_cpu = device.type == "cpu"
+        self.is_meta = device.type == "meta" and not simulated
+        # Nothing but the device changes: "already there" is one comparison.
+        self.plain = options.dtype is None and not options.copy and options.memory_format is None
+        self.packs = (  # not in a compiled graph: its copies are the compiler's to plan
+            not traced
+            and to_accelerator
+            and options.memory_format is None
+            and (_packing.packs_to(device) or (simulated and _packing.can_pack))
+        )
+        self.pins = not simulated
+        self.told = (to_accelerator and device.type != "mps") if auto else options.non_blocking
+
+
+_plans: dict[object, _Plan] = {}
+_PLANS_KEPT = 256  # bounded: option values seen at run time must not pile up
+
+
+def _plan(device: DeviceLike | None, options: Options) -> _Plan:
+    if _is_compiling():
+        return _Plan(_traced_device(device), _check(options), traced=True)
+    defaults = options is _DEFAULTS
+    # The usual call (every option at its default) is keyed by the device alone. A
+    # torch.device found there is a target already resolved (an index checked to
+    # exist); one without an index ("cuda": the current device) is resolved every call.
+    plan = _plans.get(device) if defaults and type(device) is torch.device else None
+    if plan is None:
+        if not defaults:
+            options = _check(options)
+        target = current_device() if device is None else resolve_device(device)
+        key = target if defaults else (target, options)
+        plan = _plans.get(key)
+        if plan is None:
+            if len(_plans) >= _PLANS_KEPT:
+                _plans.clear()
+            plan = _plans[key] = _Plan(target, options)
+    return plan
+
+
+def _traced_device(device: DeviceLike | None) -> torch.device:
+    """The target inside torch.compile, where a device given explicitly is taken as given."""
+    if device is None:
+        msg = (
+            "Cannot move data inside torch.compile to the current device: devicekit reads "
+            "it from its context (a DeviceManager block), which the compiler cannot follow. "
+            "Pass the device explicitly, such as to_device(batch, 'cuda:0')."
+        )
+        raise TransferError(msg)
+    return device if type(device) is torch.device else torch.device(device)
+
+
+def _format_applies(memory_format: torch.memory_format | None, tensor: torch.Tensor) -> bool:
+    # As nn.Module.to does: channels_last formats concern only 4-d (and 5-d) tensors,
+    # so a batch's labels and masks pass untouched next to its images.
+    if memory_format is torch.channels_last:
+        return tensor.dim() == 4
+    if memory_format is torch.channels_last_3d:
+        return tensor.dim() == 5
+    return memory_format is not None
+
+
+class _Call:
+    """One to_device call: its plan, its memo, and the devices whose copies to wait for."""
+
+    __slots__ = ("memo", "plan", "waits")
+
+    def __init__(self, plan: _Plan) -> None:
         self.plan = plan
-        # id -> result, for tensors found twice and for every object moved by a rule,
-        # a .to() or in place: each is moved once, however often the data holds it.
-        self.memo: dict[int, Any] = {} if memo is None else memo
-        self.wait_for: set[torch.device] = set()
-        # remember=True: look every tensor up in the memo. False: the optimistic path,
-        # which only notes the ids of what it moved (see leaf_function).
-        self.remember = remember
-        self.moved_ids: list[int] = []
+        # id -> result, for every tensor moved and every object moved by a rule, a
+        # .to() or in place: each is moved once, however often the data holds it.
+        self.memo: dict[int, Any] = {}
+        self.waits: set[torch.device] = set()
 
-    def leaf_function(self) -> Callable[[Any], Any]:
-        """The function the walker maps over the leaves, specialised for this call.
+    def mover(self) -> Callable[[Any], Any]:
+        """The function that moves one leaf, whatever it is.
 
         A closure, not a method: its hot path (a tensor whose device alone changes)
         reads locals instead of attributes, which is most of its cost.
         """
-        plan = self.plan
-        if not plan.trivial or self.remember:
-            return self.leaf
-        if plan.async_host_to_accelerator:
-            return self._host_to_accelerator()
-        device, moved_ids, plain = plan.device, self.moved_ids, plan.plain
-        # `obj.device` builds a torch.device each time; for the host targets a flag says
-        # the same thing at a third of the cost.
-        target_is_meta, target_is_cpu = plan.device_is_meta, plan.device_is_cpu
-        transfer = self
+        plan, memo, leaf, tensor = self.plan, self.memo, self.leaf, self.tensor
+        device, is_cpu, is_meta, plain = plan.device, plan.is_cpu, plan.is_meta, plan.plain
+        asynchronous = plan.told
+        # A copy that needs no wait: to an accelerator other than MPS, to meta, or
+        # wherever non_blocking was given as True or False.
+        waitless = asynchronous or is_meta or plan.options.non_blocking != "auto"
 
         def move(obj: Any) -> Any:
             if type(obj) is not _Tensor:
-                return transfer.leaf(obj)
-            if target_is_meta:
-                if obj.is_meta:
-                    return obj
-            elif target_is_cpu:
+                return leaf(obj)
+            if not plain:
+                return tensor(obj, device)
+            # `obj.device` builds a torch.device each time; for the host targets a flag
+            # says the same at a third of the cost.
+            if is_cpu:
                 if obj.is_cpu:
+                    return obj
+            elif is_meta:
+                if obj.is_meta:
                     return obj
             elif obj.device == device:
                 return obj
-            if not plain:
-                return transfer.tensor(obj)
-            # Optimistic about aliasing: note what moved, and let to_device walk again
-            # with the memo in the rare batch that holds one tensor twice.
-            moved_ids.append(id(obj))
-            try:
-                return obj.to(device)
-            except NotImplementedError:
-                if obj.is_meta:  # PyTorch's "no data!" becomes a message with the path
-                    raise transfer.meta_error(obj) from None
-                raise
+            if not waitless:
+                return tensor(obj, device)
+            moved = memo.get(id(obj))
+            if moved is None:
+                try:
+                    # Keyword arguments cost PyTorch more to parse than a small copy to
+                    # meta takes: non_blocking is passed only when it is True.
+                    moved = obj.to(device, non_blocking=True) if asynchronous else obj.to(device)
+                except NotImplementedError:
+                    if obj.is_meta:
+                        raise self.meta_error() from None
+                    raise
+                memo[id(obj)] = moved
+            return moved
 
         return move
 
-    def _host_to_accelerator(self) -> Callable[[Any], Any]:
-        """The leaf function of the usual accelerator call: host tensors copied async.
-
-        Host tensors are all a batch usually holds, and they need no check beyond
-        ``is_cpu``: nothing to wait for, nothing already there. Anything else takes the
-        general path.
-        """
-        device, moved_ids, leaf = self.plan.device, self.moved_ids, self.leaf
-
-        def move(obj: Any) -> Any:
-            if type(obj) is _Tensor and obj.is_cpu:
-                moved_ids.append(id(obj))  # optimistic about aliasing, as in leaf_function
-                return obj.to(device, non_blocking=True)
-            return leaf(obj)
-
-        return move
-
-    def leaf(self, obj: Any) -> Any:
-        """Move one leaf of the data, whatever the options."""
-        if type(obj) is _Tensor:
-            return self.tensor(obj)
-        rule = _leaf_rules.get(type(obj)) or _choose_leaf_rule(type(obj))
-        if rule in _SIDE_EFFECT_FREE:
-            return rule(obj, self)
-        # A user's .to() or rule, a module or an optimizer: called once per object.
-        moved = self.memo.get(id(obj), _UNSEEN)
-        if moved is _UNSEEN:
-            moved = self.memo[id(obj)] = rule(obj, self)
+    def tensor(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """One tensor to ``device`` with the call's options, or as it is if nothing changes."""
+        moved: torch.Tensor | None = self.memo.get(id(tensor))
+        if moved is not None:
+            return moved
+        options = self.plan.options
+        if tensor.is_meta and device.type != "meta":
+            raise self.meta_error()
+        dtype = options.dtype if options.dtype is not None and tensor.is_floating_point() else None
+        memory_format = options.memory_format
+        if not _format_applies(memory_format, tensor):
+            memory_format = None
+        if (
+            not options.copy
+            and tensor.device == device
+            and (dtype is None or tensor.dtype == dtype)
+            and (memory_format is None or tensor.is_contiguous(memory_format=memory_format))
+        ):
+            return tensor
+        moved = self.memo[id(tensor)] = tensor.to(
+            device,
+            dtype=dtype,
+            non_blocking=self.non_blocking(tensor, device),
+            copy=options.copy,
+            memory_format=memory_format or torch.preserve_format,
+        )
         return moved
 
-    def meta_error(self, tensor: torch.Tensor) -> LeafError:
+    def non_blocking(self, tensor: torch.Tensor, device: torch.device) -> bool:
+        """Whether a tensor's copy is asynchronous: the one rule for ``non_blocking``.
+
+        Under ``"auto"``, copies to an accelerator are asynchronous; copies from one to
+        the host, and MPS copies, are asynchronous too and waited for once, before
+        to_device returns.
+        """
+        non_blocking = self.plan.options.non_blocking
+        if non_blocking != "auto":
+            return bool(non_blocking)
+        if device.type in _HOST_DEVICE_TYPES and device.type not in _simulated_accelerators:
+            if tensor.is_cpu or tensor.is_meta:
+                return False  # host to host: nothing to overlap
+            waits_on = tensor.device
+        elif device.type == "mps":
+            waits_on = device
+        else:
+            return True
+        if _is_compiling():
+            return False  # a graph holds no event to wait on: the same values, blocking
+        self.waits.add(waits_on)
+        return True
+
+    def leaf(self, obj: Any) -> Any:
+        """Move a leaf that is not an exact tensor, as the table says its type moves."""
+        how, detail = leaf_how(type(obj))
+        if how is Leaf.KEPT:
+            return obj
+        if how is Leaf.TENSOR:
+            return self.tensor(obj, self.plan.device)
+        if how is Leaf.OTHER or how is Leaf.ARRAY:
+            return _keep(obj, self.plan.options.strict, array=how is Leaf.ARRAY)
+        if _is_compiling() and how is not Leaf.PARAMETER:
+            raise _untraced(obj, how)
+        moved = self.memo.get(id(obj), _UNSEEN)
+        if moved is _UNSEEN:  # user code, or in-place moves: once per object
+            moved = self.memo[id(obj)] = _MOVES[how](obj, self, detail)
+        return moved
+
+    def restyle(self, obj: Any) -> Any:
+        """Apply dtype, memory_format and copy to a leaf where it is (the CAST view).
+
+        Tensors stay on their device: what a ``.to()`` left on the host stays there
+        (a PackedSequence's ``batch_sizes``).
+        """
+        if type(obj) is _Tensor:
+            return self.tensor(obj, obj.device)
+        if isinstance(obj, torch.Tensor | torch.nn.Module):
+            return self.leaf(obj)
+        return obj
+
+    def pack(self, leaves: list[Any]) -> None:
+        """Send the small host tensors among ``leaves`` packed, where that pays.
+
+        Their pieces go into the memo, where the mover finds them.
+        """
+        distinct = {id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}
+        tensors = list(distinct.values())
+        if _packing.might_pay(tensors):
+            plan = self.plan
+            packed = _packing.pack(
+                tensors,
+                plan.device,
+                non_blocking=plan.options.non_blocking is not False,
+                dtype=plan.options.dtype,
+                pin=plan.pins,
+            )
+            self.memo.update(packed)
+
+    def meta_error(self) -> LeafError:
         """The error for a meta tensor asked onto a device with data."""
         msg = (
             f"Cannot move {{path}} to {self.plan.device}: it is a tensor on the meta device, "
@@ -432,259 +346,27 @@ class _Transfer:
         )
         return LeafError(msg)
 
-    def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Move one tensor, or return it as is where it already is what was asked for."""
-        moved: torch.Tensor | None = self.memo.get(id(tensor))
-        if moved is not None:
-            return moved
-        plan = self.plan
-        if tensor.is_meta and not plan.device_is_meta:
-            raise self.meta_error(tensor)
-        if plan.trivial:
-            if tensor.device == plan.device:
-                return tensor
-            # Keyword arguments cost PyTorch more to parse than the copy of a small
-            # tensor to meta takes: pass non_blocking only when it is True.
-            if self.tensor_non_blocking(tensor):
-                moved = tensor.to(plan.device, non_blocking=True)
-            else:
-                moved = tensor.to(plan.device)
-        else:
-            moved = self.tensor_with_options(tensor)
-        self.memo[id(tensor)] = moved
-        return moved
-
-    def tensor_with_options(self, tensor: torch.Tensor) -> torch.Tensor:
-        plan = self.plan
-        dtype = plan.dtype if plan.dtype is not None and tensor.is_floating_point() else None
-        memory_format = plan.memory_format
-        if memory_format is not None and not _format_applies(memory_format, tensor):
-            memory_format = None
-        if (
-            not plan.copy
-            and tensor.device == plan.device
-            and (dtype is None or tensor.dtype == dtype)
-            and (memory_format is None or tensor.is_contiguous(memory_format=memory_format))
-        ):
-            return tensor
-        return tensor.to(
-            plan.device,
-            dtype=dtype,
-            non_blocking=self.tensor_non_blocking(tensor),
-            copy=plan.copy,
-            memory_format=memory_format or torch.preserve_format,
-        )
-
-    def tensor_non_blocking(self, tensor: torch.Tensor) -> bool:
-        plan = self.plan
-        if plan.non_blocking != "auto":
-            return bool(plan.non_blocking)
-        if not plan.to_accelerator:
-            if tensor.is_cpu or tensor.is_meta:
-                return False  # host to host: nothing to overlap
-            # Device to host is issued asynchronously and waited for once, before
-            # to_device returns, so every result is safe to read.
-            self.wait_for.add(tensor.device)
-        elif plan.device_is_mps:
-            self.wait_for.add(plan.device)  # MPS copies likewise
-        return True
-
-    def each(
-        self, leaves: list[Any], active: list[int], packed: Callable[[int], Any], data: Any
-    ) -> list[Any]:
-        """The leaves at ``active`` moved one by one (the packed ones looked up)."""
-        moved = leaves.copy()
-        memo, device, leaf = self.memo, self.plan.device, self.leaf
-        fast = self.plan.async_host_to_accelerator
-        for index in active:
-            obj = leaves[index]
-            kind = type(obj)
-            try:
-                if kind is _Tensor:
-                    copy = packed(id(obj))
-                    if copy is None:
-                        copy = memo.get(id(obj))
-                    if copy is None:
-                        if fast and obj.is_cpu:
-                            copy = memo[id(obj)] = obj.to(device, non_blocking=True)
-                        else:
-                            copy = self.tensor(obj)
-                    moved[index] = copy
-                elif kind not in _scalar_types:
-                    moved[index] = leaf(obj)
-            except Exception as err:
-                raise _walker.locate(err, data, index) from None
-        return moved
-
     def finish(self) -> None:
         """Wait once per source device for the asynchronous copies that need it."""
-        for device in self.wait_for:
+        for device in self.waits:
             event = torch.Event(device=device)
             event.record(torch.accelerator.current_stream(device))
             event.synchronize()
 
 
-def _flat(data: dict[Any, Any] | list[Any] | tuple[Any, ...], device: torch.device) -> Any:
-    """The most common batch moved with one comprehension, or None for any other batch.
-
-    A few host tensors (and scalars) in a dict, list or tuple, such as
-    ``(images, labels)`` or ``{"input_ids": ..., "attention_mask": ...}``, would
-    otherwise pay for taking apart and rebuilding a structure that has none.
-    """
-    values = data.values() if type(data) is dict else data
-    # The checks run at C speed: a Python loop over the values would cost as much as
-    # the comprehension that moves them.
-    if len(values) >= _packing.MIN_TENSORS or not _flat_leaf_types.issuperset(map(type, values)):
-        return None  # enough tensors for packing to be worth deciding, or containers
-    if len(set(map(id, values))) < len(values):
-        # Something found twice: fine for scalars (None, small ints), the memo's work
-        # for a tensor, which must come back as one moved tensor.
-        tensor_ids = [id(value) for value in values if type(value) is _Tensor]
-        if len(set(tensor_ids)) < len(tensor_ids):
-            return None
-    # .to() alone is right for any plain tensor, as in _copied; one that cannot move (a
-    # meta tensor) makes the general path raise its error with its path. The
-    # comprehensions are written out here, not borrowed from _copied: a call more is a
-    # tenth of the host time of an (images, labels) pair.
-    try:
-        if type(data) is dict:
-            return {
-                key: value.to(device, non_blocking=True) if type(value) is _Tensor else value
-                for key, value in data.items()
-            }
-        moved = [
-            value.to(device, non_blocking=True) if type(value) is _Tensor else value
-            for value in data
-        ]
-    except Exception:
-        return None
-    return moved if type(data) is list else tuple(moved)
+# How leaves that are neither exact tensors nor kept move: one function per Leaf member.
 
 
-def _to_accelerator(data: Any, plan: _Plan) -> Any:
-    """to_device's work for an accelerator, once its options are a plan."""
-    if plan.async_host_to_accelerator:  # the usual call: its commonest batches
-        if type(data) is _Tensor and data.is_cpu:
-            return data.to(plan.device, non_blocking=True)
-        if plan.packs and type(data) in _FLAT_TYPES:
-            moved = _flat(data, plan.device)
-            if moved is not None:
-                return moved
-    if plan.packs and type(data) is not _Tensor:
-        return _in_bulk(data, plan)
-    transfer = _Transfer(plan)
-    moved = _walker.map(transfer.leaf_function(), data)
-    moved_ids = transfer.moved_ids
-    if len(moved_ids) > 1 and len(set(moved_ids)) < len(moved_ids):
-        transfer = _Transfer(plan, remember=True, memo=transfer.memo)  # as on the host path
-        moved = _walker.map(transfer.leaf_function(), data)
-    if transfer.wait_for:
-        transfer.finish()
-    return moved
-
-
-def _in_bulk(data: Any, plan: _Plan) -> Any:
-    """Move ``data`` to an accelerator by taking it apart, moving, and rebuilding.
-
-    The accelerator path: the leaves are moved as a list, so small host tensors can go
-    packed (see :mod:`devicekit._packing`) and the rest need no call per leaf beyond
-    their own copy; plain scalars are not looked at; the containers are rebuilt
-    around the moved leaves.
-    """
-    leaves, spec, active, _, _ = _walker.flatten(data)
-    if not active:  # nothing to move: token ids, metadata
-        return _walker.unflatten(spec, leaves)
-    # Plain scalars (the inactive leaves) are never tensors: every tensor is active.
-    # Each tensor once, by id: one pass finds the tensors and whether one repeats.
-    distinct = {id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}
-    tensors = list(distinct.values())
-    packed: dict[int, torch.Tensor] = {}
-    if _packing.might_pay(tensors):
-        packed = _packing.pack(
-            tensors,
-            plan.device,
-            non_blocking=plan.non_blocking is not False,
-            dtype=plan.dtype,
-            pin=plan.pins,
+def _keep(obj: Any, strict: bool, *, array: bool) -> Any:
+    if array and obj.dtype == object and any(isinstance(item, _Tensor) for item in obj.flat):
+        # An array of objects may hold tensors, which no rule can reach inside it.
+        msg = (
+            "Cannot move {path}: it is a numpy array of objects holding tensors, which "
+            "devicekit cannot move inside it. Make it a list (array.tolist()), or register "
+            "how to move it with @devicekit.register_transfer(numpy.ndarray)."
         )
-    moved = None
-    if len(tensors) < len(active):
-        pass  # a tensor found twice, or objects with rules or .to(): one by one, below
-    elif packed and len(packed) == len(tensors):  # all packed: no call per leaf
-        moved = _placed(leaves, active, list(map(packed.__getitem__, distinct)))
-    elif not packed and plan.async_host_to_accelerator:
-        moved = _copied(leaves, plan.device)
-    if moved is None:
-        transfer = _Transfer(plan)
-        moved = transfer.each(leaves, active, packed.get, data)
-        if transfer.wait_for:
-            transfer.finish()
-    return _walker.unflatten(spec, moved)
-
-
-def _placed(leaves: list[Any], active: list[int], moved: list[Any]) -> list[Any]:
-    """The leaves with those at ``active`` replaced by ``moved``, in order."""
-    if len(active) == len(leaves):
-        return moved
-    placed = leaves.copy()
-    for index, value in zip(active, moved, strict=True):
-        placed[index] = value
-    return placed
-
-
-def _copied(leaves: list[Any], device: torch.device) -> list[Any] | None:
-    """The leaves with each tensor among them copied, in one comprehension.
-
-    The leaves hold tensors, each once, and plain scalars. None where a copy fails:
-    the caller's loop then raises that error with its path.
-    """
-    # .to() alone is right for any plain tensor here: a host one is copied async, one
-    # on the target comes back as it is, one on another accelerator is copied.
-    try:
-        return [
-            leaf.to(device, non_blocking=True) if type(leaf) is _Tensor else leaf for leaf in leaves
-        ]
-    except Exception:  # raised again, with its path, by the loop that follows
-        return None
-
-
-def _format_applies(memory_format: torch.memory_format, tensor: torch.Tensor) -> bool:
-    # As nn.Module.to does: channels_last formats concern only 4-d (and 5-d) tensors,
-    # so a batch's labels and masks pass untouched next to its images.
-    if memory_format is torch.channels_last:
-        return tensor.dim() == 4
-    if memory_format is torch.channels_last_3d:
-        return tensor.dim() == 5
-    return True
-
-
-# Leaf rules: one per type, chosen once. Each takes (obj, transfer) and returns the moved obj.
-
-
-def _move_tensor_subclass(tensor: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
-    return transfer.tensor(tensor)
-
-
-def _move_parameter(param: torch.nn.Parameter, transfer: _Transfer) -> torch.nn.Parameter:
-    """A Parameter comes back a Parameter, as nn.Module.to makes it.
-
-    Its own .to() returns a plain tensor; the moved data is wrapped again, with the
-    same requires_grad.
-    """
-    moved: torch.nn.Parameter | None = transfer.memo.get(id(param))
-    if moved is None:
-        with torch.no_grad():
-            data = transfer.tensor(param)
-        moved = transfer.memo[id(param)] = torch.nn.Parameter(data, param.requires_grad)
-    return moved
-
-
-def _keep(obj: Any, transfer: _Transfer) -> Any:
-    return obj
-
-
-def _refuse(obj: Any, transfer: _Transfer) -> Any:
-    if not transfer.plan.strict:
+        raise LeafError(msg)
+    if not strict:
         return obj
     name = f"{type(obj).__module__}.{type(obj).__name__}"
     msg = (
@@ -696,20 +378,33 @@ def _refuse(obj: Any, transfer: _Transfer) -> Any:
     raise LeafError(msg)
 
 
-def _numpy_array(array: Any, transfer: _Transfer) -> Any:
-    # Arrays of numbers are data, left as they are; an array of objects may hold
-    # tensors, which no rule here can reach without rebuilding the array.
-    if array.dtype == object and any(isinstance(item, torch.Tensor) for item in array.flat):
-        msg = (
-            "Cannot move {path}: it is a numpy array of objects holding tensors, which "
-            "devicekit cannot move inside it. Make it a list (array.tolist()), or register "
-            "how to move it with @devicekit.register_transfer(numpy.ndarray)."
-        )
-        raise LeafError(msg)
-    return _refuse(array, transfer)
+def _untraced(obj: Any, how: Leaf) -> LeafError:
+    name = type(obj).__name__
+    what = {
+        Leaf.MODULE: "in place, as nn.Module.to moves it",
+        Leaf.OPTIMIZER: "in place, with its state",
+        Leaf.RULE: "the rule registered for it",
+        Leaf.TO_METHOD: f"{name}.to()",
+    }.get(how, "as it is")
+    msg = (
+        f"Cannot move {{path}} inside torch.compile: a {name} moves {what}, which a compiled "
+        "graph cannot repeat as devicekit does outside it. Move it before the compiled region."
+    )
+    return LeafError(msg)
 
 
-def _in_place_only(obj: torch.nn.Module | torch.optim.Optimizer) -> LeafError:
+def _move_parameter(param: torch.nn.Parameter, call: _Call, detail: object) -> Any:
+    """A Parameter comes back a Parameter, as nn.Module.to makes it.
+
+    Its own .to() returns a plain tensor; the moved data is wrapped again, with the
+    same requires_grad.
+    """
+    with torch.no_grad():
+        data = call.tensor(param, call.plan.device)
+    return param if data is param else torch.nn.Parameter(data, param.requires_grad)
+
+
+def _in_place_only(obj: object) -> LeafError:
     kind = "the module" if isinstance(obj, torch.nn.Module) else "the optimizer"
     msg = (
         f"Cannot copy {{path}}: {kind} {type(obj).__name__} moves in place, so copy=True "
@@ -718,30 +413,29 @@ def _in_place_only(obj: torch.nn.Module | torch.optim.Optimizer) -> LeafError:
     return LeafError(msg)
 
 
-def _move_module(module: torch.nn.Module, transfer: _Transfer) -> torch.nn.Module:
-    if transfer.plan.copy:
+def _move_module(module: torch.nn.Module, call: _Call, detail: object) -> Any:
+    options = call.plan.options
+    if options.copy:
         raise _in_place_only(module)
-    options: dict[str, Any] = {"non_blocking": transfer.plan.opaque_non_blocking}
-    if transfer.plan.dtype is not None:
-        options["dtype"] = transfer.plan.dtype
-    if transfer.plan.memory_format is not None:
-        options["memory_format"] = transfer.plan.memory_format
-    return module.to(transfer.plan.device, **options)
+    asked: dict[str, Any] = {"dtype": options.dtype, "memory_format": options.memory_format}
+    asked = {name: value for name, value in asked.items() if value is not None}
+    return module.to(call.plan.device, non_blocking=call.plan.told, **asked)
 
 
-def _move_optimizer(optimizer: torch.optim.Optimizer, transfer: _Transfer) -> Any:
-    if transfer.plan.copy:
+def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: object) -> Any:
+    device = call.plan.device
+    if call.plan.options.copy:
         raise _in_place_only(optimizer)
     # The state follows the parameters it belongs to; the parameters are the model's and
     # move with it, so parameters elsewhere mean the model was not moved first.
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
-            if param.device != transfer.plan.device:
+            if param.device != device:
                 where = f"param_groups[{group_index}]['params'][{param_index}]"
                 msg = (
-                    f"Cannot move {{path}} (an optimizer) to {transfer.plan.device}: its state "
-                    f"follows its parameters, and {where} is on {param.device}. Move the model "
-                    "first (to_device(model, device)): the optimizer holds the model's own "
+                    f"Cannot move {{path}} (an optimizer) to {device}: its state follows its "
+                    f"parameters, and {where} is on {param.device}. Move the model first "
+                    "(to_device(model, device)): the optimizer holds the model's own "
                     "parameters. Where the model was moved already, PyTorch replaced its "
                     "parameters instead of moving them in place (it does so for some device "
                     "pairs, such as to meta): create the optimizer after moving the model."
@@ -749,154 +443,101 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, transfer: _Transfer) -> An
                 raise LeafError(msg)
     for group in optimizer.param_groups:
         # PyTorch keeps "step" on the host unless the optimizer is capturable or fused,
-        # as Optimizer.load_state_dict does.
-        step_on_device = bool(group.get("capturable") or group.get("fused"))
+        # as Optimizer.load_state_dict does; every other entry takes its parameter's
+        # device, and its dtype where the parameter is floating-point.
+        step_stays = not (group.get("capturable") or group.get("fused"))
         for param in group["params"]:
             state = optimizer.state.get(param)
-            if state is None:
-                continue
-            if not isinstance(state, dict):  # a state object of the optimizer's own
-                optimizer.state[param] = to_device(
-                    state, param.device, non_blocking=transfer.plan.non_blocking
-                )
-                continue
-            for key, value in state.items():
-                if key == "step" and not step_on_device:
-                    continue
-                dtype = param.dtype if param.is_floating_point() and key != "step" else None
-                state[key] = to_device(
-                    value, param.device, non_blocking=transfer.plan.non_blocking, dtype=dtype
-                )
+            if state is not None:
+                optimizer.state[param] = _state_to(state, param, step_stays, call)
     return optimizer
 
 
-def _check_result(result: Any, obj: Any, how: str) -> Any:
+def _state_to(state: Any, param: torch.Tensor, step_stays: bool, call: _Call) -> Any:
+    """One parameter's state on its parameter's device: a dict, a dataclass, or a tensor."""
+    options = {
+        "non_blocking": call.plan.options.non_blocking,
+        "dtype": param.dtype if param.is_floating_point() else None,
+    }
+    node = decide(type(state)).move
+    if not isinstance(node, Node):
+        return to_device(state, param.device, **options)
+    moved = [
+        value
+        if key in ("['step']", ".step") and step_stays
+        else to_device(value, param.device, **options)
+        for key, value in zip(node.keys(state), node.children(state), strict=True)
+    ]
+    return node.rebuild(state, moved)
+
+
+def _move_by_rule(obj: Any, call: _Call, rule: Any) -> Any:
+    options = call.plan.options
+    result = rule(
+        obj,
+        call.plan.device,
+        non_blocking=call.plan.told,
+        dtype=options.dtype,
+        copy=options.copy,
+        memory_format=options.memory_format or torch.preserve_format,
+    )
+    return _checked(result, obj, f"the rule registered for {type(obj).__name__}", same_type=False)
+
+
+def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
+    """Move an object with its own ``.to()``, on a copy, then apply the other options.
+
+    The copy keeps an in-place ``.to()`` (torch_geometric's) off the input. The
+    options such a ``.to()`` would apply to every tensor it holds (a dtype cast of
+    token ids) are applied here instead, where they belong, through its contents.
+    """
+    name = type(obj).__name__
+    try:
+        clone = copy_module.copy(obj)
+    except Exception as err:
+        msg = (
+            f"Cannot move {{path}}: devicekit calls {name}.to() on a shallow copy, so that "
+            f"the input never changes, and copy.copy failed on the {name} there ({err}). "
+            f"Register how to move it with @devicekit.register_transfer({name})."
+        )
+        raise LeafError(msg) from err
+    plan = call.plan
+    if takes_non_blocking and plan.told:
+        moved = clone.to(plan.device, non_blocking=True)
+    else:
+        moved = clone.to(plan.device)
+    moved = _checked(moved, obj, f"{name}.to()", same_type=True)
+    if not plan.plain:
+        # Errors inside are named at the object's path, which the outer walk knows.
+        moved = _tree.map_leaves(call.restyle, moved, view=CAST, root=None)
+    return moved
+
+
+def _checked(result: Any, obj: Any, how: str, *, same_type: bool) -> Any:
+    name = type(obj).__name__
     if result is None:
         msg = (
-            f"Cannot move {{path}}: {how} returned None for the {type(obj).__name__} there; "
-            "expected the moved object. A method that moves in place must return self."
+            f"Cannot move {{path}}: {how} returned None for the {name} there; expected the "
+            "moved object. A method that moves in place must return self."
+        )
+        raise LeafError(msg)
+    if same_type and not isinstance(result, type(obj)):
+        msg = (
+            f"Cannot move {{path}}: {how} returned a {type(result).__name__} for the {name} "
+            f"there, not a {name}: its .to() does not move it to a device. Register how to "
+            f"move it with @devicekit.register_transfer({name})."
         )
         raise LeafError(msg)
     return result
 
 
-def _registered_rule(rule: TransferRule) -> Callable[[Any, _Transfer], Any]:
-    def move(obj: Any, transfer: _Transfer) -> Any:
-        result = rule(obj, transfer.plan.device, **transfer.plan.rule_options)
-        how = f"the rule registered for {type(obj).__name__}"
-        return _check_result(result, obj, how)
-
-    return move
-
-
-# What a .to(*args, **kwargs) is taken to accept: the options a method that hands its
-# arguments on to Tensor.to (PackedSequence.to, for one) handles for every tensor it holds.
-_FORWARDED_OPTIONS = frozenset({"non_blocking", "dtype"})
-
-
-def _to_method_rule(cls: type) -> Callable[[Any, _Transfer], Any]:
-    """Call ``obj.to(device, ...)`` with the options its signature takes, found once.
-
-    An option is passed where the signature names it; a bare ``**kwargs`` is trusted
-    with ``non_blocking`` and ``dtype`` only. ``memory_format`` applies, as in
-    :meth:`torch.nn.Module.to`, to the 4-d tensors it can: an object that does not name
-    it moves without it. ``dtype`` or ``copy`` asked of an object that cannot take them
-    is refused, not dropped.
-    """
-    try:
-        parameters = inspect.signature(cls.to).parameters.values()  # type: ignore[attr-defined]
-    except (TypeError, ValueError):  # no signature to read: hand it the device only
-        parameters = ()  # type: ignore[assignment]
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-    names = {p.name for p in parameters}
-    accepted = [
-        name
-        for name in _OPTION_NAMES
-        if name in names or (takes_any and name in _FORWARDED_OPTIONS)
-    ]
-
-    def move(obj: Any, transfer: _Transfer) -> Any:
-        asked = {
-            "non_blocking": transfer.plan.opaque_non_blocking,
-            "dtype": transfer.plan.dtype,
-            "copy": transfer.plan.copy,
-            "memory_format": transfer.plan.memory_format,
-        }
-        options = {name: asked[name] for name in accepted if asked[name]}
-        for name, value in asked.items():
-            if value and name not in accepted and name in ("dtype", "copy"):
-                msg = (
-                    f"Cannot move {{path}} with {name}={value!r}: "
-                    f"{cls.__name__}.to() does not name a {name} argument. Register how to "
-                    f"move it with @devicekit.register_transfer({cls.__name__})."
-                )
-                raise LeafError(msg)
-        return _check_result(obj.to(transfer.plan.device, **options), obj, f"{cls.__name__}.to()")
-
-    return move
-
-
-_LeafRule: TypeAlias = Callable[[Any, _Transfer], Any]
-# Rules that call no user code and move nothing in place: they need no memo.
-_SIDE_EFFECT_FREE = frozenset({_keep, _refuse, _numpy_array, _move_tensor_subclass})
-_UNSEEN: Any = object()
-_leaf_rules: dict[type, _LeafRule] = {}
-
-
-def _choose_leaf_rule(cls: type) -> _LeafRule:
-    """Decide once per type how its instances move, and remember it."""
-    if len(_leaf_rules) >= TYPES_KEPT:
-        _leaf_rules.clear()  # types made at run time must not pile up
-    rule = _leaf_rules[cls] = _leaf_rule(cls)
-    return rule
-
-
-def _leaf_rule(cls: type) -> _LeafRule:
-    registered = _rule_for(cls)
-    if registered is not None:
-        return _registered_rule(registered)
-    if issubclass(cls, torch.nn.Parameter):
-        return _move_parameter
-    if issubclass(cls, torch.Tensor):
-        return _move_tensor_subclass
-    if issubclass(cls, torch.nn.Module):
-        return _move_module
-    if issubclass(cls, torch.optim.Optimizer):
-        return _move_optimizer
-    if issubclass(cls, _SCALAR_TYPES) or issubclass(cls, enum.Enum):
-        return _keep
-    if callable(getattr(cls, "to", None)):
-        return _to_method_rule(cls)
-    if cls.__module__ == "numpy" and cls.__name__ == "ndarray":  # numpy is not imported
-        return _numpy_array
-    return _refuse
-
-
-def _check_options(
-    non_blocking: object, dtype: object, memory_format: object, *, copy: object, strict: object
-) -> None:
-    for name, value in (("copy", copy), ("strict", strict)):
-        if value is not True and value is not False:
-            msg = f"Expected {name} to be True or False, got {value!r}."
-            raise TypeError(msg)
-    if non_blocking not in ("auto", True, False) or (
-        isinstance(non_blocking, int | float) and not isinstance(non_blocking, bool)
-    ):
-        msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
-        raise ValueError(msg)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        msg = (
-            "Expected dtype to be None or a floating-point dtype such as torch.float16 or "
-            f"torch.bfloat16, got {dtype!r}: to_device casts floating-point tensors only, so "
-            "integer tensors (labels, indices) keep their dtype."
-        )
-        raise ValueError(msg)
-    if memory_format is not None and not isinstance(memory_format, torch.memory_format):
-        msg = (
-            "Expected memory_format to be None or a torch.memory_format such as "
-            f"torch.channels_last, got {memory_format!r}."
-        )
-        raise ValueError(msg)
+_MOVES: dict[Leaf, Callable[[Any, _Call, Any], Any]] = {
+    Leaf.PARAMETER: _move_parameter,
+    Leaf.MODULE: _move_module,
+    Leaf.OPTIMIZER: _move_optimizer,
+    Leaf.RULE: _move_by_rule,
+    Leaf.TO_METHOD: _move_by_to,
+}
 
 
 def to_device(
@@ -929,17 +570,17 @@ def to_device(
 
     Args:
         data: A tensor, module, optimizer, or containers of them and of other objects.
-            Objects with a ``.to()`` method move with it; types registered with
-            :func:`register_transfer` move with their rule; other leaves (numbers,
-            strings, arrays) are returned unchanged.
+            Objects with a ``.to()`` method move with it, on a shallow copy; types
+            registered with :func:`register_transfer` move with their rule; other
+            leaves (numbers, strings, arrays) are returned unchanged.
         device: The target: a :class:`torch.device`, a string such as ``"cuda:1"``, an
             accelerator index, or None for :func:`~devicekit.current_device`.
         non_blocking: ``"auto"`` copies host->device asynchronously (pinned sources
             overlap with compute), and issues device->host and MPS copies asynchronously
             but waits for them once before returning, so whatever comes back is safe to
             read. True and False apply to every copy as in :meth:`torch.Tensor.to`.
-        dtype: A floating-point dtype to cast floating-point tensors to; integer and
-            boolean tensors keep theirs.
+        dtype: A floating-point dtype to cast floating-point tensors to, inside objects
+            that move with their own ``.to()`` too; integer and boolean tensors keep theirs.
         copy: Return new tensors even where they are already on the target.
         memory_format: A :class:`torch.memory_format`; ``torch.channels_last`` applies
             to 4-d tensors and ``torch.channels_last_3d`` to 5-d ones, as in
@@ -948,8 +589,7 @@ def to_device(
             instead of returning them unchanged.
         skip_keys: Keys whose values, in any mapping at any depth, stay where they are
             (the same objects), as accelerate's ``send_to_device`` has it: a batch's
-            ``"raw_text"`` or a host-side index, say. One key may be given alone. Such a
-            call is not packed.
+            ``"raw_text"`` or a host-side index, say. One key may be given alone.
 
     Returns:
         The data on ``device``, with the same structure.
@@ -960,169 +600,28 @@ def to_device(
             with ``strict=True``); the message names its path, such as ``data['x'][2]``.
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
         ValueError: An option has a value outside those listed above.
+        TypeError: ``copy``, ``strict`` or ``skip_keys`` has a value of the wrong type.
     """
-    if _is_compiling():
-        return _traced(data, device, non_blocking, dtype)  # type: ignore[no-any-return]
-    if skip_keys:
-        return _skipping(  # type: ignore[no-any-return]
-            data,
-            skip_keys,
-            device,
-            non_blocking=non_blocking,
-            dtype=dtype,
-            copy=copy,
-            memory_format=memory_format,
-            strict=strict,
-        )
-    # Identity, not truth: copy="False" and strict="no" are mistakes to report, not
-    # values to read as True.
-    defaults = (
-        non_blocking == "auto"
+    options = (
+        _DEFAULTS
+        # Identity, not truth: copy="False" and strict="no" are mistakes to report, not
+        # values to read as True.
+        if type(non_blocking) is str
+        and non_blocking == "auto"
         and dtype is None
         and memory_format is None
         and copy is False
         and strict is False
+        else Options(non_blocking, dtype, copy, memory_format, strict)
     )
-    if not defaults:
-        _check_options(non_blocking, dtype, memory_format, copy=copy, strict=strict)
-    # One cache: the usual call (every option at its default) is keyed by the device
-    # alone, since building a tuple key costs as much as the rest of the lookup. A
-    # torch.device found there is a target already resolved (an index, checked to
-    # exist), so the usual call with one skips resolving it again.
-    plan = _plans.get(device) if defaults and type(device) is torch.device else None
-    if plan is None:
-        target = current_device() if device is None else resolve_device(device)
-        key = target if defaults else (target, non_blocking, dtype, copy, memory_format, strict)
-        plan = _plans.get(key)
-        if plan is None:
-            if len(_plans) >= _PLANS_KEPT:
-                _plans.clear()
-            plan = _plans[key] = _Plan(
-                target,
-                non_blocking=non_blocking,
-                dtype=dtype,
-                copy=copy,
-                memory_format=memory_format,
-                strict=strict,
-            )
-    if plan.to_accelerator:
-        return _to_accelerator(data, plan)  # type: ignore[no-any-return]
-    # The host path inline: a call per to_device is a measurable share of a small batch.
-    transfer = _Transfer(plan)
-    moved = _walker.map(transfer.leaf_function(), data)
-    moved_ids = transfer.moved_ids
-    if len(moved_ids) > 1 and len(set(moved_ids)) < len(moved_ids):
-        # The optimistic walk moved some tensor twice: walk again, through the memo,
-        # which keeps what objects with rules became, so none is moved twice.
-        transfer = _Transfer(plan, remember=True, memo=transfer.memo)
-        moved = _walker.map(transfer.leaf_function(), data)
-    if transfer.wait_for:
-        transfer.finish()
+    skip = None if type(skip_keys) is tuple and not skip_keys else _tree.skip_set(skip_keys)
+    plan = _plan(device, options)
+    call = _Call(plan)
+    if plan.packs:
+        moved = _tree.map_flat(call.mover(), data, before=call.pack, skip=skip)
+    else:
+        moved = _tree.map_leaves(call.mover(), data, skip=skip)
+    if call.waits:
+        call.finish()
     return moved  # type: ignore[no-any-return]
 
-
-class _Kept:
-    """A value under a skipped key, carried through the walk untouched."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def to(self, device: torch.device) -> _Kept:
-        return self
-
-
-def _skipping_walker(skip: frozenset[Hashable]) -> Walker:
-    def skipping(cls: type) -> Node | None:
-        base = container_node(cls) if not _has_own_rule(cls) else None
-        if base is None or not issubclass(cls, Mapping):
-            return None
-        rules = base
-
-        def children(node: Any) -> list[Any]:
-            return [_Kept(value) if key in skip else value for key, value in mapping_items(node)]
-
-        def rebuild(node: Any, values: list[Any]) -> Any:
-            kept = [value.value if type(value) is _Kept else value for value in values]
-            return rules.rebuild(node, kept)
-
-        return Node(children, rebuild, rules.keys)
-
-    return Walker(_has_own_rule, inert_types=_SCALAR_TYPES, extra_nodes=skipping)
-
-
-_skipping_walkers: dict[frozenset[Hashable], Walker] = {}
-
-
-def _skipping(
-    data: Any, skip_keys: Collection[Hashable], device: DeviceLike | None, **options: Any
-) -> Any:
-    """to_device with values under ``skip_keys`` left where they are.
-
-    A walker whose mapping rules hand those values over wrapped, so that they pass as
-    leaves that do not move, and unwrap them when the mapping is rebuilt.
-    """
-    # One key alone, as accelerate takes it too; a string is not a collection of letters.
-    skip = frozenset((skip_keys,) if isinstance(skip_keys, str | bytes) else skip_keys)
-    walker = _skipping_walkers.get(skip)
-    if walker is None:
-        if len(_skipping_walkers) >= 64:
-            _skipping_walkers.clear()
-        walker = _skipping_walkers[skip] = _skipping_walker(skip)
-    _check_options(
-        options["non_blocking"],
-        options["dtype"],
-        options["memory_format"],
-        copy=options["copy"],
-        strict=options["strict"],
-    )
-    target = current_device() if device is None else resolve_device(device)
-    plan = _Plan(target, **options)
-    transfer = _Transfer(plan, remember=True)  # aliases through the memo: one walk
-    moved = walker.map(transfer.leaf, data)
-    if transfer.wait_for:
-        transfer.finish()
-    return moved
-
-
-def _traced(data: Any, device: DeviceLike | None, non_blocking: object, dtype: Any) -> Any:
-    """to_device as torch.compile traces it: the common containers, by plain recursion.
-
-    Caches, type registries and context variables are what a compiler cannot follow;
-    inside a compiled function the device is taken as given (None: the current device),
-    and dicts, lists, tuples and namedtuples of tensors move as written here. Anything
-    else is returned as it is, as the eager to_device returns other leaves.
-    """
-    if device is None:
-        device = current_device()
-    target = torch.device(device)
-    asynchronous = (
-        bool(non_blocking)
-        if non_blocking != "auto"
-        else target.type
-        not in (
-            "cpu",
-            "meta",
-        )
-    )
-
-    memo: dict[int, torch.Tensor] = {}  # a tensor found twice comes back as one
-
-    def move(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in memo:
-                cast = dtype if dtype is not None and obj.is_floating_point() else obj.dtype
-                memo[id(obj)] = obj.to(target, dtype=cast, non_blocking=asynchronous)
-            return memo[id(obj)]
-        if type(obj) is dict:
-            return {key: move(value) for key, value in obj.items()}
-        if type(obj) is list:
-            return [move(value) for value in obj]
-        if type(obj) is tuple:
-            return tuple(move(value) for value in obj)
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(move(value) for value in obj))
-        return obj
-
-    return move(data)

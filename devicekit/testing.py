@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from devicekit._checks import describe_devices, find_devices
 from devicekit._devices import DeviceLike, available_devices, resolve_device
-from devicekit._transfer import _walker
+from devicekit._kinds import mapping_items
+from devicekit._tree import flatten, paths
 
 __all__ = [
     "CONTAINER_KINDS",
@@ -250,10 +251,6 @@ def devices(*, meta: bool = True, host: bool = True) -> st.SearchStrategy[torch.
     return st.sampled_from(wanted) if wanted else st.nothing()
 
 
-def _tensors_of(data: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in _walker.leaves(data) if isinstance(leaf, torch.Tensor)]
-
-
 def assert_on_device(data: Any, device: DeviceLike, /) -> None:
     """Assert every tensor in ``data`` is on ``device`` (``"cuda"``: the current one).
 
@@ -306,26 +303,54 @@ def assert_batches_equal(actual: Any, expected: Any, /) -> None:
     _compare(actual, expected, values=True)
 
 
+class _Shape(NamedTuple):
+    """Data as to_device's walk takes it apart, every part by its path."""
+
+    parts: dict[str, Any]
+    """Every container and leaf."""
+    counts: dict[str, int]
+    """How many children each container has."""
+    order: list[tuple[str, Any]]
+    """The containers, parents first, then the leaves in walk order."""
+    leaves: frozenset[str]
+    """The paths of the leaves."""
+
+
+def _shape(data: Any) -> _Shape:
+    flat = flatten(data)
+    leaf_paths, container_paths = paths(flat)
+    containers = [(path, entry[2]) for path, entry in zip(container_paths, flat.spec, strict=True)]
+    containers.reverse()  # the spec closes children first
+    leaves = list(zip(leaf_paths, flat.leaves, strict=True))
+    counts = {path: entry[3] for path, entry in zip(container_paths, flat.spec, strict=True)}
+    return _Shape(dict(containers + leaves), counts, containers + leaves, frozenset(leaf_paths))
+
+
 def _compare(actual: Any, expected: Any, *, values: bool) -> None:
-    for fragments, mine, theirs in _walker.pairs(actual, expected):
-        path = "data" + fragments
-        if type(mine) is not type(theirs):
-            msg = f"{path}: expected a {type(theirs).__name__}, got a {type(mine).__name__}."
-            raise AssertionError(msg)
-        if isinstance(theirs, torch.Tensor):
-            _compare_tensors(mine, theirs, path, values=values)
+    mine, theirs = _shape(actual), _shape(expected)
+    compared_whole: list[str] = []  # sets: compared as values, their members unordered
+    for path, want in theirs.order:
+        if any(path.startswith(whole + "{") for whole in compared_whole):
             continue
-        node = _walker.node_of(type(theirs))
-        if node is None or isinstance(theirs, set | frozenset):
-            if mine != theirs:
-                msg = f"{path}: expected {theirs!r}, got {mine!r}."
-                raise AssertionError(msg)
-        elif isinstance(theirs, Mapping) and list(mine) != list(theirs):
-            msg = f"{path}: expected keys {list(theirs)!r}, got {list(mine)!r}."
+        where = "data" + path
+        got = mine.parts.get(path)
+        if type(got) is not type(want):
+            msg = f"{where}: expected a {type(want).__name__}, got a {type(got).__name__}."
             raise AssertionError(msg)
-        elif len(list(node.children(mine))) != len(list(node.children(theirs))):
-            count, got = len(list(node.children(theirs))), len(list(node.children(mine)))
-            msg = f"{path}: expected {count} items, got {got}."
+        if isinstance(want, torch.Tensor):
+            _compare_tensors(got, want, where, values=values)
+        elif path in theirs.leaves or isinstance(want, set | frozenset):
+            compared_whole.append(path)
+            if got != want:
+                msg = f"{where}: expected {want!r}, got {got!r}."
+                raise AssertionError(msg)
+        elif isinstance(want, Mapping):
+            keys, got_keys = [k for k, _ in mapping_items(want)], [k for k, _ in mapping_items(got)]
+            if keys != got_keys:
+                msg = f"{where}: expected keys {keys!r}, got {got_keys!r}."
+                raise AssertionError(msg)
+        elif theirs.counts[path] != mine.counts[path]:
+            msg = f"{where}: expected {theirs.counts[path]} items, got {mine.counts[path]}."
             raise AssertionError(msg)
 
 

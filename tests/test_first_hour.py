@@ -188,14 +188,17 @@ def test_devices_can_be_asked_for_accelerators_only() -> None:
             find(devices(host=False), lambda d: True, settings=settings(max_examples=10))
 
 
-def test_batches_equal_takes_nan_for_nan_equal_cycles_and_deques() -> None:
+def test_batches_equal_takes_nan_for_nan_equal_refuses_cycles_and_takes_deques() -> None:
     nan = torch.tensor([float("nan"), 1.0])
     assert_batches_equal([nan.clone()], [nan.clone()])
     left: list[Any] = [torch.ones(1)]
     left.append(left)
     right: list[Any] = [torch.ones(1)]
     right.append(right)
-    assert_batches_equal(left, right)
+    # Compared as to_device walks them: a batch with a cycle is not one it can move.
+    msg = "Expected data without reference cycles, but data[1] is the list data itself"
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        assert_batches_equal(left, right)
     assert_batches_equal(collections.deque([torch.ones(2)]), collections.deque([torch.ones(2)]))
     with pytest.raises(AssertionError, match=re.escape("data[0]: values differ")):
         assert_batches_equal([torch.tensor([1.0])], [torch.tensor([float("nan")])])

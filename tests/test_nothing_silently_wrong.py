@@ -302,19 +302,28 @@ def test_a_parameter_comes_back_a_parameter() -> None:
     assert not moved["frozen"].requires_grad
 
 
-def test_a_packed_sequence_moves_with_the_options_it_can_take() -> None:
-    packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
+def test_a_packed_sequence_takes_every_option_and_keeps_its_token_ids() -> None:
+    tokens = torch.nn.utils.rnn.pack_sequence([torch.tensor([50257, 1]), torch.tensor([7])])
+    features = torch.nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
     images = torch.ones(2, 3, 4, 4)
-    moved = dk.to_device({"seq": packed, "images": images}, META, memory_format=torch.channels_last)
+    moved = dk.to_device(
+        {"seq": features, "images": images}, META, memory_format=torch.channels_last
+    )
     assert moved["seq"].data.device == META
     assert moved["images"].is_contiguous(memory_format=torch.channels_last)
-    msg = (
-        "Cannot move data with copy=True: PackedSequence.to() does not name a copy "
-        "argument. Register how to move it with @devicekit.register_transfer(PackedSequence)."
-    )
-    with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device(packed, META, copy=True)
-    assert dk.to_device(packed, META, dtype=torch.float16).data.dtype == torch.float16
+    # dtype casts floating-point tensors only: token ids stay integers, and exact.
+    cast = dk.to_device({"tokens": tokens, "features": features}, CPU, dtype=torch.float16)
+    assert cast["tokens"].data.dtype == torch.int64
+    assert cast["tokens"].data.tolist() == [50257, 7, 1]
+    assert cast["features"].data.dtype == torch.float16
+    assert cast["features"].batch_sizes.dtype == torch.int64  # on the host, as .to() keeps it
+    assert cast["features"].batch_sizes.device == CPU
+    # copy=True: nothing shared with the input, batch_sizes included.
+    copied = dk.to_device(tokens, CPU, copy=True)
+    assert type(copied) is torch.nn.utils.rnn.PackedSequence
+    for mine, theirs in zip(copied, tokens, strict=True):
+        if theirs is not None:
+            assert mine.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
 
 
 def test_numbers_count_for_registered_rules_and_lookup_is_documented() -> None:
@@ -395,7 +404,7 @@ def test_a_to_method_or_rule_runs_once_per_object(accelerator: bool) -> None:
     from devicekit._transfer import as_accelerator  # noqa: PLC0415 - a private seam
 
     counted = Counted()
-    shared = torch.ones(2)  # a tensor found twice: the host path walks again
+    shared = torch.ones(2)  # a tensor found twice
     ruled = Boxes(torch.ones(1, 4))
     rule_calls: list[int] = []
 
@@ -413,7 +422,10 @@ def test_a_to_method_or_rule_runs_once_per_object(accelerator: bool) -> None:
             moved = dk.to_device(batch, META)
     finally:
         dk.unregister_transfer(Boxes)
-    assert counted.calls == 1
+    # .to() ran once, on a copy: the input's own count is untouched.
+    assert counted.calls == 0
+    assert moved["a"][1].calls == 1
+    assert moved["a"][1] is moved["b"][1]
     assert rule_calls == [1]
     assert moved["a"][0] is moved["b"][0]
     assert moved["a"][2] is moved["b"][2]
@@ -509,19 +521,18 @@ def test_caches_of_per_type_decisions_are_bounded() -> None:
     import gc  # noqa: PLC0415
     import weakref  # noqa: PLC0415
 
-    from devicekit._transfer import _leaf_rules, _walker  # noqa: PLC0415
-    from devicekit._tree import TYPES_KEPT, container_node  # noqa: PLC0415
+    from devicekit import _kinds  # noqa: PLC0415 - the one table is what is tested
 
     first: Any = None
-    for index in range(3 * TYPES_KEPT):
+    for index in range(3 * _kinds.TYPES_KEPT):
         kind = type(f"Made{index}", (), {"to": lambda self, device: self})
         if first is None:
             first = weakref.ref(kind)
         dk.to_device([kind()], META)
         del kind
-    assert len(_walker._nodes) <= TYPES_KEPT
-    assert len(_leaf_rules) <= TYPES_KEPT
-    assert container_node.cache_info().currsize <= TYPES_KEPT
+    for number in (_kinds.MOVE, _kinds.CAST, _kinds.READ):
+        assert len(_kinds.view(number)) <= _kinds.TYPES_KEPT
+    assert len(_kinds._leaves) <= _kinds.TYPES_KEPT
     gc.collect()
     assert first() is None  # the first type made is no longer held
 
@@ -531,10 +542,10 @@ def test_caches_of_per_type_decisions_are_bounded() -> None:
 
 
 def test_a_long_list_of_scalars_is_taken_whole_not_element_by_element() -> None:
-    from devicekit._transfer import _walker  # noqa: PLC0415 - the structure is the point
+    from devicekit._tree import flatten  # noqa: PLC0415 - the structure is the point
 
     ids = list(range(100_000))
-    flat = _walker.flatten({"ids": ids, "t": torch.ones(1)})
+    flat = flatten({"ids": ids, "t": torch.ones(1)})
     assert flat.active == [len(ids)]  # only the tensor is looked at again
     assert len(flat.spec) == 2  # the list closed in one step, then the dict
     moved = dk.to_device({"ids": ids, "more": [*ids[:100], torch.ones(1)]}, META)

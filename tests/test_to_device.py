@@ -388,19 +388,37 @@ def test_the_to_signature_is_read_once_per_type(to_accelerator: bool) -> None:
             return self
 
     dk.to_device([Counted(), Counted()], META, dtype=torch.float16)
-    # Objects that move themselves get non_blocking only where their copies need no wait.
+    # Objects that move themselves get non_blocking only where their copies need no wait,
+    # and never dtype, which their .to() would apply to every tensor they hold.
     asked = {"non_blocking": True} if to_accelerator else {}
-    assert calls == [(META, {**asked, "dtype": torch.float16})] * 2
+    assert calls == [(META, asked)] * 2
 
 
-def test_an_option_a_to_method_cannot_take_is_refused() -> None:
-    msg = (
-        "Cannot move data['thing'] with dtype=torch.float16: "
-        "Movable.to() does not name a dtype argument. Register how to move it with "
-        "@devicekit.register_transfer(Movable)."
-    )
-    with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({"thing": Movable(torch.ones(1))}, META, dtype=torch.float16)
+class Sample:
+    """A user type whose .to() hands every option to every tensor, ids included."""
+
+    def __init__(self, image: torch.Tensor, ids: torch.Tensor) -> None:
+        self.image = image
+        self.ids = ids
+
+    def to(self, *args: Any, **kwargs: Any) -> Sample:
+        return Sample(self.image.to(*args, **kwargs), self.ids.to(*args, **kwargs))
+
+
+def test_options_a_to_method_does_not_take_are_applied_inside_it() -> None:
+    sample = Sample(torch.ones(1, 3, 2, 2), torch.tensor([70001]))
+    moved = dk.to_device(
+        {"sample": sample}, META, dtype=torch.float16, memory_format=torch.channels_last
+    )["sample"]
+    assert moved.image.dtype == torch.float16
+    assert moved.image.is_contiguous(memory_format=torch.channels_last)
+    assert moved.ids.dtype == torch.int64  # never cast: an id is not a float
+    assert sample.image.dtype == torch.float32  # the input is untouched
+    assert sample.image.device == CPU
+    copied = dk.to_device(sample, CPU, copy=True, dtype=torch.float64)
+    assert copied.ids is not sample.ids
+    assert copied.ids.tolist() == [70001]
+    assert copied.image.dtype == torch.float64
 
 
 def test_a_to_method_returning_none_is_refused() -> None:

@@ -1,30 +1,55 @@
-"""The traversal engine on its own: container rules, leaves, paths and guards."""
+"""The traversal engine on its own: flatten, unflatten, the two maps, paths and guards."""
 
 from __future__ import annotations
 
 import re
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import devicekit as dk
-from devicekit._tree import Walker, container_node, format_path
+from devicekit import _tree
+from devicekit._kinds import LIST, MOVE, READ, container_node
+from devicekit.testing import assert_batches_equal, batches
 
 Pair = namedtuple("Pair", ["left", "right"])
-everything_walks = Walker(lambda cls: False)
 
 
-def test_leaves_come_in_map_order_with_repeats() -> None:
+class Token:
+    """A leaf that is not a plain scalar: the maps call their function on it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Token) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"Token({self.name!r})"
+
+
+def renamed(token: Token) -> Token:
+    return Token(f"new {token.name}")
+
+
+def test_leaves_come_in_walk_order_with_repeats() -> None:
     shared = [1]
     data = {"a": shared, "b": (shared, "s"), "c": None}
-    assert list(everything_walks.leaves(data)) == [1, 1, "s", None]
+    assert _tree.flatten(data).leaves == [1, 1, "s", None]
 
 
-def test_leaves_with_paths_name_keys_indices_and_fields() -> None:
+def test_paths_name_keys_indices_and_fields() -> None:
     data = {"image": 1, "targets": [Pair(2, {"boxes": 3})], "ids": {7}}
-    assert dict(everything_walks.leaves_with_paths(data)) == {
+    flat = _tree.flatten(data)
+    assert dict(zip(_tree.paths(flat)[0], flat.leaves, strict=True)) == {
         "['image']": 1,
         "['targets'][0].left": 2,
         "['targets'][0].right['boxes']": 3,
@@ -33,42 +58,29 @@ def test_leaves_with_paths_name_keys_indices_and_fields() -> None:
 
 
 def test_a_leaf_root_has_the_empty_path() -> None:
-    assert list(everything_walks.leaves_with_paths(5)) == [("", 5)]
-
-
-def test_the_leaf_policy_overrides_container_rules() -> None:
-    tuples_are_leaves = Walker(lambda cls: issubclass(cls, tuple))
-    assert tuples_are_leaves.map(lambda x: "leaf", [(1, 2), [3]]) == ["leaf", ["leaf"]]
-
-
-def test_forget_types_drops_cached_decisions() -> None:
-    policy: dict[str, bool] = {"tuple_is_leaf": False}
-    walker = Walker(lambda cls: cls is tuple and policy["tuple_is_leaf"])
-    assert walker.map(str, (1,)) == ("1",)
-    policy["tuple_is_leaf"] = True
-    assert walker.map(str, (1,)) == ("1",)  # still cached
-    walker.forget_types()
-    assert walker.map(str, (1,)) == "(1,)"
+    assert _tree.paths(_tree.flatten(5)) == ([""], [])
 
 
 def test_container_rules_cover_the_builtin_kinds() -> None:
-    for cls in (dict, list, tuple, set, frozenset, Pair):
+    for cls in (dict, list, tuple, set, frozenset, Pair, OrderedDict):
         assert container_node(cls) is not None, cls
     for cls in (str, bytes, bytearray, int, type(None)):
         assert container_node(cls) is None, cls
 
 
-def test_a_cycle_found_while_listing_leaves_names_its_path() -> None:
+def test_a_cycle_found_while_flattening_names_its_path() -> None:
     loop: list[Any] = []
     loop.append({"self": loop})
     msg = "but data[0]['self'] is the list data itself, which contains it."
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        list(everything_walks.leaves(loop))
+        _tree.flatten(loop)
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        _tree.map_leaves(renamed, loop)
 
 
 def test_long_paths_elide_their_middle() -> None:
     fragments = [f"[{i}]" for i in range(40)]
-    path = format_path("data", fragments)
+    path = _tree.format_path("data", fragments)
     assert path.startswith("data[0][1]")
     assert "...<24 more levels>..." in path
     assert path.endswith("[38][39]")
@@ -92,107 +104,73 @@ def test_a_read_only_mapping_that_cannot_be_rebuilt_is_refused() -> None:
         "Cannot rebuild data['x']: it is a tests.test_tree.Frozen, a read-only Mapping that "
         "cannot be built from a dict ("
     )
-    with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        everything_walks.map(str, {"x": Frozen(items={"a": 1})})
+    for walk in (_tree.map_leaves, _tree.map_flat):
+        with pytest.raises(dk.TransferError, match=re.escape(msg)):
+            walk(renamed, {"x": Frozen(items={"a": Token("t")})})
 
 
-def test_inert_leaves_pass_through_map_without_a_call() -> None:
+def test_inert_leaves_pass_through_without_a_call() -> None:
     seen: list[Any] = []
 
     def record(leaf: Any) -> str:
         seen.append(leaf)
         return "mapped"
 
-    walker = Walker(lambda cls: False, inert_types=[int, type(None)])
-    assert walker.map(record, {"a": [1, "s", None], "b": 2.5}) == {
-        "a": [1, "mapped", None],
-        "b": "mapped",
-    }
-    assert seen == ["s", 2.5]
-    assert list(walker.leaves({"a": [1, None]})) == [1, None]
-
-
-def test_pairs_descend_only_where_both_sides_agree() -> None:
-    pairs = list(everything_walks.pairs({"a": [1, 2], "b": (3,)}, {"a": [1, 5], "b": [3]}))
-    assert [(path, a, b) for path, a, b in pairs[1:]] == [
-        ("['a']", [1, 2], [1, 5]),
-        ("['a'][0]", 1, 1),
-        ("['a'][1]", 2, 5),
-        ("['b']", (3,), [3]),  # a tuple and a list: reported, not descended into
-    ]
-
-
-def test_pairs_of_a_cycle_end_in_an_error_at_the_first_repeat() -> None:
-    loop: list[Any] = [1]
-    loop.append(loop)
-    msg = (
-        "Expected data without reference cycles, but data[1] is the list data itself, which "
-        "contains it."
-    )
-    with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        list(everything_walks.pairs(loop, [1, [1, [1]]]))
-    # Two cycles that repeat together are compared once round, not refused.
-    other: list[Any] = [1]
-    other.append(other)
-    assert len(list(everything_walks.pairs(loop, other))) == 3
+    data = {"a": [1, Token("t"), None], "b": "s", "c": 2.5}
+    expected = {"a": [1, "mapped", None], "b": "s", "c": 2.5}
+    assert _tree.map_leaves(record, data) == expected
+    assert _tree.map_flat(record, data) == expected
+    assert seen == [Token("t"), Token("t")]
+    flat = _tree.flatten(data)
+    assert flat.leaves == [1, Token("t"), None, "s", 2.5]
+    assert flat.active == [1]
 
 
 @pytest.mark.parametrize("length", [63, 64, 200])  # taken whole from 64 elements on
 def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: int) -> None:
-    walker = Walker(lambda cls: False, inert_types=[int, type(None)])
-    leaves = [f"leaf {i}" for i in range(length)]  # str: a leaf this walker calls for
+    leaves = [Token(f"leaf {i}") for i in range(length)]
     scalars = list(range(length))
     mixed = [*leaves[:-1], None]  # one scalar among the leaves: walked one by one
     data = {"leaves": leaves, "scalars": tuple(scalars), "mixed": mixed, "top": [leaves]}
-    flat = walker.flatten(data)
+    flat = _tree.flatten(data)
     assert flat.leaves == [*leaves, *scalars, *mixed, *leaves]
     start = 2 * length  # the scalars are not active; the leaves and the mixed ones are
-    expected_active = [
+    assert flat.active == [
         *range(length),
         *range(start, start + length - 1),
         *range(start + length, start + 2 * length),
     ]
-    assert flat.active == expected_active
-    renamed = [f"new {leaf}" if isinstance(leaf, str) else leaf for leaf in flat.leaves]
-    rebuilt = walker.unflatten(flat.spec, renamed)
+    new = [renamed(leaf) if isinstance(leaf, Token) else leaf for leaf in flat.leaves]
+    rebuilt = _tree.unflatten(flat.spec, new)
     assert rebuilt == {
-        "leaves": [f"new {leaf}" for leaf in leaves],
+        "leaves": [renamed(leaf) for leaf in leaves],
         "scalars": tuple(scalars),
-        "mixed": [*(f"new {leaf}" for leaf in leaves[:-1]), None],
-        "top": [[f"new {leaf}" for leaf in leaves]],
+        "mixed": [*(renamed(leaf) for leaf in leaves[:-1]), None],
+        "top": [[renamed(leaf) for leaf in leaves]],
     }
     assert type(rebuilt["scalars"]) is tuple
-    alone = walker.flatten(leaves)  # a long list at the root
+    assert _tree.map_leaves(renamed, data) == rebuilt
+    alone = _tree.flatten(leaves)  # a long list at the root
     assert (alone.leaves, alone.active) == (leaves, list(range(length)))
-    assert walker.unflatten(alone.spec, renamed[:length]) == rebuilt["leaves"]
-    # Paths are the same whichever way a list was taken.
-    with_paths = walker.flatten(data, paths=True)
-    assert with_paths.leaves == flat.leaves
-    assert with_paths.paths is not None
-    assert with_paths.paths[length - 1] == f"['leaves'][{length - 1}]"
-    assert with_paths.paths[-1] == f"['top'][0][{length - 1}]"
-    assert with_paths.container_paths == [
-        "['leaves']",
-        "['scalars']",
-        "['mixed']",
-        "['top'][0]",
-        "['top']",
-        "",
-    ]
-    assert walker.flatten(leaves, paths=True).paths == [f"[{i}]" for i in range(length)]
+    leaf_paths, container_paths = _tree.paths(flat)
+    assert leaf_paths[length - 1] == f"['leaves'][{length - 1}]"
+    assert leaf_paths[-1] == f"['top'][0][{length - 1}]"
+    assert container_paths == ["['leaves']", "['scalars']", "['mixed']", "['top'][0]", "['top']", ""]
+    assert _tree.paths(alone)[0] == [f"[{i}]" for i in range(length)]
 
 
 def test_paths_name_every_leaf_and_container_of_a_nested_batch() -> None:
     data = {"a": [Pair(1, {"b": (2, 3)}), []], "c": {5}, "d": 6}
-    flat = everything_walks.flatten(data, paths=True)
-    assert list(zip(flat.paths or [], flat.leaves, strict=True)) == [
+    flat = _tree.flatten(data)
+    leaf_paths, container_paths = _tree.paths(flat)
+    assert list(zip(leaf_paths, flat.leaves, strict=True)) == [
         ("['a'][0].left", 1),
         ("['a'][0].right['b'][0]", 2),
         ("['a'][0].right['b'][1]", 3),
         ("['c']{0}", 5),
         ("['d']", 6),
     ]
-    assert flat.container_paths == [
+    assert container_paths == [
         "['a'][0].right['b']",
         "['a'][0].right",
         "['a'][0]",
@@ -201,33 +179,128 @@ def test_paths_name_every_leaf_and_container_of_a_nested_batch() -> None:
         "['c']",
         "",
     ]
-    assert everything_walks.flatten(7, paths=True).paths == [""]
 
 
-class Clamped(Pair):
+class Scaled(Pair):
     """A namedtuple subclass whose own __new__ changes what it is given."""
 
     __slots__ = ()
 
-    def __new__(cls, left: int, right: int) -> Clamped:
-        return super().__new__(cls, min(left, 9), min(right, 9))
+    def __new__(cls, left: Any, right: int) -> Scaled:
+        return super().__new__(cls, left, right * 10)
 
 
 class Typed(NamedTuple):
-    left: int
-    right: int = 0
+    left: Any
+    right: Any = 0
 
 
-@pytest.mark.parametrize("cls", [Pair, Typed, Clamped])
-def test_namedtuples_are_rebuilt_as_their_own_new_would_build_them(cls: type) -> None:
-    data = {"pair": cls(1, 2), "nested": [cls(3, 4)]}
-    flat = everything_walks.flatten(data)
-    for rebuilt in (
-        everything_walks.map(lambda x: x * 10, data),
-        everything_walks.unflatten(flat.spec, [x * 10 for x in flat.leaves]),
-    ):
-        expected = (9, 9) if cls is Clamped else (10, 20)  # Clamped's __new__ ran
+@pytest.mark.parametrize("cls", [Pair, Typed, Scaled])
+def test_namedtuples_are_rebuilt_without_running_their_new_again(cls: type) -> None:
+    data = {"pair": cls(Token("a"), 2), "nested": [cls(Token("c"), 4)]}
+    made = data["pair"]
+    flat = _tree.flatten(data)
+    new = [renamed(leaf) if isinstance(leaf, Token) else leaf for leaf in flat.leaves]
+    for rebuilt in (_tree.map_leaves(renamed, data), _tree.unflatten(flat.spec, new)):
         assert type(rebuilt["pair"]) is cls
         assert type(rebuilt["nested"][0]) is cls
-        assert tuple(rebuilt["pair"]) == expected
+        assert tuple(rebuilt["pair"]) == (renamed(made[0]), made[1])
+        assert rebuilt["nested"][0][1] == data["nested"][0][1]  # not scaled twice
         assert rebuilt["pair"]._fields == ("left", "right")
+
+
+def test_scaled_namedtuples_keep_their_values_through_to_device() -> None:
+    scaled = Scaled(torch.ones(1), 3)  # __new__ made the 30
+    moved = dk.to_device({"s": scaled}, "meta")["s"]
+    assert type(moved) is Scaled
+    assert moved[1] == 30  # the numbers __new__ produced, not 300
+
+
+def test_the_read_view_reaches_into_modules_and_the_move_view_does_not() -> None:
+    model = torch.nn.Linear(2, 1)
+    assert _tree.flatten({"m": model}, view=MOVE).leaves == [model]
+    flat = _tree.flatten({"m": model}, view=READ)
+    assert _tree.paths(flat)[0] == ["['m'].weight", "['m'].bias"]
+    assert flat.leaves == [model.weight, model.bias]
+
+
+def test_skipped_keys_are_inert_leaves_of_the_walk() -> None:
+    raw = [Token("kept")]
+    flat = _tree.flatten({"raw": raw, "x": Token("moved")}, skip=frozenset({"raw"}))
+    assert flat.active == [1]  # only "x": the skipped value is one inert leaf
+    assert _tree.map_leaves(renamed, {"raw": raw, "x": Token("t")}, skip=frozenset({"raw"})) == {
+        "raw": raw,
+        "x": Token("new t"),
+    }
+    rebuilt = _tree.map_flat(renamed, {"raw": raw, "x": Token("t")}, skip=frozenset({"raw"}))
+    assert rebuilt["raw"] is raw
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (5, "Expected skip_keys to be a mapping key such as 'raw_text', or a collection of keys"),
+        ([["a"]], "Expected skip_keys to hold mapping keys, which are hashable, got list ['a']"),
+    ],
+)
+def test_skip_keys_that_are_not_keys_are_refused(keys: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=re.escape(message)):
+        dk.to_device({"a": torch.ones(1)}, "meta", skip_keys=keys)
+
+
+def test_errors_in_the_leaf_function_gain_the_leaf_path_on_both_maps() -> None:
+    def fail(token: Token) -> Token:
+        if token.name == "bad":
+            msg = "boom"
+            raise ValueError(msg)
+        return token
+
+    data = {"ok": [Token("fine")], "deep": [(Token("bad"),)]}
+    for walk in (_tree.map_leaves, _tree.map_flat):
+        with pytest.raises(ValueError, match="boom") as info:
+            walk(fail, data)
+        assert info.value.__notes__ == [
+            "devicekit: raised while handling data['deep'][0][0] (Token)."
+        ]
+
+
+def _tagged(leaf: Any) -> Any:
+    return ("moved", leaf) if isinstance(leaf, torch.Tensor) else leaf
+
+
+@given(batches(), st.sampled_from(["tensor+1", "tagged"]))
+def test_the_fused_map_equals_flatten_map_unflatten(batch: Any, how: str) -> None:
+    calls: list[list[Any]] = [[], [], []]
+
+    def fn(number: int) -> Any:
+        def apply(leaf: Any) -> Any:
+            calls[number].append(leaf)
+            if how == "tagged":
+                return _tagged(leaf)
+            return leaf + 1 if isinstance(leaf, torch.Tensor) else leaf
+
+        return apply
+
+    fused = _tree.map_leaves(fn(0), batch)
+    listed = _tree.map_flat(fn(1), batch)
+    flat = _tree.flatten(batch)
+    by_hand = list(flat.leaves)
+    for index in flat.active:
+        by_hand[index] = fn(2)(flat.leaves[index])
+    unflattened = _tree.unflatten(flat.spec, by_hand)
+    assert [id(leaf) for leaf in calls[0]] == [id(leaf) for leaf in calls[1]]
+    assert [id(leaf) for leaf in calls[0]] == [id(leaf) for leaf in calls[2]]
+    if how == "tensor+1":
+        assert_batches_equal(fused, unflattened)
+        assert_batches_equal(listed, unflattened)
+    else:
+        assert repr(fused) == repr(unflattened) == repr(listed)
+
+
+def test_unflatten_rebuilds_lists_inline_and_keeps_their_identity_apart() -> None:
+    data = [[Token("a")], [Token("b")]]
+    flat = _tree.flatten(data)
+    assert flat.spec[0][1] is LIST
+    rebuilt = _tree.unflatten(flat.spec, flat.leaves)
+    assert rebuilt == data
+    assert rebuilt[0] is not data[0]
