@@ -196,7 +196,7 @@ def _pinned(batch: Any, setting: Setting) -> Any:
 def _pin_all(batch: Any) -> Any:
     from devicekit._tree import map_leaves
 
-    return map_leaves(lambda x: x.pin_memory() if isinstance(x, torch.Tensor) else x, batch)
+    return map_leaves(lambda x, _: x.pin_memory() if isinstance(x, torch.Tensor) else x, batch)
 
 
 def transfers(setting: Setting) -> list[str]:

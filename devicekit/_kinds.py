@@ -65,6 +65,7 @@ __all__ = [
     "CAST",
     "DICT",
     "INERT",
+    "INERT_TYPES",
     "LEAF",
     "LIST",
     "MOVE",
@@ -136,7 +137,7 @@ class TransferRule(Protocol):
 
 # Plain values, passed through untouched by every walk unless a rule is registered for
 # their exact type: scalars, and the settings a batch or a config carries.
-_INERT_TYPES = frozenset(
+INERT_TYPES: Final = frozenset(
     {
         type(None),
         bool,
@@ -156,7 +157,7 @@ _INERT_TYPES = frozenset(
 )
 # Kept as they are, strict or not: subclasses of the scalars above, enum members,
 # numbers of other libraries (numpy's scalars).
-_KEPT_BASES = (*_INERT_TYPES, enum.Enum, numbers.Number)
+_KEPT_BASES = (*INERT_TYPES, enum.Enum, numbers.Number)
 # Sequences of numbers or bytes: leaves, as strings are, never containers.
 _FLAT_SEQUENCES = (str, bytes, bytearray, range, memoryview, array.array)
 
@@ -523,9 +524,7 @@ def _entries_node(entries: Callable[[Any], list[tuple[str, Any]]], kind: str) ->
     return Node(
         lambda obj: [value for _, value in entries(obj)],
         _read_only(kind),
-        lambda obj: [
-            name if name.startswith(".") else f".{name}" for name, _ in entries(obj)
-        ],
+        lambda obj: [name if name.startswith(".") else f".{name}" for name, _ in entries(obj)],
     )
 
 
@@ -533,7 +532,7 @@ _MODULE = _entries_node(_module_entries, "a module")
 _OPTIMIZER = _entries_node(_optimizer_entries, "an optimizer")
 
 
-def container_node(cls: type) -> Node | None:  # noqa: PLR0911, PLR0912 - one rule per kind
+def container_node(cls: type) -> Node | None:  # noqa: PLR0912 - one rule per kind
     """The container rules for a type, or None when its instances are not containers.
 
     >>> container_node(dict) is DICT, container_node(str)
@@ -594,7 +593,8 @@ def _rule_for(cls: type) -> TransferRule | None:
         if rule is not None:
             return rule
     for base, rule in _rules.items():
-        if isinstance(base, abc.ABCMeta) and issubclass(cls, base):
+        metaclass: type = type(base)
+        if issubclass(metaclass, abc.ABCMeta) and issubclass(cls, base):
             return rule
     return None
 
@@ -625,7 +625,7 @@ class Decision(NamedTuple):
     """The registered rule, or whether a ``.to()`` takes ``non_blocking``."""
 
 
-def _decide(cls: type) -> Decision:  # noqa: PLR0911 - one rule per kind, first match wins
+def _decide(cls: type) -> Decision:
     """The decision for ``cls``, from the registry as it is now; called under the lock."""
     rule = _rule_for(cls)
     if rule is not None:
@@ -637,7 +637,7 @@ def _decide(cls: type) -> Decision:  # noqa: PLR0911 - one rule per kind, first 
         return Decision(LEAF, LEAF, _MODULE, Leaf.MODULE)
     if issubclass(cls, torch.optim.Optimizer):
         return Decision(LEAF, LEAF, _OPTIMIZER, Leaf.OPTIMIZER)
-    if cls in _INERT_TYPES or cls is type(_UNSET):
+    if cls in INERT_TYPES or cls is type(_UNSET):
         return Decision(INERT, INERT, INERT, None)
     if issubclass(cls, _KEPT_BASES):
         return Decision(LEAF, LEAF, LEAF, Leaf.KEPT)
@@ -676,7 +676,7 @@ def decide(cls: type) -> Decision:
 
 
 def _decided(cls: type) -> Decision:
-    global _views, _leaves  # noqa: PLW0603 - rebound, never cleared in place
+    global _views, _leaves
     with _lock:
         decision = _decide(cls)
         if len(_leaves) >= TYPES_KEPT:
@@ -715,10 +715,15 @@ _NAMED: Final[dict[str, Any]] = {
 _NAMES: Final = {id(entry): name for name, entry in _NAMED.items()}
 
 
-@torch.compiler.assume_constant_result
-def _decision_names(cls: type) -> tuple[str, str, str, Leaf | None]:
+def _names_of_decision(cls: type) -> tuple[str, str, str, Leaf | None]:
     decision = _decided(cls)
-    return (*(_NAMES.get(id(entry), "") for entry in decision[:3]), decision.leaf)  # type: ignore[return-value]
+    move, cast, read = (_NAMES.get(id(entry), "") for entry in decision[:3])
+    return move, cast, read, decision.leaf
+
+
+_decision_names: Callable[[type], tuple[str, str, str, Leaf | None]] = (
+    torch.compiler.assume_constant_result(_names_of_decision)  # type: ignore[no-untyped-call]
+)
 
 
 def _traced_decision(cls: type) -> Decision:
@@ -746,7 +751,7 @@ def leaf_how(cls: type) -> tuple[Leaf | None, Any]:
 
 def _forget() -> None:
     """Drop every decision; called under the lock when the registry changes."""
-    global _views, _leaves  # noqa: PLW0603 - rebound, never cleared in place
+    global _views, _leaves
     _views, _leaves = ({}, {}, {}), {}
 
 

@@ -81,22 +81,21 @@ def _pin(batch: Any) -> Any:
     Tensors of at most PACK_MAX_BYTES are left alone: they travel packed, through a
     staging buffer that is pinned already, and pinning them first would copy them twice.
     """
-    pinned: dict[int, torch.Tensor] = {}
+    return map_leaves(_pinned, batch, {})
 
-    def pin(leaf: Any) -> Any:
-        if (
-            not isinstance(leaf, torch.Tensor)
-            or not leaf.is_cpu
-            or leaf.nbytes <= PACK_MAX_BYTES
-            or leaf.is_pinned()
-        ):
-            return leaf
-        copy = pinned.get(id(leaf))
-        if copy is None:
-            copy = pinned[id(leaf)] = leaf.pin_memory()
-        return copy
 
-    return map_leaves(pin, batch)
+def _pinned(leaf: Any, pinned: dict[int, torch.Tensor]) -> Any:
+    if (
+        not isinstance(leaf, torch.Tensor)
+        or not leaf.is_cpu
+        or leaf.nbytes <= PACK_MAX_BYTES
+        or leaf.is_pinned()
+    ):
+        return leaf
+    copy = pinned.get(id(leaf))
+    if copy is None:
+        copy = pinned[id(leaf)] = leaf.pin_memory()
+    return copy
 
 
 class StreamPrefetcher:

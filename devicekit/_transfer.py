@@ -59,12 +59,21 @@ _DEFAULTS: Final = Options()
 
 def _check(options: Options) -> Options:
     """The options, checked; ``preserve_format`` is the same as no memory format."""
-    non_blocking, dtype, copy, memory_format, strict = options
+    # As objects: callers without a type checker pass anything.
+    non_blocking: object = options.non_blocking
+    dtype: object = options.dtype
+    memory_format: object = options.memory_format
+    copy: object = options.copy
+    strict: object = options.strict
     for name, value in (("copy", copy), ("strict", strict)):
         if value is not True and value is not False:
             msg = f"Expected {name} to be True or False, got {value!r}."
             raise TypeError(msg)
-    if not (non_blocking is True or non_blocking is False or (isinstance(non_blocking, str) and non_blocking == "auto")):
+    if not (
+        non_blocking is True
+        or non_blocking is False
+        or (isinstance(non_blocking, str) and non_blocking == "auto")
+    ):
         msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
         raise ValueError(msg)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -114,7 +123,7 @@ class _Plan:
     asynchronous only where reading the result is ordered after the copy anyway.
     """
 
-    __slots__ = ("device", "is_cpu", "is_meta", "options", "packs", "pins", "plain", "told")
+    __slots__ = ("device", "move", "move_all", "options", "packs", "pins", "plain", "told")
 
     def __init__(self, device: torch.device, options: Options, *, traced: bool = False) -> None:
         simulated = device.type in _simulated_accelerators
@@ -122,8 +131,6 @@ class _Plan:
         auto = options.non_blocking == "auto"
         self.device = device
         self.options = options
-        self.is_cpu = device.type == "cpu"
-        self.is_meta = device.type == "meta" and not simulated
         # Nothing but the device changes: "already there" is one comparison.
         self.plain = options.dtype is None and not options.copy and options.memory_format is None
         self.packs = (  # not in a compiled graph: its copies are the compiler's to plan
@@ -133,7 +140,10 @@ class _Plan:
             and (_packing.packs_to(device) or (simulated and _packing.can_pack))
         )
         self.pins = not simulated
-        self.told = (to_accelerator and device.type != "mps") if auto else options.non_blocking
+        self.told = (
+            (to_accelerator and device.type != "mps") if auto else bool(options.non_blocking)
+        )
+        self.move, self.move_all = _mover(self, is_meta=device.type == "meta" and not simulated)
 
 
 _plans: dict[object, _Plan] = {}
@@ -183,62 +193,168 @@ def _format_applies(memory_format: torch.memory_format | None, tensor: torch.Ten
     return memory_format is not None
 
 
-class _Call:
-    """One to_device call: its plan, its memo, and the devices whose copies to wait for."""
+Mover: TypeAlias = Callable[[Any, "_Call"], Any]
+MoveAll: TypeAlias = Callable[[list[Any], list[int], "_Call"], list[Any]]
 
-    __slots__ = ("memo", "plan", "waits")
 
-    def __init__(self, plan: _Plan) -> None:
-        self.plan = plan
-        # id -> result, for every tensor moved and every object moved by a rule, a
-        # .to() or in place: each is moved once, however often the data holds it.
-        self.memo: dict[int, Any] = {}
-        self.waits: set[torch.device] = set()
+def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
+    """The plan's mover: ``move(leaf, call)``, the one function that moves a leaf.
 
-    def mover(self) -> Callable[[Any], Any]:
-        """The function that moves one leaf, whatever it is.
+    Built once per plan: a closure whose hot path (a tensor whose device alone changes)
+    reads the plan's constants as locals; what one call keeps is in ``call``. It comes
+    with ``move_all(leaves, active, call)``, the leaves with ``move`` applied at the
+    places ``active`` (tests/test_to_device.py holds the two equal), which for an
+    accelerator first packs the small tensors where that pays, and copies distinct
+    plain tensors in one comprehension: a call per tensor is a tenth of a small copy's
+    host time.
+    """
+    device, asynchronous = plan.device, plan.told
+    if not plan.plain:
 
-        A closure, not a method: its hot path (a tensor whose device alone changes)
-        reads locals instead of attributes, which is most of its cost.
-        """
-        plan, memo, leaf, tensor = self.plan, self.memo, self.leaf, self.tensor
-        device, is_cpu, is_meta, plain = plan.device, plan.is_cpu, plan.is_meta, plan.plain
-        asynchronous = plan.told
-        # A copy that needs no wait: to an accelerator other than MPS, to meta, or
-        # wherever non_blocking was given as True or False.
-        waitless = asynchronous or is_meta or plan.options.non_blocking != "auto"
+        def move_with_options(obj: Any, call: _Call) -> Any:
+            return call.tensor(obj, device) if type(obj) is _Tensor else call.leaf(obj)
 
-        def move(obj: Any) -> Any:
-            if type(obj) is not _Tensor:
-                return leaf(obj)
-            if not plain:
-                return tensor(obj, device)
-            # `obj.device` builds a torch.device each time; for the host targets a flag
-            # says the same at a third of the cost.
-            if is_cpu:
-                if obj.is_cpu:
-                    return obj
-            elif is_meta:
-                if obj.is_meta:
-                    return obj
-            elif obj.device == device:
+        return move_with_options, _packing_first(_one_by_one(move_with_options), plan)
+    is_cpu = device.type == "cpu"
+    host = is_cpu or is_meta
+    # A copy needs a wait only from an accelerator to the host under "auto".
+    waitless = asynchronous or is_meta or plan.options.non_blocking != "auto"
+
+    def move(obj: Any, call: _Call) -> Any:
+        if type(obj) is not _Tensor:
+            return call.leaf(obj)
+        if host:
+            # Already there: one flag read (obj.device builds a torch.device).
+            if obj.is_cpu if is_cpu else obj.is_meta:
                 return obj
             if not waitless:
-                return tensor(obj, device)
-            moved = memo.get(id(obj))
-            if moved is None:
-                try:
-                    # Keyword arguments cost PyTorch more to parse than a small copy to
-                    # meta takes: non_blocking is passed only when it is True.
-                    moved = obj.to(device, non_blocking=True) if asynchronous else obj.to(device)
-                except NotImplementedError:
-                    if obj.is_meta:
-                        raise self.meta_error() from None
-                    raise
-                memo[id(obj)] = moved
-            return moved
+                return call.tensor(obj, device)
+        notes = call.notes
+        if notes is not None:  # see _Call
+            if notes is _REMEMBER:
+                return call.tensor(obj, device)
+            notes.append(id(obj))
+        try:
+            # A tensor already on the target comes back from .to() as it is. Keyword
+            # arguments cost PyTorch more to parse than a small copy to meta takes:
+            # non_blocking is passed only when it is True.
+            return obj.to(device, non_blocking=True) if asynchronous else obj.to(device)
+        except NotImplementedError:
+            if obj.is_meta:
+                raise call.meta_error() from None
+            raise
 
-        return move
+    move_each = _one_by_one(move)
+    if host:
+        return move, move_each
+
+    def move_all(leaves: list[Any], active: list[int], call: _Call) -> list[Any]:
+        # Every leaf that is not inert an exact tensor, none twice: one comprehension.
+        # The checks run from C; an inert leaf is never a tensor.
+        if call.notes is _REMEMBER:
+            return move_each(leaves, active, call)
+        if len(active) == len(leaves):  # leaves only: a list of tensors, a flat dict
+            tensors = leaves
+            if set(map(type, leaves)) != _JUST_TENSORS:
+                return move_each(leaves, active, call)
+        else:
+            tensors = [leaf for leaf in leaves if type(leaf) is _Tensor]
+            if len(tensors) != len(active):
+                return move_each(leaves, active, call)
+        if len(set(map(id, tensors))) < len(tensors):
+            call.notes = _REMEMBER  # one tensor twice: through the memo
+            return move_each(leaves, active, call)
+        try:
+            if tensors is leaves:
+                if asynchronous:
+                    return [leaf.to(device, non_blocking=True) for leaf in leaves]
+                return [leaf.to(device) for leaf in leaves]
+            if asynchronous:
+                return [
+                    leaf.to(device, non_blocking=True) if type(leaf) is _Tensor else leaf
+                    for leaf in leaves
+                ]
+            return [leaf.to(device) if type(leaf) is _Tensor else leaf for leaf in leaves]
+        except NotImplementedError:  # a meta tensor: its error comes from move
+            return move_each(leaves, active, call)
+
+    return move, _packing_first(move_all, plan)
+
+
+def _one_by_one(move: Mover) -> MoveAll:
+    def move_each(leaves: list[Any], active: list[int], call: _Call) -> list[Any]:
+        moved = leaves.copy()
+        for index in active:
+            moved[index] = move(leaves[index], call)
+        return moved
+
+    return move_each
+
+
+def _packing_first(move_all: MoveAll, plan: _Plan) -> MoveAll:
+    """``move_all``, after the small host tensors among the leaves went packed.
+
+    Where the plan packs, and packing pays for them (see :mod:`devicekit._packing`).
+    """
+    if not plan.packs:
+        return move_all
+
+    def packing_first(leaves: list[Any], active: list[int], call: _Call) -> list[Any]:
+        packed = _pack(leaves, active, call) if len(active) >= _packing.MIN_TENSORS else None
+        if not packed:
+            return move_all(leaves, active, call)
+        if len(packed) == len(active):  # every leaf moved, each once: placed from C
+            if len(active) == len(leaves):
+                return list(map(packed.__getitem__, map(id, leaves)))
+            moved = leaves.copy()
+            for index in active:
+                moved[index] = packed[id(leaves[index])]
+            return moved
+        rest = [index for index in active if id(leaves[index]) not in packed]
+        moved = move_all(leaves, rest, call)
+        for index in active:
+            piece = packed.get(id(leaves[index]))
+            if piece is not None:
+                moved[index] = piece
+        return moved
+
+    return packing_first
+
+
+_JUST_TENSORS: Final = {torch.Tensor}
+
+
+_REMEMBER: Final[list[int]] = []
+"""``_Call.notes`` of a call that moves tensors through its memo: they repeat."""
+
+
+class _Call:
+    """What one to_device call keeps: its memo, and the devices whose copies to wait for.
+
+    Aliasing, one rule: a tensor found twice comes back as one moved tensor. A memo
+    write per tensor would cost a fifth of a small copy, so tensors go through the
+    memo only in a call whose tensors repeat (which is rare), and ``notes`` says how
+    the call knows:
+
+    * a list: the mover notes the id of each tensor it copies, and a call whose notes
+      repeat an id is made again, remembering (the host path, in one pass);
+    * ``_REMEMBER``: every tensor goes through the memo; the accelerator path, which
+      lists the leaves before moving them, asks so at once where tensors repeat;
+    * None: they are known not to repeat.
+
+    Objects moved by a rule, a ``.to()`` or in place always go through the memo (their
+    moves must never run twice), and so do tensors moved with options.
+    """
+
+    __slots__ = ("memo", "notes", "plan", "waits")
+
+    def __init__(
+        self, plan: _Plan, notes: list[int] | None, memo: dict[int, Any] | None = None
+    ) -> None:
+        self.plan = plan
+        self.notes = notes
+        self.memo: dict[int, Any] = {} if memo is None else memo  # id -> what it became
+        self.waits: set[torch.device] | None = None
 
     def tensor(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """One tensor to ``device`` with the call's options, or as it is if nothing changes."""
@@ -288,6 +404,8 @@ class _Call:
             return True
         if _is_compiling():
             return False  # a graph holds no event to wait on: the same values, blocking
+        if self.waits is None:
+            self.waits = set()
         self.waits.add(waits_on)
         return True
 
@@ -300,42 +418,14 @@ class _Call:
             return self.tensor(obj, self.plan.device)
         if how is Leaf.OTHER or how is Leaf.ARRAY:
             return _keep(obj, self.plan.options.strict, array=how is Leaf.ARRAY)
+        if how is None:  # never: containers and inert types are not leaves
+            return obj
         if _is_compiling() and how is not Leaf.PARAMETER:
             raise _untraced(obj, how)
         moved = self.memo.get(id(obj), _UNSEEN)
         if moved is _UNSEEN:  # user code, or in-place moves: once per object
             moved = self.memo[id(obj)] = _MOVES[how](obj, self, detail)
         return moved
-
-    def restyle(self, obj: Any) -> Any:
-        """Apply dtype, memory_format and copy to a leaf where it is (the CAST view).
-
-        Tensors stay on their device: what a ``.to()`` left on the host stays there
-        (a PackedSequence's ``batch_sizes``).
-        """
-        if type(obj) is _Tensor:
-            return self.tensor(obj, obj.device)
-        if isinstance(obj, torch.Tensor | torch.nn.Module):
-            return self.leaf(obj)
-        return obj
-
-    def pack(self, leaves: list[Any]) -> None:
-        """Send the small host tensors among ``leaves`` packed, where that pays.
-
-        Their pieces go into the memo, where the mover finds them.
-        """
-        distinct = {id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}
-        tensors = list(distinct.values())
-        if _packing.might_pay(tensors):
-            plan = self.plan
-            packed = _packing.pack(
-                tensors,
-                plan.device,
-                non_blocking=plan.options.non_blocking is not False,
-                dtype=plan.options.dtype,
-                pin=plan.pins,
-            )
-            self.memo.update(packed)
 
     def meta_error(self) -> LeafError:
         """The error for a meta tensor asked onto a device with data."""
@@ -348,10 +438,38 @@ class _Call:
 
     def finish(self) -> None:
         """Wait once per source device for the asynchronous copies that need it."""
-        for device in self.waits:
+        for device in self.waits or ():
             event = torch.Event(device=device)
             event.record(torch.accelerator.current_stream(device))
             event.synchronize()
+
+
+def _pack(leaves: list[Any], active: list[int], call: _Call) -> dict[int, torch.Tensor]:
+    """The small host tensors among ``leaves`` sent packed, where that pays, by id."""
+    tensors = list({id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}.values())
+    if not _packing.might_pay(tensors):
+        return {}
+    plan = call.plan
+    return _packing.pack(
+        tensors,
+        plan.device,
+        non_blocking=plan.options.non_blocking is not False,
+        dtype=plan.options.dtype,
+        pin=plan.pins,
+    )
+
+
+def _restyle(obj: Any, call: _Call) -> Any:
+    """Apply dtype, memory_format and copy to a leaf where it is (the CAST view).
+
+    Tensors stay on their device: what a ``.to()`` left on the host stays there (a
+    PackedSequence's ``batch_sizes``).
+    """
+    if type(obj) is _Tensor:
+        return call.tensor(obj, obj.device)
+    if isinstance(obj, torch.Tensor | torch.nn.Module):
+        return call.leaf(obj)
+    return obj
 
 
 # How leaves that are neither exact tensors nor kept move: one function per Leaf member.
@@ -455,17 +573,15 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: objec
 
 def _state_to(state: Any, param: torch.Tensor, step_stays: bool, call: _Call) -> Any:
     """One parameter's state on its parameter's device: a dict, a dataclass, or a tensor."""
-    options = {
-        "non_blocking": call.plan.options.non_blocking,
-        "dtype": param.dtype if param.is_floating_point() else None,
-    }
+    non_blocking = call.plan.options.non_blocking
+    dtype = param.dtype if param.is_floating_point() else None
     node = decide(type(state)).move
     if not isinstance(node, Node):
-        return to_device(state, param.device, **options)
+        return to_device(state, param.device, non_blocking=non_blocking, dtype=dtype)
     moved = [
         value
         if key in ("['step']", ".step") and step_stays
-        else to_device(value, param.device, **options)
+        else to_device(value, param.device, non_blocking=non_blocking, dtype=dtype)
         for key, value in zip(node.keys(state), node.children(state), strict=True)
     ]
     return node.rebuild(state, moved)
@@ -509,7 +625,7 @@ def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
     moved = _checked(moved, obj, f"{name}.to()", same_type=True)
     if not plan.plain:
         # Errors inside are named at the object's path, which the outer walk knows.
-        moved = _tree.map_leaves(call.restyle, moved, view=CAST, root=None)
+        moved = _tree.map_leaves(_restyle, moved, call, view=CAST, root=None)
     return moved
 
 
@@ -538,6 +654,14 @@ _MOVES: dict[Leaf, Callable[[Any, _Call, Any], Any]] = {
     Leaf.RULE: _move_by_rule,
     Leaf.TO_METHOD: _move_by_to,
 }
+
+
+def _walk(data: Any, call: _Call, skip: frozenset[Hashable] | None) -> Any:
+    """The one crossing into the engine: the accelerator path lists the leaves first."""
+    plan = call.plan
+    if plan.packs:
+        return _tree.map_flat(plan.move_all, data, call, skip=skip)
+    return _tree.map_leaves(plan.move, data, call, skip=skip)
 
 
 def to_device(
@@ -606,8 +730,7 @@ def to_device(
         _DEFAULTS
         # Identity, not truth: copy="False" and strict="no" are mistakes to report, not
         # values to read as True.
-        if type(non_blocking) is str
-        and non_blocking == "auto"
+        if (non_blocking == "auto") is True  # an array compares element by element
         and dtype is None
         and memory_format is None
         and copy is False
@@ -616,12 +739,12 @@ def to_device(
     )
     skip = None if type(skip_keys) is tuple and not skip_keys else _tree.skip_set(skip_keys)
     plan = _plan(device, options)
-    call = _Call(plan)
-    if plan.packs:
-        moved = _tree.map_flat(call.mover(), data, before=call.pack, skip=skip)
-    else:
-        moved = _tree.map_leaves(call.mover(), data, skip=skip)
+    call = _Call(plan, [])
+    moved = _walk(data, call, skip)
+    notes = call.notes
+    if notes and len(set(notes)) < len(notes):  # a tensor found twice (see _Call)
+        call = _Call(plan, _REMEMBER, call.memo)
+        moved = _walk(data, call, skip)
     if call.waits:
         call.finish()
     return moved  # type: ignore[no-any-return]
-

@@ -23,6 +23,7 @@ mapping, pass through as they are.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from typing import Any, Final, NamedTuple, TypeAlias
 
@@ -109,6 +110,11 @@ def _skipping(node: Node, skip: frozenset[Hashable]) -> Node:
 
 
 Lookup: TypeAlias = tuple[dict[type, Any], Callable[[type], Any]]
+# How each view decides a type it does not hold yet (made once: a walk is often short).
+_LEARN: Final[tuple[Callable[[type], Any], ...]] = tuple(
+    functools.partial(lambda view, cls: _kinds.decide(cls)[view], view)
+    for view in (_kinds.MOVE, _kinds.CAST, _kinds.READ)
+)
 
 
 def _lookup(view: int, skip: frozenset[Hashable] | None) -> Lookup:
@@ -118,7 +124,7 @@ def _lookup(view: int, skip: frozenset[Hashable] | None) -> Lookup:
     under those keys over wrapped, as inert leaves; nothing of it outlives the call.
     """
     if skip is None:
-        return _kinds.view(view), lambda cls: _kinds.decide(cls)[view]
+        return _kinds.view(view), _LEARN[view]
     nodes: dict[type, Any] = {_Kept: INERT}
 
     def learn(cls: type) -> Any:
@@ -160,22 +166,23 @@ def skip_set(keys: object) -> frozenset[Hashable] | None:
     return found or None
 
 
-def _one_kind(sequence: list[Any] | tuple[Any, ...], nodes: dict[type, Any], learn: Any) -> Any:
-    """How a long list or tuple can be taken whole: INERT, a leaf (None), or not (False).
+def _one_kind(values: Collection[Any], nodes: dict[type, Any], learn: Any) -> Any:
+    """Whether a container's children can be taken whole: INERT, a leaf (None), or False.
 
-    INERT where it holds plain scalars only (token ids, metadata), a leaf where it holds
-    leaves only (a list of tensors); such lists are taken in one step at C speed, a
-    type check per element, instead of element by element. Short ones, and those whose
-    first element is a container, are not looked at.
+    INERT where they are all plain scalars (token ids, metadata), a leaf where they are
+    all leaves (a list of tensors, ``(images, labels)``); such a container is taken in
+    one step at C speed, a type check per child, instead of child by child. A first
+    child that is a container (most nested batches) says no at once.
     """
-    if len(sequence) < _SCAN_FROM:
+    if not values:
         return False
-    first = _entry(type(sequence[0]), nodes, learn)
-    if first is not INERT and first is not None:
+    first = _entry(type(next(iter(values))), nodes, learn)
+    if first is not None and first is not INERT:
         return False
-    if all(_entry(kind, nodes, learn) is first for kind in set(map(type, sequence))):
-        return first
-    return False
+    for kind in set(map(type, values)):
+        if _entry(kind, nodes, learn) is not first:
+            return False
+    return first
 
 
 def _entry(cls: type, nodes: dict[type, Any], learn: Callable[[type], Any]) -> Any:
@@ -200,22 +207,26 @@ def flatten(  # noqa: PLR0912, PLR0915 - one loop on purpose: a call per contain
     Raises:
         TransferError: The data nests deeper than :data:`MAX_DEPTH`, or holds a cycle.
     """
-    nodes, learn = _lookup(view, skip)
+    if skip is None:  # as _lookup has it, without a call: a walk is often short
+        nodes, learn = _kinds._views[view], _LEARN[view]
+    else:
+        nodes, learn = _lookup(view, skip)
     leaves: list[Any] = []
     try:
         node = nodes[type(tree)]
     except KeyError:
         node = learn(type(tree))
     if node is None or node is INERT:
-        return Flat([tree], [], [] if node is INERT else [0])
+        return _tuple_new(Flat, ([tree], [], [] if node is INERT else [0]))
     spec: Spec = []
     active: list[int] = []
-    if node is LIST or node is TUPLE:
-        kind = _one_kind(tree, nodes, learn)
+    if node is LIST or node is TUPLE or node is DICT:
+        values = tree.values() if node is DICT else tree
+        kind = _one_kind(values, nodes, learn)
         if kind is not False:  # scalars only, or leaves only: taken whole
-            leaves += tree
-            active += [] if kind is INERT else range(len(tree))
-            spec.append((len(tree), node, tree, len(tree)))
+            leaves += values
+            active += [] if kind is INERT else range(len(values))
+            spec.append((len(values), node, tree, len(values)))
             return _tuple_new(Flat, (leaves, spec, active))
     stack: list[tuple[Node, Any, Iterator[Any], int]] = []
     container, children, count = tree, iter(node.children(tree)), 0
@@ -328,54 +339,90 @@ def unflatten(spec: Spec, leaves: list[Any]) -> Any:
 
 
 def map_flat(
-    fn: Callable[[Any], Any],
+    move_all: Callable[[list[Any], list[int], Any], list[Any]],
     tree: Any,
+    state: Any = None,
     *,
-    before: Callable[[list[Any]], object] | None = None,
     skip: frozenset[Hashable] | None = None,
 ) -> Any:
-    """``tree`` rebuilt with ``fn`` applied to each leaf that is not inert.
+    """``tree`` rebuilt around ``move_all(leaves, active, state)``: its new leaves.
 
-    The leaves are listed first: ``before`` sees all of them at once (the tensors to
-    pack), then ``fn`` is applied to each, and the containers are rebuilt.
+    Flatten, one call on the list of leaves and the places of those that are not
+    inert (which can then be handled in bulk: grouped, packed), unflatten. The call
+    returns every leaf, inert ones as they are. ``state`` is anything the caller wants
+    handed over (what one call keeps: a memo, say).
 
     >>> import torch
-    >>> map_flat(lambda t: t + 1, {"a": [torch.zeros(1)], "n": 3}, before=len)
+    >>> def plus_one(leaves, active, state):
+    ...     return [leaf + 1 if index in active else leaf for index, leaf in enumerate(leaves)]
+    >>> map_flat(plus_one, {"a": [torch.zeros(1)], "n": 3})
     {'a': [tensor([1.])], 'n': 3}
 
     Raises:
-        TransferError: As :func:`flatten`, or ``fn`` raised one for a leaf (given its
-            path); other errors from ``fn`` keep their type and gain a note with it.
+        TransferError: As :func:`flatten`, or ``move_all`` raised one for a leaf (given
+            its path); other errors from it keep their type and gain a note with it.
     """
+    kind = type(tree)
+    if skip is None and (kind is dict or kind is list or kind is tuple):
+        # A flat batch ((images, labels), a dict of features), every child a leaf:
+        # flatten and unflatten come down to a line each, a tenth of its host time.
+        values = tree.values() if kind is dict else tree
+        if _one_kind(values, _kinds._views[MOVE], _LEARN[MOVE]) is None:
+            leaves = list(values)
+            try:
+                moved = move_all(leaves, list(range(len(leaves))), state)
+            except Exception as err:
+                raise _located_again(err, move_all, state, flatten(tree)) from None
+            if kind is dict:
+                return dict(zip(tree, moved))  # noqa: B905 - its own values, in order
+            return moved if kind is list else tuple(moved)
     leaves, spec, active = flatten(tree, skip=skip)
-    if before is not None:
-        before([leaves[index] for index in active])
-    moved = leaves.copy()
-    for index in active:
-        try:
-            moved[index] = fn(leaves[index])
-        except Exception as err:
-            where = paths(Flat(leaves, spec, active))[0][index]
-            raise _with_path(err, "data" + where, leaves[index]) from None
+    try:
+        moved = move_all(leaves, active, state)
+    except Exception as err:
+        raise _located_again(err, move_all, state, Flat(leaves, spec, active)) from None
     return unflatten(spec, moved)
 
 
+def _located_again(
+    err: Exception,
+    move_all: Callable[[list[Any], list[int], Any], list[Any]],
+    state: Any,
+    flat: Flat,
+) -> Exception:
+    """The error of the first leaf whose move fails, with its path: found by moving again.
+
+    The leaves were moved in one call, which says nothing of where it failed. Moving
+    them one by one repeats no side effect: an object is moved once per call (the
+    mover's memo), and a tensor's copy has none.
+    """
+    for index in flat.active:
+        leaf = flat.leaves[index]
+        try:
+            move_all([leaf], [0], state)
+        except Exception as again:
+            return _with_path(again, "data" + paths(flat)[0][index], leaf)
+    return err
+
+
 def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
-    fn: Callable[[Any], Any],
+    fn: Callable[[Any, Any], Any],
     tree: Any,
+    state: Any = None,
     *,
     view: int = MOVE,
     skip: frozenset[Hashable] | None = None,
     root: str | None = "data",
 ) -> Any:
-    """``tree`` rebuilt with ``fn`` applied to each leaf that is not inert, in one pass.
+    """``tree`` rebuilt with ``fn(leaf, state)`` applied to each leaf that is not inert.
 
     The result is that of :func:`map_flat` (and of flatten, ``fn`` on each leaf,
-    unflatten) without the list of leaves. Containers are rebuilt wherever they occur;
-    ``fn`` keeps its own memo if a leaf met twice must come back as one object.
+    unflatten), in one pass, without the list of leaves. Containers are rebuilt
+    wherever they occur; ``fn`` keeps a memo in ``state`` if a leaf met twice must come
+    back as one object.
 
     >>> import torch
-    >>> map_leaves(lambda t: t + 1, {"a": [torch.zeros(1)], "n": 3})
+    >>> map_leaves(lambda t, _: t + 1, {"a": [torch.zeros(1)], "n": 3})
     {'a': [tensor([1.])], 'n': 3}
 
     Raises:
@@ -383,19 +430,26 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
             (a walk inside a leaf, whose path the outer walk knows), errors from ``fn``
             and rebuilds pass through as they are.
     """
-    nodes, learn = _lookup(view, skip)
+    if skip is None:  # as _lookup has it, without a call: a walk is often short
+        nodes, learn = _kinds._views[view], _LEARN[view]
+    else:
+        nodes, learn = _lookup(view, skip)
     try:
         node = nodes[type(tree)]
     except KeyError:
         node = learn(type(tree))
     if node is None or node is INERT:
         try:
-            return tree if node is INERT else fn(tree)
+            return tree if node is INERT else fn(tree, state)
         except Exception as err:
             if root is None:
                 raise
             raise _with_path(err, root, tree) from None
-    if (node is LIST or node is TUPLE) and _one_kind(tree, nodes, learn) is INERT:
+    if (
+        (node is LIST or node is TUPLE)
+        and len(tree) >= _SCAN_FROM
+        and _one_kind(tree, nodes, learn) is INERT
+    ):
         return list(tree) if node is LIST else tree
     # The current frame lives in locals; the frames above it wait on `stack`.
     stack: list[tuple[Node, Any, Iterator[Any], list[Any]]] = []
@@ -411,7 +465,7 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
                     raise _with_path(err, root or "data", child) from None
             if child_node is None:
                 try:
-                    results.append(fn(child))
+                    results.append(fn(child, state))
                 except Exception as err:
                     if root is None:
                         raise
@@ -463,7 +517,7 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
 # Errors: paths are worked out here, once something failed, by walking again.
 
 
-def _located(
+def _located(  # noqa: PLR0917 - the walk's own arguments, passed on
     err: Exception,
     tree: Any,
     where: Any,
@@ -479,7 +533,9 @@ def _located(
     flat = flatten(tree, view=view, skip=skip)
     leaf_paths, container_paths = paths(flat)
     found = [path for leaf, path in zip(flat.leaves, leaf_paths, strict=True) if leaf is where]
-    found += [path for (_, _, c, _), path in zip(flat.spec, container_paths, strict=True) if c is where]
+    found += [
+        path for (_, _, c, _), path in zip(flat.spec, container_paths, strict=True) if c is where
+    ]
     return _with_path(err, root + (found[0] if found else ""), where)
 
 

@@ -333,7 +333,7 @@ def _compare(actual: Any, expected: Any, *, values: bool) -> None:
         if any(path.startswith(whole + "{") for whole in compared_whole):
             continue
         where = "data" + path
-        got = mine.parts.get(path)
+        got: Any = mine.parts.get(path)
         if type(got) is not type(want):
             msg = f"{where}: expected a {type(want).__name__}, got a {type(got).__name__}."
             raise AssertionError(msg)

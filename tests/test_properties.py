@@ -97,3 +97,36 @@ def test_the_accelerator_path_keeps_structure_shapes_dtypes_and_aliases(batch: A
         assert copy.device == META
         assert (copy.shape, copy.dtype) == (source.shape, source.dtype)
         assert copies.setdefault(id(source), copy) is copy  # one copy per source tensor
+
+
+@given(batches(), st.sampled_from(["meta", "accelerator"]))
+def test_the_movers_list_form_moves_as_the_mover_does_leaf_by_leaf(batch: Any, how: str) -> None:
+    # move_all is move applied at every active leaf, with fewer calls: compare the two.
+    from devicekit import _transfer, _tree  # noqa: PLC0415 - the two forms are private
+
+    def both() -> tuple[list[Any], list[Any]]:
+        plan = _transfer._plan(META, _transfer._DEFAULTS)
+        flat = _tree.flatten(batch)
+        listed = plan.move_all(flat.leaves, flat.active, _transfer._Call(plan, []))
+        call = _transfer._Call(plan, [])
+        one_by_one = list(flat.leaves)
+        for index in flat.active:
+            one_by_one[index] = plan.move(flat.leaves[index], call)
+        return listed, one_by_one
+
+    if how == "accelerator":
+        with as_accelerator("meta"):
+            listed, one_by_one = both()
+    else:
+        listed, one_by_one = both()
+    assert len(listed) == len(one_by_one)
+    for mine, theirs in zip(listed, one_by_one, strict=True):
+        assert type(mine) is type(theirs)
+        if isinstance(theirs, torch.Tensor):
+            assert (mine.device, mine.dtype, mine.shape) == (
+                theirs.device,
+                theirs.dtype,
+                theirs.shape,
+            )
+        else:
+            assert mine is theirs

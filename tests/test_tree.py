@@ -36,8 +36,20 @@ class Token:
         return f"Token({self.name!r})"
 
 
-def renamed(token: Token) -> Token:
+def renamed(token: Token, state: object = None) -> Token:
     return Token(f"new {token.name}")
+
+
+def each(fn: Any) -> Any:
+    """``fn`` in the list form map_flat calls: the leaves, with ``fn`` at ``active``."""
+
+    def move_all(leaves: list[Any], active: list[int], state: Any) -> list[Any]:
+        moved = list(leaves)
+        for index in active:
+            moved[index] = fn(leaves[index], state)
+        return moved
+
+    return move_all
 
 
 def test_leaves_come_in_walk_order_with_repeats() -> None:
@@ -104,22 +116,23 @@ def test_a_read_only_mapping_that_cannot_be_rebuilt_is_refused() -> None:
         "Cannot rebuild data['x']: it is a tests.test_tree.Frozen, a read-only Mapping that "
         "cannot be built from a dict ("
     )
-    for walk in (_tree.map_leaves, _tree.map_flat):
-        with pytest.raises(dk.TransferError, match=re.escape(msg)):
-            walk(renamed, {"x": Frozen(items={"a": Token("t")})})
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        _tree.map_leaves(renamed, {"x": Frozen(items={"a": Token("t")})})
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        _tree.map_flat(each(renamed), {"x": Frozen(items={"a": Token("t")})})
 
 
 def test_inert_leaves_pass_through_without_a_call() -> None:
     seen: list[Any] = []
 
-    def record(leaf: Any) -> str:
+    def record(leaf: Any, state: object) -> str:
         seen.append(leaf)
         return "mapped"
 
     data = {"a": [1, Token("t"), None], "b": "s", "c": 2.5}
     expected = {"a": [1, "mapped", None], "b": "s", "c": 2.5}
     assert _tree.map_leaves(record, data) == expected
-    assert _tree.map_flat(record, data) == expected
+    assert _tree.map_flat(each(record), data) == expected
     assert seen == [Token("t"), Token("t")]
     flat = _tree.flatten(data)
     assert flat.leaves == [1, Token("t"), None, "s", 2.5]
@@ -142,6 +155,7 @@ def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: i
     ]
     new = [renamed(leaf) if isinstance(leaf, Token) else leaf for leaf in flat.leaves]
     rebuilt = _tree.unflatten(flat.spec, new)
+    assert _tree.map_flat(each(renamed), data) == rebuilt
     assert rebuilt == {
         "leaves": [renamed(leaf) for leaf in leaves],
         "scalars": tuple(scalars),
@@ -155,7 +169,14 @@ def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: i
     leaf_paths, container_paths = _tree.paths(flat)
     assert leaf_paths[length - 1] == f"['leaves'][{length - 1}]"
     assert leaf_paths[-1] == f"['top'][0][{length - 1}]"
-    assert container_paths == ["['leaves']", "['scalars']", "['mixed']", "['top'][0]", "['top']", ""]
+    assert container_paths == [
+        "['leaves']",
+        "['scalars']",
+        "['mixed']",
+        "['top'][0]",
+        "['top']",
+        "",
+    ]
     assert _tree.paths(alone)[0] == [f"[{i}]" for i in range(length)]
 
 
@@ -232,7 +253,7 @@ def test_skipped_keys_are_inert_leaves_of_the_walk() -> None:
         "raw": raw,
         "x": Token("new t"),
     }
-    rebuilt = _tree.map_flat(renamed, {"raw": raw, "x": Token("t")}, skip=frozenset({"raw"}))
+    rebuilt = _tree.map_flat(each(renamed), {"raw": raw, "x": Token("t")}, skip=frozenset({"raw"}))
     assert rebuilt["raw"] is raw
 
 
@@ -249,16 +270,16 @@ def test_skip_keys_that_are_not_keys_are_refused(keys: Any, message: str) -> Non
 
 
 def test_errors_in_the_leaf_function_gain_the_leaf_path_on_both_maps() -> None:
-    def fail(token: Token) -> Token:
+    def fail(token: Token, state: object) -> Token:
         if token.name == "bad":
             msg = "boom"
             raise ValueError(msg)
         return token
 
     data = {"ok": [Token("fine")], "deep": [(Token("bad"),)]}
-    for walk in (_tree.map_leaves, _tree.map_flat):
+    for walk, fn in ((_tree.map_leaves, fail), (_tree.map_flat, each(fail))):
         with pytest.raises(ValueError, match="boom") as info:
-            walk(fail, data)
+            walk(fn, data)
         assert info.value.__notes__ == [
             "devicekit: raised while handling data['deep'][0][0] (Token)."
         ]
@@ -273,7 +294,7 @@ def test_the_fused_map_equals_flatten_map_unflatten(batch: Any, how: str) -> Non
     calls: list[list[Any]] = [[], [], []]
 
     def fn(number: int) -> Any:
-        def apply(leaf: Any) -> Any:
+        def apply(leaf: Any, state: object) -> Any:
             calls[number].append(leaf)
             if how == "tagged":
                 return _tagged(leaf)
@@ -282,11 +303,11 @@ def test_the_fused_map_equals_flatten_map_unflatten(batch: Any, how: str) -> Non
         return apply
 
     fused = _tree.map_leaves(fn(0), batch)
-    listed = _tree.map_flat(fn(1), batch)
+    listed = _tree.map_flat(each(fn(1)), batch)
     flat = _tree.flatten(batch)
     by_hand = list(flat.leaves)
     for index in flat.active:
-        by_hand[index] = fn(2)(flat.leaves[index])
+        by_hand[index] = fn(2)(flat.leaves[index], None)
     unflattened = _tree.unflatten(flat.spec, by_hand)
     assert [id(leaf) for leaf in calls[0]] == [id(leaf) for leaf in calls[1]]
     assert [id(leaf) for leaf in calls[0]] == [id(leaf) for leaf in calls[2]]
