@@ -1,0 +1,203 @@
+"""The objects other libraries hand a training loop, moved and checked with the real packages.
+
+transformers, tensordict and torch_geometric come with the ``interop`` extra
+(``pip install -e ".[test,interop]"``). Where one is missing the tests that need it are
+skipped, unless DEVICEKIT_REQUIRE_INTEROP is set, as CI and ``nox -s interop`` set it:
+there a missing package fails the run instead of passing it by skipping.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import devicekit as dk
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+
+
+def _require(name: str) -> Any:
+    if os.environ.get("DEVICEKIT_REQUIRE_INTEROP"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
+# transformers: every model's output is a ModelOutput, an OrderedDict whose attributes
+# mirror its items.
+
+
+def test_a_model_output_gives_the_moved_tensor_through_every_view() -> None:
+    _require("transformers")
+    from transformers.modeling_outputs import BaseModelOutput
+
+    hidden = torch.ones(2, 3)
+    output = BaseModelOutput(last_hidden_state=hidden)
+    moved = dk.to_device(output, META)
+    assert type(moved) is BaseModelOutput
+    for view in (
+        moved["last_hidden_state"],
+        moved.last_hidden_state,
+        moved[0],
+        moved.to_tuple()[0],
+    ):
+        assert view.device == META
+    assert moved.hidden_states is None
+    assert output.last_hidden_state is hidden  # the input is untouched
+
+
+def test_a_copied_model_output_shares_nothing_with_the_input() -> None:
+    _require("transformers")
+    from transformers.modeling_outputs import BaseModelOutput
+
+    output = BaseModelOutput(last_hidden_state=torch.zeros(2))
+    copied = dk.to_device(output, CPU, copy=True)
+    copied.last_hidden_state.add_(1)  # written through the attribute
+    assert copied["last_hidden_state"].tolist() == [1.0, 1.0]
+    assert output.last_hidden_state.tolist() == [0.0, 0.0]
+    assert output["last_hidden_state"].tolist() == [0.0, 0.0]
+
+
+def test_a_batch_encoding_is_rebuilt_item_by_item_not_moved_by_its_own_to() -> None:
+    _require("transformers")
+    from transformers import BatchEncoding
+
+    ids = torch.tensor([[101, 50257]])
+    encoding = BatchEncoding({"input_ids": ids, "lengths": [torch.tensor([2])]})
+    moved = dk.to_device(encoding, META, dtype=torch.float16)
+    assert type(moved) is BatchEncoding
+    assert moved["input_ids"].device == META
+    assert moved["input_ids"].dtype == torch.int64  # token ids are never cast
+    assert moved["lengths"][0].device == META  # BatchEncoding.to skips nested values
+    assert moved.input_ids is moved["input_ids"]
+    assert encoding["input_ids"] is ids
+
+
+# tensordict: TensorDict (TorchRL's batch) and tensorclasses, each with a .to() that
+# returns a new object.
+
+
+def test_a_tensordict_moves_with_its_own_to_and_keeps_integers() -> None:
+    tensordict = _require("tensordict")
+    labels = torch.tensor([70001, 3])
+    batch = tensordict.TensorDict(
+        {"obs": torch.ones(2, 3), "labels": labels, "next": {"reward": torch.ones(2, 1)}},
+        batch_size=[2],
+    )
+    moved = dk.to_device(batch, META, dtype=torch.float16)
+    assert isinstance(moved, tensordict.TensorDict)
+    assert moved.device == META
+    assert moved["obs"].dtype == torch.float16
+    assert moved["next", "reward"].dtype == torch.float16
+    assert moved["labels"].dtype == torch.int64  # not cast
+    assert batch["obs"].device == CPU  # the input is untouched
+    assert batch["obs"].dtype == torch.float32
+    exact = dk.to_device(batch, CPU, dtype=torch.float64)
+    assert exact["labels"].tolist() == [70001, 3]
+
+
+def test_a_tensordict_batch_arrives_through_the_loader() -> None:
+    tensordict = _require("tensordict")
+    batches = [
+        tensordict.TensorDict({"obs": torch.full((2, 3), float(i))}, batch_size=[2])
+        for i in range(3)
+    ]
+    loader = dk.DeviceDataLoader(batches, META)
+    moved = list(loader)
+    assert [batch["obs"].device for batch in moved] == [META] * 3
+    assert all(batch["obs"].device == CPU for batch in batches)
+
+
+def test_a_tensorclass_keeps_its_integer_labels_and_its_paths_are_its_fields() -> None:
+    tensordict = _require("tensordict")
+
+    @tensordict.tensorclass
+    class Sample:
+        image: torch.Tensor
+        label: torch.Tensor
+
+    sample = Sample(image=torch.ones(2, 3), label=torch.tensor([70001, 5]), batch_size=[2])
+    cast = dk.to_device({"sample": sample}, CPU, dtype=torch.float16)["sample"]
+    assert type(cast) is Sample
+    assert cast.image.dtype == torch.float16
+    assert cast.label.dtype == torch.int64
+    assert cast.label.tolist() == [70001, 5]  # float16 would have made it inf
+    assert sample.image.dtype == torch.float32
+    assert dk.find_devices({"sample": sample}) == {CPU: ["['sample'].image", "['sample'].label"]}
+
+
+# torch_geometric: Data.to moves in place and returns self.
+
+
+def _graph() -> Any:
+    data = _require("torch_geometric.data")
+    return data.Data(x=torch.ones(3, 2), edge_index=torch.tensor([[0, 1], [1, 2]]))
+
+
+def test_a_graph_is_moved_on_a_copy_and_the_input_never_changes() -> None:
+    graph = _graph()
+    x = graph.x
+    moved = dk.to_device({"graph": graph}, META)["graph"]
+    assert moved is not graph
+    assert moved.x.device == META
+    assert moved.edge_index.device == META
+    assert graph.x is x  # still the input's own tensor, on the host
+    assert graph.x.device == CPU
+
+
+def test_a_batch_and_a_heterogeneous_graph_are_moved_on_copies() -> None:
+    data = _require("torch_geometric.data")
+    batch = data.Batch.from_data_list([_graph(), _graph()])
+    hetero = data.HeteroData()
+    hetero["paper"].x = torch.ones(2, 4)
+    hetero["paper", "cites", "paper"].edge_index = torch.tensor([[0], [1]])
+    moved_batch, moved_hetero = dk.to_device([batch, hetero], META)
+    assert moved_batch.x.device == META
+    assert moved_batch.batch.device == META
+    assert moved_hetero["paper"].x.device == META
+    assert batch.x.device == CPU
+    assert hetero["paper"].x.device == CPU
+    assert hetero["paper", "cites", "paper"].edge_index.device == CPU
+
+
+def test_a_loader_over_graphs_leaves_its_dataset_on_the_host() -> None:
+    graphs = [_graph() for _ in range(4)]
+    loader = dk.DeviceDataLoader(DataLoader(graphs, batch_size=None), META)
+    for _ in range(2):  # two epochs: the dataset is still the host's
+        assert all(graph.x.device == META for graph in loader)
+    assert all(graph.x.device == CPU for graph in graphs)
+
+
+def test_a_graph_takes_dtype_on_its_features_only() -> None:
+    moved = dk.to_device(_graph(), CPU, dtype=torch.float16)
+    assert moved.x.dtype == torch.float16
+    assert moved.edge_index.dtype == torch.int64
+
+
+def test_graph_paths_are_the_names_users_write() -> None:
+    data = _require("torch_geometric.data")
+    graph = _graph()
+    assert dk.find_devices({"graph": graph}) == {CPU: ["['graph'].x", "['graph'].edge_index"]}
+    hetero = data.HeteroData()
+    hetero["paper"].x = torch.ones(2, 4, device=META)
+    hetero["paper", "cites", "paper"].edge_index = torch.tensor([[0], [1]])
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.check_same_device(hetero)
+    assert info.value.devices == {
+        META: ["data['paper'].x"],
+        CPU: ["data['paper', 'cites', 'paper'].edge_index"],
+    }
+
+
+def test_requiring_interop_packages_fails_where_one_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DEVICEKIT_REQUIRE_INTEROP", "1")
+    with pytest.raises(ModuleNotFoundError, match=re.escape("no_such_package_here")):
+        _require("no_such_package_here")
