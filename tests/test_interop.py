@@ -34,13 +34,11 @@ def _require(name: str) -> Any:
 
 
 def test_a_model_output_gives_the_moved_tensor_through_every_view() -> None:
-    _require("transformers")
-    from transformers.modeling_outputs import BaseModelOutput
-
+    outputs = _require("transformers.modeling_outputs")
     hidden = torch.ones(2, 3)
-    output = BaseModelOutput(last_hidden_state=hidden)
+    output = outputs.BaseModelOutput(last_hidden_state=hidden)
     moved = dk.to_device(output, META)
-    assert type(moved) is BaseModelOutput
+    assert type(moved) is outputs.BaseModelOutput
     for view in (
         moved["last_hidden_state"],
         moved.last_hidden_state,
@@ -53,10 +51,8 @@ def test_a_model_output_gives_the_moved_tensor_through_every_view() -> None:
 
 
 def test_a_copied_model_output_shares_nothing_with_the_input() -> None:
-    _require("transformers")
-    from transformers.modeling_outputs import BaseModelOutput
-
-    output = BaseModelOutput(last_hidden_state=torch.zeros(2))
+    outputs = _require("transformers.modeling_outputs")
+    output = outputs.BaseModelOutput(last_hidden_state=torch.zeros(2))
     copied = dk.to_device(output, CPU, copy=True)
     copied.last_hidden_state.add_(1)  # written through the attribute
     assert copied["last_hidden_state"].tolist() == [1.0, 1.0]
@@ -65,13 +61,11 @@ def test_a_copied_model_output_shares_nothing_with_the_input() -> None:
 
 
 def test_a_batch_encoding_is_rebuilt_item_by_item_not_moved_by_its_own_to() -> None:
-    _require("transformers")
-    from transformers import BatchEncoding
-
+    transformers = _require("transformers")
     ids = torch.tensor([[101, 50257]])
-    encoding = BatchEncoding({"input_ids": ids, "lengths": [torch.tensor([2])]})
+    encoding = transformers.BatchEncoding({"input_ids": ids, "lengths": [torch.tensor([2])]})
     moved = dk.to_device(encoding, META, dtype=torch.float16)
-    assert type(moved) is BatchEncoding
+    assert type(moved) is transformers.BatchEncoding
     assert moved["input_ids"].device == META
     assert moved["input_ids"].dtype == torch.int64  # token ids are never cast
     assert moved["lengths"][0].device == META  # BatchEncoding.to skips nested values

@@ -69,7 +69,7 @@ def test_a_rule_registered_while_other_threads_move_data_applies_at_once() -> No
         try:
             while not stop.is_set():
                 dk.to_device([current[0](torch.ones(1)), {"k": current[0](torch.ones(1))}], META)
-        except BaseException as error:  # noqa: BLE001 - reported below
+        except BaseException as error:
             errors.append(error)
 
     threads = [threading.Thread(target=move) for _ in range(2)]
@@ -295,7 +295,7 @@ def test_what_the_compiler_cannot_repeat_is_refused_at_trace_time_with_a_devicek
     torch._dynamo.reset()
     msg = "Cannot move data inside torch.compile to the current device"
     with pytest.raises(Exception, match=re.escape(msg)):
-        _compiled(lambda b: dk.to_device(b))({"x": torch.ones(1)})
+        _compiled(dk.to_device)({"x": torch.ones(1)})
 
 
 def test_a_dataclass_first_met_inside_a_compiled_region_is_refused_then_traced() -> None:
