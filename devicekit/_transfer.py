@@ -1,18 +1,16 @@
 """to_device: move tensors, modules, optimizers and nested batches to a device.
 
-One call goes like this::
+A call checks its options, finds its :class:`_Plan` (cached per device and options),
+and crosses into the engine once with the plan's mover and a :class:`_Call` (what one
+call keeps)::
 
-    options --(checked, cached per device and options)--> _Plan
-    _Plan   --(per call: memo, devices to wait for)-----> _Call, and its mover
-    data    --_tree.map_leaves(mover)-------------------> moved data          (host targets)
-    data    --_tree.map_flat(mover, before=pack)--------> moved data          (accelerators)
+    host targets      _tree.map_leaves(plan.move, data, call)       one fused pass
+    accelerators      _tree.map_flat(plan.move_all, data, call)      flatten, pack, move
 
-The mover is the one function that moves a leaf, on every path: exact tensors in a few
-lines, everything else as the table of per-type decisions (:mod:`devicekit._kinds`)
-says. Accelerator targets take the flat route so that small host tensors can first
-go packed (:mod:`devicekit._packing`); the mover then finds their pieces in its memo,
-the same memo that makes a tensor found twice come back as one moved tensor and
-calls a rule or a ``.to()`` once per object.
+``move`` is the one function that moves a leaf, and ``move_all`` its list form: the
+same decisions over all the leaves at once, so small host tensors go packed
+(:mod:`devicekit._packing`) and plain ones take one comprehension. Everything that is
+not a tensor moves as the table (:mod:`devicekit._kinds`) says its type does.
 """
 
 from __future__ import annotations
@@ -33,19 +31,19 @@ from devicekit._manager import current_device
 __all__ = ["NonBlocking", "as_accelerator", "to_device"]
 
 T = TypeVar("T")
-
 NonBlocking: TypeAlias = bool | Literal["auto"]
 """``"auto"``, True or False; see :func:`to_device`."""
 
-# Devices whose copies are synchronous by nature, or move no data: no stream to wait on.
-_HOST_DEVICE_TYPES = frozenset({"cpu", "meta"})
+_HOST = frozenset({"cpu", "meta"})  # devices whose copies need no stream to wait on
 _Tensor = torch.Tensor  # one global lookup on the hot path instead of two
 _is_compiling = torch.compiler.is_compiling  # likewise; torch.compile knows the function
 _UNSEEN: Any = object()
+_REMEMBER: Final[list[int]] = []
+"""``_Call.notes`` where tensors move through the memo: some repeat."""
 
 
 class Options(NamedTuple):
-    """to_device's options, each under its one name, as the user gave them."""
+    """to_device's options, each under its one name."""
 
     non_blocking: NonBlocking = "auto"
     dtype: torch.dtype | None = None
@@ -59,20 +57,16 @@ _DEFAULTS: Final = Options()
 
 def _check(options: Options) -> Options:
     """The options, checked; ``preserve_format`` is the same as no memory format."""
-    # As objects: callers without a type checker pass anything.
-    non_blocking: object = options.non_blocking
-    dtype: object = options.dtype
-    memory_format: object = options.memory_format
-    copy: object = options.copy
-    strict: object = options.strict
+    given: tuple[object, ...] = options  # as objects: untyped callers pass anything
+    non_blocking, dtype, copy, memory_format, strict = given
     for name, value in (("copy", copy), ("strict", strict)):
         if value is not True and value is not False:
             msg = f"Expected {name} to be True or False, got {value!r}."
             raise TypeError(msg)
-    if not (
-        non_blocking is True
-        or non_blocking is False
-        or (isinstance(non_blocking, str) and non_blocking == "auto")
+    if (
+        non_blocking is not True
+        and non_blocking is not False
+        and (non_blocking == "auto") is not True
     ):
         msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
         raise ValueError(msg)
@@ -89,49 +83,57 @@ def _check(options: Options) -> Options:
             f"torch.channels_last, got {memory_format!r}."
         )
         raise ValueError(msg)
-    if memory_format is torch.preserve_format:
-        return options._replace(memory_format=None)
-    return options
+    return (
+        options._replace(memory_format=None) if memory_format is torch.preserve_format else options
+    )
 
 
-_simulated_accelerators: set[str] = set()
+def _skip_set(keys: object) -> frozenset[Hashable] | None:
+    """``skip_keys`` as a set: one key alone (a string is not its letters), or many."""
+    try:
+        found = frozenset((keys,) if isinstance(keys, str | bytes) else keys)  # type: ignore[call-overload]
+    except TypeError:
+        msg = (
+            "Expected skip_keys to be a mapping key such as 'raw_text', or a collection of "
+            f"hashable keys, got {type(keys).__name__} {keys!r}."
+        )
+        raise TypeError(msg) from None
+    return found or None
+
+
+_simulated: set[str] = set()
 
 
 @contextlib.contextmanager
 def as_accelerator(device_type: str) -> Iterator[None]:
     """Move data to ``device_type`` (``"meta"``) as to an accelerator, packing included.
 
-    Everything to_device does on the host for an accelerator (the walk, the packing
-    decision, grouping, gathering into staging, making the pieces, asynchronous
-    copies) then runs on machines without one, with the staging buffer in ordinary
-    memory: the tests and the host-side benchmark use it.
+    Everything to_device does on the host for an accelerator then runs on machines
+    without one, staging in ordinary memory: the tests and the host-side benchmark.
     """
-    _simulated_accelerators.add(device_type)
+    _simulated.add(device_type)
     _plans.clear()
     try:
         yield
     finally:
-        _simulated_accelerators.discard(device_type)
+        _simulated.discard(device_type)
         _plans.clear()
 
 
 class _Plan:
-    """What a call's device and options imply, worked out once and cached.
+    """What a call's device and options imply, worked out once, with the mover built for it.
 
-    ``non_blocking`` has one rule, :meth:`_Call.non_blocking`; ``told`` is what objects
-    that move themselves are told, since devicekit cannot wait for their copies:
-    asynchronous only where reading the result is ordered after the copy anyway.
+    ``told`` is what objects that move themselves are told of ``non_blocking``:
+    asynchronous only where reading the result is ordered after the copy anyway, since
+    devicekit cannot wait for their copies.
     """
 
     __slots__ = ("device", "move", "move_all", "options", "packs", "pins", "plain", "told")
 
     def __init__(self, device: torch.device, options: Options, *, traced: bool = False) -> None:
-        simulated = device.type in _simulated_accelerators
-        to_accelerator = device.type not in _HOST_DEVICE_TYPES or simulated
-        auto = options.non_blocking == "auto"
-        self.device = device
-        self.options = options
-        # Nothing but the device changes: "already there" is one comparison.
+        simulated = device.type in _simulated
+        to_accelerator = device.type not in _HOST or simulated
+        self.device, self.options, self.pins = device, options, not simulated
         self.plain = options.dtype is None and not options.copy and options.memory_format is None
         self.packs = (  # not in a compiled graph: its copies are the compiler's to plan
             not traced
@@ -139,7 +141,7 @@ class _Plan:
             and options.memory_format is None
             and (_packing.packs_to(device) or (simulated and _packing.can_pack))
         )
-        self.pins = not simulated
+        auto = (options.non_blocking == "auto") is True
         self.told = (
             (to_accelerator and device.type != "mps") if auto else bool(options.non_blocking)
         )
@@ -147,50 +149,32 @@ class _Plan:
 
 
 _plans: dict[object, _Plan] = {}
-_PLANS_KEPT = 256  # bounded: option values seen at run time must not pile up
 
 
 def _plan(device: DeviceLike | None, options: Options) -> _Plan:
-    if _is_compiling():
-        return _Plan(_traced_device(device), _check(options), traced=True)
+    if _is_compiling():  # a device given explicitly is taken as given
+        if device is None:
+            msg = (
+                "Cannot move data inside torch.compile to the current device: devicekit reads "
+                "it from its context (a DeviceManager block), which the compiler cannot "
+                "follow. Pass the device explicitly, such as to_device(batch, 'cuda:0')."
+            )
+            raise TransferError(msg)
+        return _Plan(torch.device(device), _check(options), traced=True)
     defaults = options is _DEFAULTS
-    # The usual call (every option at its default) is keyed by the device alone. A
-    # torch.device found there is a target already resolved (an index checked to
-    # exist); one without an index ("cuda": the current device) is resolved every call.
+    # The usual call is keyed by the device alone. A torch.device found there was
+    # resolved already; one without an index ("cuda": the current one) is resolved anew.
     plan = _plans.get(device) if defaults and type(device) is torch.device else None
     if plan is None:
-        if not defaults:
-            options = _check(options)
+        options = options if defaults else _check(options)
         target = current_device() if device is None else resolve_device(device)
         key = target if defaults else (target, options)
         plan = _plans.get(key)
         if plan is None:
-            if len(_plans) >= _PLANS_KEPT:
+            if len(_plans) >= 256:  # option values seen at run time must not pile up
                 _plans.clear()
             plan = _plans[key] = _Plan(target, options)
     return plan
-
-
-def _traced_device(device: DeviceLike | None) -> torch.device:
-    """The target inside torch.compile, where a device given explicitly is taken as given."""
-    if device is None:
-        msg = (
-            "Cannot move data inside torch.compile to the current device: devicekit reads "
-            "it from its context (a DeviceManager block), which the compiler cannot follow. "
-            "Pass the device explicitly, such as to_device(batch, 'cuda:0')."
-        )
-        raise TransferError(msg)
-    return device if type(device) is torch.device else torch.device(device)
-
-
-def _format_applies(memory_format: torch.memory_format | None, tensor: torch.Tensor) -> bool:
-    # As nn.Module.to does: channels_last formats concern only 4-d (and 5-d) tensors,
-    # so a batch's labels and masks pass untouched next to its images.
-    if memory_format is torch.channels_last:
-        return tensor.dim() == 4
-    if memory_format is torch.channels_last_3d:
-        return tensor.dim() == 5
-    return memory_format is not None
 
 
 Mover: TypeAlias = Callable[[Any, "_Call"], Any]
@@ -198,161 +182,92 @@ MoveAll: TypeAlias = Callable[[list[Any], list[int], "_Call"], list[Any]]
 
 
 def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
-    """The plan's mover: ``move(leaf, call)``, the one function that moves a leaf.
+    """The plan's mover, ``move(leaf, call)``, and its list form, ``move_all``.
 
-    Built once per plan: a closure whose hot path (a tensor whose device alone changes)
-    reads the plan's constants as locals; what one call keeps is in ``call``. It comes
-    with ``move_all(leaves, active, call)``, the leaves with ``move`` applied at the
-    places ``active`` (tests/test_to_device.py holds the two equal), which for an
-    accelerator first packs the small tensors where that pays, and copies distinct
-    plain tensors in one comprehension: a call per tensor is a tenth of a small copy's
-    host time.
+    ``move`` is a closure whose hot path (a tensor whose device alone changes) reads the
+    plan's constants as locals. ``move_all(leaves, active, call)`` is ``move`` at each
+    active leaf (tests/test_properties.py holds the two equal), but first packs the
+    small host tensors where that pays, and copies distinct plain tensors in one
+    comprehension: a call per tensor costs a tenth of a small copy's host time.
     """
-    device, asynchronous = plan.device, plan.told
-    if not plan.plain:
-
-        def move_with_options(obj: Any, call: _Call) -> Any:
-            return call.tensor(obj, device) if type(obj) is _Tensor else call.leaf(obj)
-
-        return move_with_options, _packing_first(_one_by_one(move_with_options), plan)
+    device, asynchronous, packs, plain = plan.device, plan.told, plan.packs, plan.plain
     is_cpu = device.type == "cpu"
     host = is_cpu or is_meta
     # A copy needs a wait only from an accelerator to the host under "auto".
-    waitless = asynchronous or is_meta or plan.options.non_blocking != "auto"
+    waitless = asynchronous or is_meta or (plan.options.non_blocking == "auto") is not True
 
     def move(obj: Any, call: _Call) -> Any:
         if type(obj) is not _Tensor:
             return call.leaf(obj)
+        notes = call.notes
+        if not plain or notes is _REMEMBER:
+            return call.tensor(obj, device)
         if host:
-            # Already there: one flag read (obj.device builds a torch.device).
-            if obj.is_cpu if is_cpu else obj.is_meta:
+            if obj.is_cpu if is_cpu else obj.is_meta:  # already there (obj.device costs more)
                 return obj
             if not waitless:
                 return call.tensor(obj, device)
-        notes = call.notes
-        if notes is not None:  # see _Call
-            if notes is _REMEMBER:
-                return call.tensor(obj, device)
-            notes.append(id(obj))
+        notes.append(id(obj))
         try:
             # A tensor already on the target comes back from .to() as it is. Keyword
-            # arguments cost PyTorch more to parse than a small copy to meta takes:
-            # non_blocking is passed only when it is True.
+            # arguments cost PyTorch more to parse than a small copy to meta takes.
             return obj.to(device, non_blocking=True) if asynchronous else obj.to(device)
         except NotImplementedError:
             if obj.is_meta:
                 raise call.meta_error() from None
             raise
 
-    move_each = _one_by_one(move)
-    if host:
-        return move, move_each
-
     def move_all(leaves: list[Any], active: list[int], call: _Call) -> list[Any]:
-        # Every leaf that is not inert an exact tensor, none twice: one comprehension.
-        # The checks run from C; an inert leaf is never a tensor.
-        if call.notes is _REMEMBER:
-            return move_each(leaves, active, call)
-        if len(active) == len(leaves):  # leaves only: a list of tensors, a flat dict
-            tensors = leaves
-            if set(map(type, leaves)) != _JUST_TENSORS:
-                return move_each(leaves, active, call)
-        else:
-            tensors = [leaf for leaf in leaves if type(leaf) is _Tensor]
-            if len(tensors) != len(active):
-                return move_each(leaves, active, call)
-        if len(set(map(id, tensors))) < len(tensors):
-            call.notes = _REMEMBER  # one tensor twice: through the memo
-            return move_each(leaves, active, call)
-        try:
-            if tensors is leaves:
-                if asynchronous:
-                    return [leaf.to(device, non_blocking=True) for leaf in leaves]
-                return [leaf.to(device) for leaf in leaves]
-            if asynchronous:
-                return [
-                    leaf.to(device, non_blocking=True) if type(leaf) is _Tensor else leaf
-                    for leaf in leaves
-                ]
-            return [leaf.to(device) if type(leaf) is _Tensor else leaf for leaf in leaves]
-        except NotImplementedError:  # a meta tensor: its error comes from move
-            return move_each(leaves, active, call)
-
-    return move, _packing_first(move_all, plan)
-
-
-def _one_by_one(move: Mover) -> MoveAll:
-    def move_each(leaves: list[Any], active: list[int], call: _Call) -> list[Any]:
         moved = leaves.copy()
-        for index in active:
-            moved[index] = move(leaves[index], call)
-        return moved
-
-    return move_each
-
-
-def _packing_first(move_all: MoveAll, plan: _Plan) -> MoveAll:
-    """``move_all``, after the small host tensors among the leaves went packed.
-
-    Where the plan packs, and packing pays for them (see :mod:`devicekit._packing`).
-    """
-    if not plan.packs:
-        return move_all
-
-    def packing_first(leaves: list[Any], active: list[int], call: _Call) -> list[Any]:
-        packed = _pack(leaves, active, call) if len(active) >= _packing.MIN_TENSORS else None
-        if not packed:
-            return move_all(leaves, active, call)
-        if len(packed) == len(active):  # every leaf moved, each once: placed from C
-            if len(active) == len(leaves):
+        if packs and len(active) >= _packing.MIN_TENSORS:
+            packed = _pack(leaves, call)
+            if len(packed) == len(active) == len(leaves):  # all, each once: placed from C
                 return list(map(packed.__getitem__, map(id, leaves)))
-            moved = leaves.copy()
             for index in active:
-                moved[index] = packed[id(leaves[index])]
-            return moved
-        rest = [index for index in active if id(leaves[index]) not in packed]
-        moved = move_all(leaves, rest, call)
+                moved[index] = packed.get(id(leaves[index]), moved[index])
+            active = [index for index in active if id(leaves[index]) not in packed]
+        tensors = [moved[index] for index in active]
+        if len(set(map(id, tensors))) < len(tensors):
+            call.notes = _REMEMBER  # one tensor twice: known before any moved
+        elif (
+            not host and plain and call.notes is not _REMEMBER and set(map(type, tensors)) <= _EXACT
+        ):
+            try:
+                copies = [
+                    t.to(device, non_blocking=True) if asynchronous else t.to(device)
+                    for t in tensors
+                ]
+            except NotImplementedError:  # a meta tensor: its error comes from move
+                pass
+            else:
+                for index, copy in zip(active, copies, strict=True):
+                    moved[index] = copy
+                return moved
         for index in active:
-            piece = packed.get(id(leaves[index]))
-            if piece is not None:
-                moved[index] = piece
+            moved[index] = move(moved[index], call)
         return moved
 
-    return packing_first
+    return move, move_all
 
 
-_JUST_TENSORS: Final = {torch.Tensor}
-
-
-_REMEMBER: Final[list[int]] = []
-"""``_Call.notes`` of a call that moves tensors through its memo: they repeat."""
+_EXACT: Final = frozenset({torch.Tensor})
 
 
 class _Call:
-    """What one to_device call keeps: its memo, and the devices whose copies to wait for.
+    """What one to_device call keeps: its memo, its notes, the devices to wait for.
 
-    Aliasing, one rule: a tensor found twice comes back as one moved tensor. A memo
-    write per tensor would cost a fifth of a small copy, so tensors go through the
-    memo only in a call whose tensors repeat (which is rare), and ``notes`` says how
-    the call knows:
-
-    * a list: the mover notes the id of each tensor it copies, and a call whose notes
-      repeat an id is made again, remembering (the host path, in one pass);
-    * ``_REMEMBER``: every tensor goes through the memo; the accelerator path, which
-      lists the leaves before moving them, asks so at once where tensors repeat;
-    * None: they are known not to repeat.
-
-    Objects moved by a rule, a ``.to()`` or in place always go through the memo (their
-    moves must never run twice), and so do tensors moved with options.
+    Aliasing has one rule: a tensor found twice comes back as one moved tensor. A memo
+    write per tensor would cost a fifth of a small copy, so the mover notes the ids of
+    the tensors it copies, and a call whose notes repeat an id is made again with
+    ``notes`` set to ``_REMEMBER``: then every tensor goes through the memo (a batch
+    holding one tensor twice is rare). Tensors moved with options, and objects moved by
+    a rule, a ``.to()`` or in place, always go through the memo: none moves twice.
     """
 
     __slots__ = ("memo", "notes", "plan", "waits")
 
-    def __init__(
-        self, plan: _Plan, notes: list[int] | None, memo: dict[int, Any] | None = None
-    ) -> None:
-        self.plan = plan
-        self.notes = notes
+    def __init__(self, plan: _Plan, notes: list[int], memo: dict[int, Any] | None = None) -> None:
+        self.plan, self.notes = plan, notes
         self.memo: dict[int, Any] = {} if memo is None else memo  # id -> what it became
         self.waits: set[torch.device] | None = None
 
@@ -361,13 +276,16 @@ class _Call:
         moved: torch.Tensor | None = self.memo.get(id(tensor))
         if moved is not None:
             return moved
-        options = self.plan.options
         if tensor.is_meta and device.type != "meta":
             raise self.meta_error()
+        options = self.plan.options
         dtype = options.dtype if options.dtype is not None and tensor.is_floating_point() else None
         memory_format = options.memory_format
-        if not _format_applies(memory_format, tensor):
-            memory_format = None
+        # As nn.Module.to has it: channels_last concerns 4-d tensors (3d: 5-d), so a
+        # batch's labels and masks pass untouched next to its images.
+        if memory_format in (torch.channels_last, torch.channels_last_3d):
+            wanted = 4 if memory_format is torch.channels_last else 5
+            memory_format = memory_format if tensor.dim() == wanted else None
         if (
             not options.copy
             and tensor.device == device
@@ -385,43 +303,44 @@ class _Call:
         return moved
 
     def non_blocking(self, tensor: torch.Tensor, device: torch.device) -> bool:
-        """Whether a tensor's copy is asynchronous: the one rule for ``non_blocking``.
+        """Whether a copy is asynchronous: the one rule for ``non_blocking``.
 
-        Under ``"auto"``, copies to an accelerator are asynchronous; copies from one to
-        the host, and MPS copies, are asynchronous too and waited for once, before
-        to_device returns.
+        Under ``"auto"`` copies to an accelerator are; copies from one to the host, and
+        MPS copies, are too, and are waited for once before to_device returns.
         """
-        non_blocking = self.plan.options.non_blocking
-        if non_blocking != "auto":
-            return bool(non_blocking)
-        if device.type in _HOST_DEVICE_TYPES and device.type not in _simulated_accelerators:
+        if self.plan.options.non_blocking != "auto":
+            return bool(self.plan.options.non_blocking)
+        if device.type in _HOST and device.type not in _simulated:
             if tensor.is_cpu or tensor.is_meta:
                 return False  # host to host: nothing to overlap
-            waits_on = tensor.device
+            source = tensor.device
         elif device.type == "mps":
-            waits_on = device
+            source = device
         else:
             return True
         if _is_compiling():
             return False  # a graph holds no event to wait on: the same values, blocking
-        if self.waits is None:
-            self.waits = set()
-        self.waits.add(waits_on)
+        self.waits = (self.waits or set()) | {source}
         return True
 
     def leaf(self, obj: Any) -> Any:
         """Move a leaf that is not an exact tensor, as the table says its type moves."""
         how, detail = leaf_how(type(obj))
-        if how is Leaf.KEPT:
+        if how is Leaf.KEPT or how is None:
             return obj
         if how is Leaf.TENSOR:
             return self.tensor(obj, self.plan.device)
         if how is Leaf.OTHER or how is Leaf.ARRAY:
             return _keep(obj, self.plan.options.strict, array=how is Leaf.ARRAY)
-        if how is None:  # never: containers and inert types are not leaves
-            return obj
         if _is_compiling() and how is not Leaf.PARAMETER:
-            raise _untraced(obj, how)
+            what = {Leaf.RULE: "with the rule registered for it", Leaf.TO_METHOD: "with its .to()"}
+            msg = (
+                f"Cannot move {{path}} inside torch.compile: a {type(obj).__name__} moves "
+                f"{what.get(how, 'in place, as nn.Module.to moves it')}, which a compiled "
+                "graph cannot repeat as devicekit does outside it. Move it before the "
+                "compiled region."
+            )
+            raise LeafError(msg)
         moved = self.memo.get(id(obj), _UNSEEN)
         if moved is _UNSEEN:  # user code, or in-place moves: once per object
             moved = self.memo[id(obj)] = _MOVES[how](obj, self, detail)
@@ -444,40 +363,26 @@ class _Call:
             event.synchronize()
 
 
-def _pack(leaves: list[Any], active: list[int], call: _Call) -> dict[int, torch.Tensor]:
+def _pack(leaves: list[Any], call: _Call) -> dict[int, torch.Tensor]:
     """The small host tensors among ``leaves`` sent packed, where that pays, by id."""
     tensors = list({id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}.values())
     if not _packing.might_pay(tensors):
         return {}
-    plan = call.plan
+    options = call.plan.options
     return _packing.pack(
         tensors,
-        plan.device,
-        non_blocking=plan.options.non_blocking is not False,
-        dtype=plan.options.dtype,
-        pin=plan.pins,
+        call.plan.device,
+        non_blocking=options.non_blocking is not False,
+        dtype=options.dtype,
+        pin=call.plan.pins,
     )
 
 
-def _restyle(obj: Any, call: _Call) -> Any:
-    """Apply dtype, memory_format and copy to a leaf where it is (the CAST view).
-
-    Tensors stay on their device: what a ``.to()`` left on the host stays there (a
-    PackedSequence's ``batch_sizes``).
-    """
-    if type(obj) is _Tensor:
-        return call.tensor(obj, obj.device)
-    if isinstance(obj, torch.Tensor | torch.nn.Module):
-        return call.leaf(obj)
-    return obj
-
-
-# How leaves that are neither exact tensors nor kept move: one function per Leaf member.
+# How leaves that are neither tensors nor kept move: one function per Leaf member.
 
 
 def _keep(obj: Any, strict: bool, *, array: bool) -> Any:
     if array and obj.dtype == object and any(isinstance(item, _Tensor) for item in obj.flat):
-        # An array of objects may hold tensors, which no rule can reach inside it.
         msg = (
             "Cannot move {path}: it is a numpy array of objects holding tensors, which "
             "devicekit cannot move inside it. Make it a list (array.tolist()), or register "
@@ -486,105 +391,88 @@ def _keep(obj: Any, strict: bool, *, array: bool) -> Any:
         raise LeafError(msg)
     if not strict:
         return obj
-    name = f"{type(obj).__module__}.{type(obj).__name__}"
     msg = (
-        f"Cannot move {{path}}: it is a {name}, which is neither a tensor, a container, a type "
-        "with a .to() method, a registered type, nor a plain scalar. Register how to move it "
-        f"with @devicekit.register_transfer({type(obj).__name__}), or pass strict=False "
-        "to leave such objects as they are."
+        f"Cannot move {{path}}: it is a {type(obj).__module__}.{type(obj).__name__}, which is "
+        "neither a tensor, a container, a type with a .to() method, a registered type, nor "
+        f"a plain scalar. Register how to move it with @devicekit.register_transfer("
+        f"{type(obj).__name__}), or pass strict=False to leave such objects as they are."
     )
     raise LeafError(msg)
 
 
-def _untraced(obj: Any, how: Leaf) -> LeafError:
-    name = type(obj).__name__
-    what = {
-        Leaf.MODULE: "in place, as nn.Module.to moves it",
-        Leaf.OPTIMIZER: "in place, with its state",
-        Leaf.RULE: "the rule registered for it",
-        Leaf.TO_METHOD: f"{name}.to()",
-    }.get(how, "as it is")
-    msg = (
-        f"Cannot move {{path}} inside torch.compile: a {name} moves {what}, which a compiled "
-        "graph cannot repeat as devicekit does outside it. Move it before the compiled region."
-    )
-    return LeafError(msg)
-
-
 def _move_parameter(param: torch.nn.Parameter, call: _Call, detail: object) -> Any:
-    """A Parameter comes back a Parameter, as nn.Module.to makes it.
-
-    Its own .to() returns a plain tensor; the moved data is wrapped again, with the
-    same requires_grad.
-    """
+    # Parameter.to returns a plain tensor: wrapped again, as nn.Module.to does.
     with torch.no_grad():
         data = call.tensor(param, call.plan.device)
     return param if data is param else torch.nn.Parameter(data, param.requires_grad)
 
 
-def _in_place_only(obj: object) -> LeafError:
-    kind = "the module" if isinstance(obj, torch.nn.Module) else "the optimizer"
-    msg = (
-        f"Cannot copy {{path}}: {kind} {type(obj).__name__} moves in place, so copy=True "
-        "cannot give a separate copy. Use copy.deepcopy on it first, then move the copy."
-    )
-    return LeafError(msg)
+def _in_place_only(obj: object, call: _Call) -> None:
+    if call.plan.options.copy:
+        kind = "the module" if isinstance(obj, torch.nn.Module) else "the optimizer"
+        msg = (
+            f"Cannot copy {{path}}: {kind} {type(obj).__name__} moves in place, so copy=True "
+            "cannot give a separate copy. Use copy.deepcopy on it first, then move the copy."
+        )
+        raise LeafError(msg)
 
 
 def _move_module(module: torch.nn.Module, call: _Call, detail: object) -> Any:
+    _in_place_only(module, call)
     options = call.plan.options
-    if options.copy:
-        raise _in_place_only(module)
     asked: dict[str, Any] = {"dtype": options.dtype, "memory_format": options.memory_format}
     asked = {name: value for name, value in asked.items() if value is not None}
     return module.to(call.plan.device, non_blocking=call.plan.told, **asked)
 
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: object) -> Any:
+    _in_place_only(optimizer, call)
     device = call.plan.device
-    if call.plan.options.copy:
-        raise _in_place_only(optimizer)
-    # The state follows the parameters it belongs to; the parameters are the model's and
-    # move with it, so parameters elsewhere mean the model was not moved first.
+    # The state follows its parameters, the model's: moved first, unless PyTorch
+    # replaced them instead of moving them in place (it does so for some device pairs).
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
             if param.device != device:
-                where = f"param_groups[{group_index}]['params'][{param_index}]"
                 msg = (
                     f"Cannot move {{path}} (an optimizer) to {device}: its state follows its "
-                    f"parameters, and {where} is on {param.device}. Move the model first "
-                    "(to_device(model, device)): the optimizer holds the model's own "
-                    "parameters. Where the model was moved already, PyTorch replaced its "
-                    "parameters instead of moving them in place (it does so for some device "
-                    "pairs, such as to meta): create the optimizer after moving the model."
+                    f"parameters, and param_groups[{group_index}]['params'][{param_index}] is "
+                    f"on {param.device}. Move the model first (to_device(model, device)): the "
+                    "optimizer holds the model's own parameters. Where the model was moved "
+                    "already, PyTorch replaced its parameters instead of moving them in place "
+                    "(it does so for some device pairs, such as to meta): create the "
+                    "optimizer after moving the model."
                 )
                 raise LeafError(msg)
     for group in optimizer.param_groups:
-        # PyTorch keeps "step" on the host unless the optimizer is capturable or fused,
-        # as Optimizer.load_state_dict does; every other entry takes its parameter's
-        # device, and its dtype where the parameter is floating-point.
+        # "step" stays on the host unless the optimizer is capturable or fused, as
+        # Optimizer.load_state_dict has it; the rest takes its parameter's device, and
+        # its dtype where that is floating-point, whether the state is a dict or not.
         step_stays = not (group.get("capturable") or group.get("fused"))
         for param in group["params"]:
             state = optimizer.state.get(param)
-            if state is not None:
-                optimizer.state[param] = _state_to(state, param, step_stays, call)
+            if state is None:
+                continue
+            node = decide(type(state)).move
+            keys, values = (
+                (node.keys(state), node.children(state))
+                if isinstance(node, Node)
+                else ([""], [state])
+            )
+            moved = [
+                value
+                if key in ("['step']", ".step") and step_stays
+                else to_device(
+                    value,
+                    param.device,
+                    non_blocking=call.plan.options.non_blocking,
+                    dtype=param.dtype if param.is_floating_point() else None,
+                )
+                for key, value in zip(keys, values, strict=True)
+            ]
+            optimizer.state[param] = (
+                node.rebuild(state, moved) if isinstance(node, Node) else moved[0]
+            )
     return optimizer
-
-
-def _state_to(state: Any, param: torch.Tensor, step_stays: bool, call: _Call) -> Any:
-    """One parameter's state on its parameter's device: a dict, a dataclass, or a tensor."""
-    non_blocking = call.plan.options.non_blocking
-    dtype = param.dtype if param.is_floating_point() else None
-    node = decide(type(state)).move
-    if not isinstance(node, Node):
-        return to_device(state, param.device, non_blocking=non_blocking, dtype=dtype)
-    moved = [
-        value
-        if key in ("['step']", ".step") and step_stays
-        else to_device(value, param.device, non_blocking=non_blocking, dtype=dtype)
-        for key, value in zip(node.keys(state), node.children(state), strict=True)
-    ]
-    return node.rebuild(state, moved)
 
 
 def _move_by_rule(obj: Any, call: _Call, rule: Any) -> Any:
@@ -597,15 +485,15 @@ def _move_by_rule(obj: Any, call: _Call, rule: Any) -> Any:
         copy=options.copy,
         memory_format=options.memory_format or torch.preserve_format,
     )
-    return _checked(result, obj, f"the rule registered for {type(obj).__name__}", same_type=False)
+    return _checked(result, obj, f"the rule registered for {type(obj).__name__}")
 
 
 def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
-    """Move an object with its own ``.to()``, on a copy, then apply the other options.
+    """Move an object with its own ``.to()`` on a copy, then apply the other options.
 
-    The copy keeps an in-place ``.to()`` (torch_geometric's) off the input. The
-    options such a ``.to()`` would apply to every tensor it holds (a dtype cast of
-    token ids) are applied here instead, where they belong, through its contents.
+    The copy keeps an in-place ``.to()`` (torch_geometric's) off the input. What such a
+    ``.to()`` would apply to every tensor it holds (a dtype cast of token ids) is
+    applied here instead, to its contents (the CAST view), where it belongs.
     """
     name = type(obj).__name__
     try:
@@ -618,18 +506,26 @@ def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
         )
         raise LeafError(msg) from err
     plan = call.plan
-    if takes_non_blocking and plan.told:
-        moved = clone.to(plan.device, non_blocking=True)
-    else:
-        moved = clone.to(plan.device)
+    moved = (
+        clone.to(plan.device, non_blocking=True)
+        if takes_non_blocking and plan.told
+        else clone.to(plan.device)
+    )
     moved = _checked(moved, obj, f"{name}.to()", same_type=True)
-    if not plan.plain:
-        # Errors inside are named at the object's path, which the outer walk knows.
-        moved = _tree.map_leaves(_restyle, moved, call, view=CAST, root=None)
-    return moved
+    if plan.plain:
+        return moved
+    # Tensors stay where the .to() left them (a PackedSequence's batch_sizes, on the
+    # host); errors inside are named at the object's path, which the outer walk knows.
+    return _tree.map_leaves(_restyle, moved, call, view=CAST, root=None)
 
 
-def _checked(result: Any, obj: Any, how: str, *, same_type: bool) -> Any:
+def _restyle(obj: Any, call: _Call) -> Any:
+    if type(obj) is _Tensor:
+        return call.tensor(obj, obj.device)
+    return call.leaf(obj) if isinstance(obj, torch.Tensor | torch.nn.Module) else obj
+
+
+def _checked(result: Any, obj: Any, how: str, *, same_type: bool = False) -> Any:
     name = type(obj).__name__
     if result is None:
         msg = (
@@ -654,14 +550,6 @@ _MOVES: dict[Leaf, Callable[[Any, _Call, Any], Any]] = {
     Leaf.RULE: _move_by_rule,
     Leaf.TO_METHOD: _move_by_to,
 }
-
-
-def _walk(data: Any, call: _Call, skip: frozenset[Hashable] | None) -> Any:
-    """The one crossing into the engine: the accelerator path lists the leaves first."""
-    plan = call.plan
-    if plan.packs:
-        return _tree.map_flat(plan.move_all, data, call, skip=skip)
-    return _tree.map_leaves(plan.move, data, call, skip=skip)
 
 
 def to_device(
@@ -694,9 +582,9 @@ def to_device(
 
     Args:
         data: A tensor, module, optimizer, or containers of them and of other objects.
-            Objects with a ``.to()`` method move with it, on a shallow copy; types
-            registered with :func:`register_transfer` move with their rule; other
-            leaves (numbers, strings, arrays) are returned unchanged.
+            Objects with a ``.to()`` move with it, on a shallow copy; types registered
+            with :func:`register_transfer` move with their rule; other leaves (numbers,
+            strings, arrays) come back unchanged.
         device: The target: a :class:`torch.device`, a string such as ``"cuda:1"``, an
             accelerator index, or None for :func:`~devicekit.current_device`.
         non_blocking: ``"auto"`` copies host->device asynchronously (pinned sources
@@ -704,7 +592,7 @@ def to_device(
             but waits for them once before returning, so whatever comes back is safe to
             read. True and False apply to every copy as in :meth:`torch.Tensor.to`.
         dtype: A floating-point dtype to cast floating-point tensors to, inside objects
-            that move with their own ``.to()`` too; integer and boolean tensors keep theirs.
+            moved by their own ``.to()`` too; integer and boolean tensors keep theirs.
         copy: Return new tensors even where they are already on the target.
         memory_format: A :class:`torch.memory_format`; ``torch.channels_last`` applies
             to 4-d tensors and ``torch.channels_last_3d`` to 5-d ones, as in
@@ -713,7 +601,7 @@ def to_device(
             instead of returning them unchanged.
         skip_keys: Keys whose values, in any mapping at any depth, stay where they are
             (the same objects), as accelerate's ``send_to_device`` has it: a batch's
-            ``"raw_text"`` or a host-side index, say. One key may be given alone.
+            ``"raw_text"``, say. One key may be given alone.
 
     Returns:
         The data on ``device``, with the same structure.
@@ -728,23 +616,27 @@ def to_device(
     """
     options = (
         _DEFAULTS
-        # Identity, not truth: copy="False" and strict="no" are mistakes to report, not
-        # values to read as True.
-        if (non_blocking == "auto") is True  # an array compares element by element
+        # Identity, not truth: copy="False" is a mistake to report, not True; an array
+        # compares element by element.
+        if (non_blocking == "auto") is True
         and dtype is None
         and memory_format is None
         and copy is False
         and strict is False
         else Options(non_blocking, dtype, copy, memory_format, strict)
     )
-    skip = None if type(skip_keys) is tuple and not skip_keys else _tree.skip_set(skip_keys)
+    skip = None if type(skip_keys) is tuple and not skip_keys else _skip_set(skip_keys)
     plan = _plan(device, options)
     call = _Call(plan, [])
-    moved = _walk(data, call, skip)
-    notes = call.notes
-    if notes and len(set(notes)) < len(notes):  # a tensor found twice (see _Call)
-        call = _Call(plan, _REMEMBER, call.memo)
-        moved = _walk(data, call, skip)
+    while True:
+        if plan.packs:
+            moved = _tree.map_flat(plan.move_all, data, call, skip=skip)
+        else:
+            moved = _tree.map_leaves(plan.move, data, call, skip=skip)
+        notes = call.notes
+        if not notes or len(set(notes)) == len(notes):
+            break
+        call = _Call(plan, _REMEMBER, call.memo)  # a tensor found twice: see _Call
     if call.waits:
         call.finish()
     return moved  # type: ignore[no-any-return]
