@@ -1,25 +1,19 @@
 """The one table of per-type decisions: what each type is, how it is taken apart and moved.
 
-Every walk reads this table and keeps no cache of its own: to_device (host, accelerator,
-``skip_keys`` and compiled), the checks, pinning in the loader, devicekit.testing. A
-type is decided once, under the registry's lock, as a :class:`Decision`: a container
-(its :class:`Node`), inert (a plain scalar, passed through untouched), or a leaf whose
-:class:`Leaf` says how it moves. Leaves that hold tensors have *contents* too, named as
-users write them (``data.x``, ``sample.label``). Walks read one of three views:
+Every walk reads it and keeps no cache of its own: to_device (host, accelerator,
+``skip_keys``, compiled), the checks, pinning, devicekit.testing. A type is decided once,
+under the registry's lock: a container (its :class:`Node`), inert (a plain scalar,
+passed through untouched), or a leaf whose :class:`Leaf` says how it moves; leaves that
+hold tensors have *contents*, named as users write them (``data.x``). Walks read one
+view: MOVE (containers), CAST (also what a ``.to()`` returned, where ``dtype``,
+``memory_format`` and ``copy`` are applied after it), READ (also modules, optimizers
+and registered types: the checks).
 
-======  ===========================================================================
-MOVE    containers only: to_device, pinning, devicekit.testing
-CAST    also the contents of what moved with its own ``.to()``, where ``dtype``,
-        ``memory_format`` and ``copy`` are applied after the move
-READ    also the contents of modules, optimizers and registered types: the checks
-======  ===========================================================================
-
-Objects with a ``.to()``: dicts and UserDicts are containers all the same
-(transformers' ``BatchEncoding.to`` moves its input in place and skips nested values);
-any other type moves with its ``.to()`` (a TensorDict, a PackedSequence), called on a
-shallow copy so that an in-place ``.to()`` (torch_geometric's ``Data``) changes the
-copy, never the input; it is never handed ``dtype``, ``memory_format`` or ``copy``,
-which it could apply to every tensor it holds (token ids cast to float16).
+Dicts and UserDicts are containers even with a ``.to()`` (transformers'
+``BatchEncoding.to`` moves in place and skips nested values); any other type with one
+moves with it (TensorDict, PackedSequence), on a shallow copy, so that an in-place
+``.to()`` (torch_geometric's ``Data``) never changes the input, and without ``dtype``,
+which it would apply to every tensor it holds (token ids cast to float16).
 """
 
 from __future__ import annotations
@@ -42,29 +36,6 @@ import torch
 
 from devicekit._errors import LeafError
 
-__all__ = [
-    "CAST",
-    "DICT",
-    "INERT",
-    "INERT_TYPES",
-    "LEAF",
-    "LIST",
-    "MOVE",
-    "READ",
-    "TUPLE",
-    "TYPES_KEPT",
-    "Decision",
-    "Leaf",
-    "Node",
-    "TransferRule",
-    "decide",
-    "leaf_how",
-    "mapping_items",
-    "register_transfer",
-    "unregister_transfer",
-    "view",
-]
-
 TYPES_KEPT: Final = 1024
 """Types the table holds before it starts over: types made at run time must not pile up."""
 MOVE: Final = 0
@@ -77,15 +48,12 @@ INERT: Any = type("Inert", (), {"__repr__": lambda self: "INERT"})()
 
 
 class Node(NamedTuple):
-    """How to take one kind of container apart and rebuild it."""
+    """How to take one kind of container apart, name its children, and rebuild it."""
 
     children: Callable[[Any], Iterable[Any]]
     rebuild: Callable[[Any, list[Any]], Any]
-    """A container like the old one holding the given children, in the same order."""
-    keys: Callable[[Any], Iterable[str]]
-    """Path fragments naming each child (``['image']``, ``[3]``, ``.boxes``)."""
-    mapping: bool = False
-    """Whether the children are a mapping's values, in :func:`mapping_items` order."""
+    keys: Callable[[Any], Iterable[str]]  # path fragments: ['image'], [3], .boxes
+    mapping: bool = False  # children are a mapping's values, in mapping_items order
 
 
 class Leaf(enum.Enum):
@@ -135,16 +103,12 @@ def _refusal(node: Any, why: str) -> LeafError:
     return LeafError(msg)
 
 
-# Containers. A mapping's children and keys come from one reading each time, so every
-# value is paired with its own key whatever a subclass does to __iter__ or keys().
+# Containers. A mapping is read once per use (mapping_items), so every value keeps its
+# own key, whatever a subclass does to __iter__ or keys().
 
 
 def mapping_items(node: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
-    """A mapping's (key, value) pairs, read as every rule reads them.
-
-    dict's own methods for dicts and their subclasses, a UserDict's ``data``, and
-    ``items()`` for other mappings, so a subclass's ``__iter__`` pairs no value with
-    another key.
+    """A mapping's (key, value) pairs, with dict's own methods for its subclasses.
 
     >>> mapping_items(collections.OrderedDict(b=1, a=2))
     [('b', 1), ('a', 2)]
@@ -207,9 +171,8 @@ def _rebuild_read_only_mapping(node: Mapping[Any, Any], values: list[Any]) -> Ma
     try:
         return type(node)(dict(zip(dict(mapping_items(node)), values, strict=True)))  # type: ignore[call-arg]
     except Exception as err:
-        raise _refusal(
-            node, f"a read-only Mapping that cannot be built from a dict ({err})"
-        ) from err
+        why = f"a read-only Mapping that cannot be built from a dict ({err})"
+        raise _refusal(node, why) from err
 
 
 def _refuse(why: str) -> Callable[[Any, list[Any]], Any]:
@@ -220,10 +183,7 @@ def _refuse(why: str) -> Callable[[Any, list[Any]], Any]:
 
 
 def rebuild_namedtuple(node: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
-    """A namedtuple of the same type, built as its ``_make`` builds one.
-
-    A ``__new__`` of its own ran when the original was made: not again on its output.
-    """
+    """A namedtuple built as ``_make`` builds one: its own ``__new__`` ran once already."""
     return tuple.__new__(type(node), values)
 
 
@@ -235,13 +195,8 @@ def _indices(node: Iterable[Any]) -> list[str]:
     return [f"[{index}]" for index, _ in enumerate(node)]
 
 
-# node.values(), not dict.values(node): torch.compile traces the one, not the other.
-DICT = Node(
-    lambda node: node.values(),
-    lambda node, values: dict(zip(node, values, strict=True)),
-    _keys_of,
-    True,
-)
+# node.values(), not dict.values: torch.compile traces the one, not the other.
+DICT = Node(lambda node: node.values(), lambda n, v: dict(zip(n, v, strict=True)), _keys_of, True)
 LIST = Node(iter, lambda node, values: values, _indices)
 TUPLE = Node(iter, lambda node, values: tuple(values), _indices)
 _DICT_SUBCLASS = Node(_values_of, _refilled(_fill_dict), _keys_of, mapping=True)
@@ -249,27 +204,21 @@ _USER_DICT = Node(lambda node: node.data.values(), _refilled(_fill_dict), _keys_
 _READ_ONLY_MAPPING = Node(_values_of, _rebuild_read_only_mapping, _keys_of, mapping=True)
 # A mutable mapping's copy may share its storage (shelve.Shelf writes through to its
 # file, ChainMap to the maps after the first): filling it could change the input.
-_MUTABLE_MAPPING = Node(
-    _values_of,
-    _refuse("a mutable mapping whose copy could share its contents with the original"),
-    _keys_of,
-    True,
-)
+_SHARES = "a mutable mapping whose copy could share its contents with the original"
+_MUTABLE_MAPPING = Node(_values_of, _refuse(_SHARES), _keys_of, mapping=True)
 _SEQUENCE_SUBCLASS = Node(list, _refilled(_fill_sequence), _indices)
-_OTHER_SEQUENCE = Node(
-    iter, _refuse("a Sequence that devicekit cannot rebuild as the same type"), _indices
-)
+_UNKNOWN = "a Sequence that devicekit cannot rebuild as the same type"
+_OTHER_SEQUENCE = Node(iter, _refuse(_UNKNOWN), _indices)
 _TUPLE_SUBCLASS = Node(iter, _by_type, _indices)  # torch.Size, struct sequences
 _NAMEDTUPLE = Node(iter, rebuild_namedtuple, lambda node: [f".{name}" for name in node._fields])
 _SET = Node(iter, _by_type, lambda node: [f"{{{index}}}" for index, _ in enumerate(node)])
 
 
 def _dataclass_node(cls: type) -> Node:
-    """A dataclass's fields, and the attributes its instances gained since.
+    """A dataclass's fields and later attributes, rebuilt without ``__init__``.
 
-    Rebuilt without ``__init__`` or ``__post_init__`` (which could apply a computation
-    twice, or need an InitVar); values cached by ``functools.cached_property`` are left
-    out: they describe the old fields.
+    ``__post_init__`` could apply a computation twice, or need an InitVar; values
+    cached by ``functools.cached_property`` are left out: they describe the old fields.
     """
     fields = tuple(field.name for field in dataclasses.fields(cls))
     skipped = set(fields) | {
@@ -368,12 +317,8 @@ def _graph_entries(graph: Any) -> list[_Entry]:
     # data.x, data['paper'].x, data['paper', 'cites', 'paper'].edge_index.
     found = []
     for store in graph.stores:
-        key = getattr(store, "_key", None)
-        where = (
-            ""
-            if key is None
-            else f"[{', '.join(map(repr, key)) if isinstance(key, tuple) else repr(key)}]"
-        )
+        key = getattr(store, "_key", None) or ()
+        where = f"[{', '.join(map(repr, key if isinstance(key, tuple) else [key]))}]" if key else ""
         found += [(f"{where}.{name}", value, store, name) for name, value in store.items()]
     return found
 
@@ -420,10 +365,9 @@ _OPTIMIZER = _entries_node(_optimizer_entries, writes=False)
 
 def _contents(cls: type) -> Node | None:
     """How to see and set what an object that moves itself holds."""
-    if any(
-        k.__name__ == "BaseData" and k.__module__.startswith("torch_geometric.")
-        for k in cls.__mro__
-    ):
+    if "torch_geometric.data.data.BaseData" in {
+        f"{k.__module__}.{k.__name__}" for k in cls.__mro__
+    }:
         return _GRAPH  # known by name: torch_geometric is never imported to ask
     if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
         return _NAMEDTUPLE  # PackedSequence
@@ -441,11 +385,7 @@ _lock = threading.Lock()  # the registry and the decisions change together under
 
 
 def _rule_for(cls: type) -> TransferRule | None:
-    """The registered rule for ``cls``, called under the lock.
-
-    The nearest class in its MRO with one, then abstract base classes in the order
-    registered (``Sequence`` covers ``list``).
-    """
+    """The nearest class in the MRO with a rule, then ABCs in order (``Sequence``: lists)."""
     if not _rules:
         return None
     for klass in cls.__mro__:
@@ -467,16 +407,13 @@ def _takes_non_blocking(cls: type) -> bool:
 
 
 class Decision(NamedTuple):
-    """What every walk and the mover need to know about one type."""
+    """A type in the MOVE, CAST and READ views (a Node, LEAF or INERT), and as a leaf."""
 
     move: Any
-    """In the MOVE view: a Node, LEAF or INERT; then the CAST and READ views."""
     cast: Any
     read: Any
-    leaf: Leaf | None
-    """How a leaf moves; None for containers and inert types."""
-    detail: Any = None
-    """The registered rule, or whether a ``.to()`` takes ``non_blocking``."""
+    leaf: Leaf | None  # None for containers and inert types
+    detail: Any = None  # the registered rule, or whether a .to() takes non_blocking
 
 
 def _decide(cls: type) -> Decision:
@@ -484,14 +421,12 @@ def _decide(cls: type) -> Decision:
     if rule is not None:
         return Decision(LEAF, LEAF, _contents(cls), Leaf.RULE, rule)
     if issubclass(cls, torch.Tensor):
-        return Decision(
-            LEAF, LEAF, LEAF, Leaf.PARAMETER if issubclass(cls, torch.nn.Parameter) else Leaf.TENSOR
-        )
-    if issubclass(cls, torch.nn.Module | torch.optim.Optimizer):
-        module = issubclass(cls, torch.nn.Module)
-        return Decision(
-            LEAF, LEAF, _MODULE if module else _OPTIMIZER, Leaf.MODULE if module else Leaf.OPTIMIZER
-        )
+        parameter = issubclass(cls, torch.nn.Parameter)
+        return Decision(LEAF, LEAF, LEAF, Leaf.PARAMETER if parameter else Leaf.TENSOR)
+    if issubclass(cls, torch.nn.Module):
+        return Decision(LEAF, LEAF, _MODULE, Leaf.MODULE)
+    if issubclass(cls, torch.optim.Optimizer):
+        return Decision(LEAF, LEAF, _OPTIMIZER, Leaf.OPTIMIZER)
     if cls in INERT_TYPES or cls is type(_UNSET):
         return Decision(INERT, INERT, INERT, None)
     if issubclass(cls, _KEPT_BASES):
@@ -514,12 +449,12 @@ _leaves: dict[type, tuple[Leaf | None, Any]] = {}
 
 
 def view(number: int) -> dict[type, Any]:
-    """The current MOVE, CAST or READ view: type -> Node, LEAF or INERT (see :func:`decide`)."""
+    """The current MOVE, CAST or READ view: type -> Node, LEAF or INERT."""
     return _views[number]
 
 
 def decide(cls: type) -> Decision:
-    """Decide for ``cls`` from the registry under its lock, and record it in every view."""
+    """Decide for ``cls`` from the registry, under its lock, recorded in every view."""
     if torch.compiler.is_compiling():
         return _traced_decision(cls)
     return _decided(cls)
@@ -537,7 +472,7 @@ def _decided(cls: type) -> Decision:
 
 
 def leaf_how(cls: type) -> tuple[Leaf | None, Any]:
-    """How a leaf of type ``cls`` moves: its :class:`Leaf`, and the rule or detail it needs."""
+    """How a leaf of type ``cls`` moves: its :class:`Leaf`, and its detail."""
     try:
         return _leaves[cls]
     except KeyError:
@@ -545,15 +480,12 @@ def leaf_how(cls: type) -> tuple[Leaf | None, Any]:
         return decision.leaf, decision.detail
 
 
-# Under torch.compile a decision is made in Python while the compiler traces (it takes
-# a lock and reads the registry: no graph holds those) and handed over as constants: the
-# names of module-level nodes the compiler can follow, and the Leaf. The nodes made per
-# class (a dataclass's) have no such name: a walk refuses those types where it meets
-# them first inside a compiled region.
+# Under torch.compile a decision is made in Python while the compiler traces (a lock
+# and the registry are no graph's business) and handed over as constants: the names of
+# module-level nodes, which the compiler can follow, and the Leaf. A node made per class
+# (a dataclass's) has no name: that type is refused where a compiled region meets it first.
 _NAMED: Final = {
-    name: entry
-    for name, entry in globals().items()
-    if isinstance(entry, Node) or (name in ("LEAF", "INERT"))
+    k: v for k, v in globals().items() if isinstance(v, Node) or k in ("LEAF", "INERT")
 }
 _NAMES: Final = {id(entry): name for name, entry in _NAMED.items()}
 
@@ -588,12 +520,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 def register_transfer(cls: type) -> Callable[[F], F]:
     """Register how :func:`~devicekit.to_device` moves instances of ``cls``.
 
-    A registered rule wins over the type's ``.to()`` method and over the container
-    rules. It applies to ``cls`` and its subclasses, the nearest registered class in a
-    type's MRO winning; a rule for an abstract base class applies to every class it
-    recognises (one for ``collections.abc.Sequence`` takes lists too). Every call that
-    starts after it returns, in every thread, uses it; the checks look inside such
-    objects too.
+    The rule wins over a ``.to()`` method and the container rules, for ``cls`` and its
+    subclasses (the nearest in the MRO wins), and for what an abstract base class
+    recognises (``collections.abc.Sequence``: lists too), in every call that starts
+    after this returns, in every thread. The checks look inside such objects.
 
     >>> import dataclasses, torch, devicekit as dk
     >>> @dataclasses.dataclass

@@ -1,16 +1,9 @@
 """to_device: move tensors, modules, optimizers and nested batches to a device.
 
-A call checks its options, finds its :class:`_Plan` (cached per device and options),
-and crosses into the engine once with the plan's mover and a :class:`_Call` (what one
-call keeps)::
-
-    host targets      _tree.map_leaves(plan.move, data, call)       one fused pass
-    accelerators      _tree.map_flat(plan.move_all, data, call)      flatten, pack, move
-
-``move`` is the one function that moves a leaf, and ``move_all`` its list form: the
-same decisions over all the leaves at once, so small host tensors go packed
-(:mod:`devicekit._packing`) and plain ones take one comprehension. Everything that is
-not a tensor moves as the table (:mod:`devicekit._kinds`) says its type does.
+A call finds its :class:`_Plan` (cached per device and options, with the plan's mover)
+and crosses into the engine once: ``_tree.map_leaves(plan.move, ...)`` for host targets,
+``_tree.map_flat(plan.move_all, ...)`` for accelerators, whose small tensors go packed
+(:mod:`devicekit._packing`). Anything but a tensor moves as the table says its type does.
 """
 
 from __future__ import annotations
@@ -28,8 +21,6 @@ from devicekit._errors import LeafError, TransferError
 from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how
 from devicekit._manager import current_device
 
-__all__ = ["NonBlocking", "as_accelerator", "to_device"]
-
 T = TypeVar("T")
 NonBlocking: TypeAlias = bool | Literal["auto"]
 """``"auto"``, True or False; see :func:`to_device`."""
@@ -38,8 +29,7 @@ _HOST = frozenset({"cpu", "meta"})  # devices whose copies need no stream to wai
 _Tensor = torch.Tensor  # one global lookup on the hot path instead of two
 _is_compiling = torch.compiler.is_compiling  # likewise; torch.compile knows the function
 _UNSEEN: Any = object()
-_REMEMBER: Final[list[int]] = []
-"""``_Call.notes`` where tensors move through the memo: some repeat."""
+_REMEMBER: Final[list[int]] = []  # _Call.notes where tensors move through the memo
 
 
 class Options(NamedTuple):
@@ -63,11 +53,7 @@ def _check(options: Options) -> Options:
         if value is not True and value is not False:
             msg = f"Expected {name} to be True or False, got {value!r}."
             raise TypeError(msg)
-    if (
-        non_blocking is not True
-        and non_blocking is not False
-        and (non_blocking == "auto") is not True
-    ):
+    if not (non_blocking is True or non_blocking is False or (non_blocking == "auto") is True):
         msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
         raise ValueError(msg)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -83,9 +69,9 @@ def _check(options: Options) -> Options:
             f"torch.channels_last, got {memory_format!r}."
         )
         raise ValueError(msg)
-    return (
-        options._replace(memory_format=None) if memory_format is torch.preserve_format else options
-    )
+    if memory_format is torch.preserve_format:
+        return options._replace(memory_format=None)
+    return options
 
 
 def _skip_set(keys: object) -> frozenset[Hashable] | None:
@@ -108,8 +94,7 @@ _simulated: set[str] = set()
 def as_accelerator(device_type: str) -> Iterator[None]:
     """Move data to ``device_type`` (``"meta"``) as to an accelerator, packing included.
 
-    Everything to_device does on the host for an accelerator then runs on machines
-    without one, staging in ordinary memory: the tests and the host-side benchmark.
+    For the tests and the host-side benchmark, on machines without one.
     """
     _simulated.add(device_type)
     _plans.clear()
@@ -121,11 +106,10 @@ def as_accelerator(device_type: str) -> Iterator[None]:
 
 
 class _Plan:
-    """What a call's device and options imply, worked out once, with the mover built for it.
+    """What a call's device and options imply, worked out once, with its mover.
 
-    ``told`` is what objects that move themselves are told of ``non_blocking``:
-    asynchronous only where reading the result is ordered after the copy anyway, since
-    devicekit cannot wait for their copies.
+    ``told`` is the ``non_blocking`` objects that move themselves are told: asynchronous
+    only where reading the result is ordered after the copy anyway.
     """
 
     __slots__ = ("device", "move", "move_all", "options", "packs", "pins", "plain", "told")
@@ -141,9 +125,9 @@ class _Plan:
             and options.memory_format is None
             and (_packing.packs_to(device) or (simulated and _packing.can_pack))
         )
-        auto = (options.non_blocking == "auto") is True
+        auto = options.non_blocking == "auto"
         self.told = (
-            (to_accelerator and device.type != "mps") if auto else bool(options.non_blocking)
+            bool(options.non_blocking) if not auto else to_accelerator and device.type != "mps"
         )
         self.move, self.move_all = _mover(self, is_meta=device.type == "meta" and not simulated)
 
@@ -155,9 +139,8 @@ def _plan(device: DeviceLike | None, options: Options) -> _Plan:
     if _is_compiling():  # a device given explicitly is taken as given
         if device is None:
             msg = (
-                "Cannot move data inside torch.compile to the current device: devicekit reads "
-                "it from its context (a DeviceManager block), which the compiler cannot "
-                "follow. Pass the device explicitly, such as to_device(batch, 'cuda:0')."
+                "Cannot move data inside torch.compile to the current device: devicekit reads it "
+                "from a context the compiler cannot follow. Pass it, as to_device(x, 'cuda:0')."
             )
             raise TransferError(msg)
         return _Plan(torch.device(device), _check(options), traced=True)
@@ -184,11 +167,9 @@ MoveAll: TypeAlias = Callable[[list[Any], list[int], "_Call"], list[Any]]
 def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
     """The plan's mover, ``move(leaf, call)``, and its list form, ``move_all``.
 
-    ``move`` is a closure whose hot path (a tensor whose device alone changes) reads the
-    plan's constants as locals. ``move_all(leaves, active, call)`` is ``move`` at each
-    active leaf (tests/test_properties.py holds the two equal), but first packs the
-    small host tensors where that pays, and copies distinct plain tensors in one
-    comprehension: a call per tensor costs a tenth of a small copy's host time.
+    ``move_all(leaves, active, call)`` is ``move`` at each active leaf (tests/
+    test_properties.py holds them equal), after packing what pays, with distinct plain
+    tensors copied in one comprehension: a call each costs a tenth of a small copy.
     """
     device, asynchronous, packs, plain = plan.device, plan.told, plan.packs, plan.plain
     is_cpu = device.type == "cpu"
@@ -232,14 +213,8 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
         elif (
             not host and plain and call.notes is not _REMEMBER and set(map(type, tensors)) <= _EXACT
         ):
-            try:
-                copies = [
-                    t.to(device, non_blocking=True) if asynchronous else t.to(device)
-                    for t in tensors
-                ]
-            except NotImplementedError:  # a meta tensor: its error comes from move
-                pass
-            else:
+            with contextlib.suppress(NotImplementedError):  # a meta tensor: move says so
+                copies = [t.to(device, non_blocking=asynchronous) for t in tensors]
                 for index, copy in zip(active, copies, strict=True):
                     moved[index] = copy
                 return moved
@@ -251,17 +226,16 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
 
 
 _EXACT: Final = frozenset({torch.Tensor})
+_FORMAT_DIMS: Final = {torch.channels_last: 4, torch.channels_last_3d: 5}
 
 
 class _Call:
     """What one to_device call keeps: its memo, its notes, the devices to wait for.
 
-    Aliasing has one rule: a tensor found twice comes back as one moved tensor. A memo
-    write per tensor would cost a fifth of a small copy, so the mover notes the ids of
-    the tensors it copies, and a call whose notes repeat an id is made again with
-    ``notes`` set to ``_REMEMBER``: then every tensor goes through the memo (a batch
-    holding one tensor twice is rare). Tensors moved with options, and objects moved by
-    a rule, a ``.to()`` or in place, always go through the memo: none moves twice.
+    A tensor found twice comes back as one moved tensor. A memo write per tensor costs a
+    fifth of a small copy, so the mover notes the ids it copies; a call whose notes
+    repeat is made again, ``_REMEMBER``-ing every tensor (a repeat is rare). Tensors with
+    options, and objects moved by rules, ``.to()`` or in place, always use the memo.
     """
 
     __slots__ = ("memo", "notes", "plan", "waits")
@@ -283,9 +257,10 @@ class _Call:
         memory_format = options.memory_format
         # As nn.Module.to has it: channels_last concerns 4-d tensors (3d: 5-d), so a
         # batch's labels and masks pass untouched next to its images.
-        if memory_format in (torch.channels_last, torch.channels_last_3d):
-            wanted = 4 if memory_format is torch.channels_last else 5
-            memory_format = memory_format if tensor.dim() == wanted else None
+        if memory_format is not None and tensor.dim() != _FORMAT_DIMS.get(
+            memory_format, tensor.dim()
+        ):
+            memory_format = None
         if (
             not options.copy
             and tensor.device == device
@@ -305,8 +280,8 @@ class _Call:
     def non_blocking(self, tensor: torch.Tensor, device: torch.device) -> bool:
         """Whether a copy is asynchronous: the one rule for ``non_blocking``.
 
-        Under ``"auto"`` copies to an accelerator are; copies from one to the host, and
-        MPS copies, are too, and are waited for once before to_device returns.
+        Under ``"auto"``: to an accelerator, yes; to the host, and to MPS, yes and waited
+        for once before to_device returns.
         """
         if self.plan.options.non_blocking != "auto":
             return bool(self.plan.options.non_blocking)
@@ -336,9 +311,8 @@ class _Call:
             what = {Leaf.RULE: "with the rule registered for it", Leaf.TO_METHOD: "with its .to()"}
             msg = (
                 f"Cannot move {{path}} inside torch.compile: a {type(obj).__name__} moves "
-                f"{what.get(how, 'in place, as nn.Module.to moves it')}, which a compiled "
-                "graph cannot repeat as devicekit does outside it. Move it before the "
-                "compiled region."
+                f"{what.get(how, 'in place, as nn.Module.to moves it')}, which a compiled graph "
+                "cannot repeat as devicekit does. Move it before the compiled region."
             )
             raise LeafError(msg)
         moved = self.memo.get(id(obj), _UNSEEN)
@@ -368,13 +342,10 @@ def _pack(leaves: list[Any], call: _Call) -> dict[int, torch.Tensor]:
     tensors = list({id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}.values())
     if not _packing.might_pay(tensors):
         return {}
-    options = call.plan.options
+    plan = call.plan
+    blocking = plan.options.non_blocking is False
     return _packing.pack(
-        tensors,
-        call.plan.device,
-        non_blocking=options.non_blocking is not False,
-        dtype=options.dtype,
-        pin=call.plan.pins,
+        tensors, plan.device, non_blocking=not blocking, dtype=plan.options.dtype, pin=plan.pins
     )
 
 
@@ -430,13 +401,13 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: objec
     device = call.plan.device
     # The state follows its parameters, the model's: moved first, unless PyTorch
     # replaced them instead of moving them in place (it does so for some device pairs).
-    for group_index, group in enumerate(optimizer.param_groups):
-        for param_index, param in enumerate(group["params"]):
+    for number, group in enumerate(optimizer.param_groups):
+        for index, param in enumerate(group["params"]):
             if param.device != device:
                 msg = (
                     f"Cannot move {{path}} (an optimizer) to {device}: its state follows its "
-                    f"parameters, and param_groups[{group_index}]['params'][{param_index}] is "
-                    f"on {param.device}. Move the model first (to_device(model, device)): the "
+                    f"parameters, and param_groups[{number}]['params'][{index}] is on "
+                    f"{param.device}. Move the model first (to_device(model, device)): the "
                     "optimizer holds the model's own parameters. Where the model was moved "
                     "already, PyTorch replaced its parameters instead of moving them in place "
                     "(it does so for some device pairs, such as to meta): create the "
@@ -489,11 +460,11 @@ def _move_by_rule(obj: Any, call: _Call, rule: Any) -> Any:
 
 
 def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
-    """Move an object with its own ``.to()`` on a copy, then apply the other options.
+    """Move an object with its own ``.to()``, on a copy; the options go to its contents.
 
-    The copy keeps an in-place ``.to()`` (torch_geometric's) off the input. What such a
-    ``.to()`` would apply to every tensor it holds (a dtype cast of token ids) is
-    applied here instead, to its contents (the CAST view), where it belongs.
+    The copy keeps an in-place ``.to()`` (torch_geometric's) off the input; what a
+    ``.to()`` would apply to every tensor it holds (a cast of token ids) is applied
+    through the CAST view, where it belongs.
     """
     name = type(obj).__name__
     try:
@@ -506,12 +477,8 @@ def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
         )
         raise LeafError(msg) from err
     plan = call.plan
-    moved = (
-        clone.to(plan.device, non_blocking=True)
-        if takes_non_blocking and plan.told
-        else clone.to(plan.device)
-    )
-    moved = _checked(moved, obj, f"{name}.to()", same_type=True)
+    told = {"non_blocking": True} if takes_non_blocking and plan.told else {}
+    moved = _checked(clone.to(plan.device, **told), obj, f"{name}.to()", same_type=True)
     if plan.plain:
         return moved
     # Tensors stay where the .to() left them (a PackedSequence's batch_sizes, on the
@@ -566,11 +533,9 @@ def to_device(
 ) -> T:
     """Move tensors, modules, optimizers and any nesting of them to a device.
 
-    Containers come back as new containers of their exact type (dict and Mapping
-    subclasses, list, tuple, namedtuple, dataclass, set); the input is never changed,
-    except modules and optimizers, which move in place and are returned as
-    :meth:`torch.nn.Module.to` does. A tensor found twice comes back as one moved
-    tensor, and a tensor already where it should be comes back as it is.
+    Containers come back new, of their exact type; the input never changes, but for
+    modules and optimizers, which move in place as :meth:`torch.nn.Module.to` does. A
+    tensor found twice comes back as one, one already there as it is.
 
     >>> import torch, devicekit as dk
     >>> batch = {"image": torch.zeros(2, 3), "label": torch.tensor([1, 0]), "id": ["a", "b"]}
@@ -581,44 +546,37 @@ def to_device(
     torch.float16
 
     Args:
-        data: A tensor, module, optimizer, or containers of them and of other objects.
+        data: Tensors, modules, optimizers, containers of them and of other objects.
             Objects with a ``.to()`` move with it, on a shallow copy; types registered
-            with :func:`register_transfer` move with their rule; other leaves (numbers,
-            strings, arrays) come back unchanged.
-        device: The target: a :class:`torch.device`, a string such as ``"cuda:1"``, an
-            accelerator index, or None for :func:`~devicekit.current_device`.
-        non_blocking: ``"auto"`` copies host->device asynchronously (pinned sources
-            overlap with compute), and issues device->host and MPS copies asynchronously
-            but waits for them once before returning, so whatever comes back is safe to
-            read. True and False apply to every copy as in :meth:`torch.Tensor.to`.
-        dtype: A floating-point dtype to cast floating-point tensors to, inside objects
-            moved by their own ``.to()`` too; integer and boolean tensors keep theirs.
+            with :func:`register_transfer` with their rule; other leaves stay as they are.
+        device: A :class:`torch.device`, a string such as ``"cuda:1"``, an accelerator
+            index, or None for :func:`~devicekit.current_device`.
+        non_blocking: ``"auto"`` copies host->device asynchronously, and device->host
+            and MPS copies too but waits for them once, so what comes back is safe to
+            read. True and False apply to every copy, as in :meth:`torch.Tensor.to`.
+        dtype: A floating-point dtype for floating-point tensors, inside objects moved
+            by their own ``.to()`` too; integer and boolean tensors keep theirs.
         copy: Return new tensors even where they are already on the target.
-        memory_format: A :class:`torch.memory_format`; ``torch.channels_last`` applies
-            to 4-d tensors and ``torch.channels_last_3d`` to 5-d ones, as in
-            :meth:`torch.nn.Module.to`.
-        strict: Raise on leaves that cannot be moved and are not plain scalars,
-            instead of returning them unchanged.
-        skip_keys: Keys whose values, in any mapping at any depth, stay where they are
-            (the same objects), as accelerate's ``send_to_device`` has it: a batch's
-            ``"raw_text"``, say. One key may be given alone.
+        memory_format: ``torch.channels_last`` applies to 4-d tensors,
+            ``torch.channels_last_3d`` to 5-d ones, as in :meth:`torch.nn.Module.to`.
+        strict: Refuse leaves that cannot move and are not plain scalars.
+        skip_keys: Keys whose values, in any mapping at any depth, stay as they are, as
+            in accelerate's ``send_to_device`` (``"raw_text"``); one key may be alone.
 
     Returns:
         The data on ``device``, with the same structure.
 
     Raises:
-        TransferError: Something in the data cannot be moved (a meta tensor to a real
-            device, a reference cycle, a ``.to()`` that returned None, an unmovable leaf
-            with ``strict=True``); the message names its path, such as ``data['x'][2]``.
+        TransferError: Something cannot move (a meta tensor to a real device, a cycle, a
+            ``.to()`` that returned None, a leaf ``strict`` refuses), named by its path,
+            such as ``data['x'][2]``.
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
-        ValueError: An option has a value outside those listed above.
+        ValueError: An option has a value outside those above.
         TypeError: ``copy``, ``strict`` or ``skip_keys`` has a value of the wrong type.
     """
     options = (
-        _DEFAULTS
-        # Identity, not truth: copy="False" is a mistake to report, not True; an array
-        # compares element by element.
-        if (non_blocking == "auto") is True
+        _DEFAULTS  # identity, not truth: copy="False" is a mistake, not True
+        if (non_blocking == "auto") is True  # an array compares element by element
         and dtype is None
         and memory_format is None
         and copy is False

@@ -1,20 +1,15 @@
 """The one traversal engine: nested data taken apart and put back together.
 
-Every walk goes through here, reading one view of the table (:mod:`devicekit._kinds`):
-
-* :func:`flatten` lists the leaves and :func:`unflatten` rebuilds the containers around
-  new ones; :func:`paths` names them (``['image']``, ``[3].boxes``) when asked: for
-  messages and the checks, never on the way;
-* :func:`map_flat` is flatten, one call on all the leaves (so small tensors can go
-  packed), unflatten: the accelerator path;
-* :func:`map_leaves` gives the same result in one fused pass with a call per leaf, for
-  the host path, where a list of leaves costs more than the moves of a small batch
-  (tests/test_tree.py holds the two equal).
-
-Containers keep their exact type or are refused with their path; cycles and absurd
-depth raise TransferError with a path (the walk keeps its own stack); an error raised
-for a leaf gains the leaf's path. ``skip`` overrides the table's lookup for one walk:
-values under those keys, in any mapping, pass through as inert leaves.
+Every walk reads one view of the table (:mod:`devicekit._kinds`). :func:`flatten` lists
+the leaves, :func:`unflatten` rebuilds the containers around new ones, :func:`paths`
+names them (``['image']``, ``[3].boxes``) when asked, never on the way. :func:`map_flat`
+is the three with one call on all the leaves between (small tensors go packed: the
+accelerator path); :func:`map_leaves` gives its result in one fused pass, a call per
+leaf (the host path, where a list costs more than a small batch's moves; tests/
+test_tree.py holds them equal). Containers keep their type or are refused with their
+path; cycles and absurd depth raise TransferError with a path (the walk keeps its own
+stack); an error raised for a leaf gains its path. ``skip`` overrides the table for
+one walk: values under those keys pass through as inert leaves.
 """
 
 from __future__ import annotations
@@ -29,8 +24,6 @@ from devicekit import _kinds
 from devicekit._errors import LeafError, TransferError
 from devicekit._kinds import DICT, INERT, LIST, MOVE, TUPLE, Node, mapping_items
 
-__all__ = ["MAX_DEPTH", "Flat", "flatten", "format_path", "map_flat", "map_leaves", "paths"]
-
 MAX_DEPTH: Final = 10_000
 """Containers nested deeper than this are refused: no real batch comes near it."""
 _SCAN_FROM = 64  # lists at least this long are checked in one pass for leaves only
@@ -38,20 +31,18 @@ _PATH_SHOWN = 16  # path fragments a message shows before eliding the middle
 _rebuild_namedtuple = _kinds.rebuild_namedtuple
 _tuple_new = tuple.__new__  # a NamedTuple's own __new__ is a Python frame
 
+# Per container, in the order they close (children first): (leaves seen when it
+# closed, its rules, the container, its number of children).
 Spec: TypeAlias = list[tuple[int, Node, Any, int]]
-"""Per container, in the order they close (children first): (leaves seen when it
-closed, its rules, the container, its number of children)."""
 MoveAll: TypeAlias = Callable[[list[Any], list[int], Any], list[Any]]
 
 
 class Flat(NamedTuple):
-    """Data taken apart by :func:`flatten`."""
+    """Data taken apart by :func:`flatten`: its leaves, and where the active ones are."""
 
     leaves: list[Any]
-    """Every leaf, in walk order, repeats included."""
     spec: Spec
     active: list[int]
-    """Where the leaves that are not inert (plain scalars) are."""
 
 
 def format_path(root: str, fragments: Iterable[str]) -> str:
@@ -85,8 +76,8 @@ _LEARN: Final[tuple[Callable[[type], Any], ...]] = tuple(
 def _lookup(view: int, skip: frozenset[Hashable] | None) -> tuple[dict[type, Any], Any]:
     """The view a walk reads, and how it decides a type that view does not hold yet.
 
-    With ``skip``, a dict of this walk's own whose mappings hand the values under those
-    keys over wrapped, as inert leaves; it does not outlive the call.
+    With ``skip``, a view for this walk alone, whose mappings hand the values under
+    those keys over wrapped, as inert leaves.
     """
     if skip is None:
         return _kinds.view(view), _LEARN[view]
@@ -106,10 +97,8 @@ def _lookup(view: int, skip: frozenset[Hashable] | None) -> tuple[dict[type, Any
 
 
 def _one_kind(values: Collection[Any], nodes: dict[type, Any], learn: Any) -> Any:
-    """Whether a container's children can be taken whole: INERT, a leaf (None), or False.
+    """Whether children can be taken whole, at C speed: all INERT, all leaves (None), or no.
 
-    INERT where all are plain scalars (token ids), a leaf where all are leaves (a list of
-    tensors, ``(images, labels)``): such a container is taken in one step at C speed.
     A first child that is a container (most nested batches) says no at once.
     """
     if not values:
@@ -194,9 +183,6 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
 def paths(flat: Flat) -> tuple[list[str], list[str]]:
     """The path of every leaf, and of every container in ``spec`` order.
 
-    Each container names its children with its keys; paths are joined afterwards,
-    from the root down.
-
     >>> paths(flatten({"a": [1, (2, "x")]}))
     (["['a'][0]", "['a'][1][0]", "['a'][1][1]"], ["['a'][1]", "['a']", ''])
     """
@@ -266,9 +252,7 @@ def map_flat(
 ) -> Any:
     """``tree`` rebuilt around ``move_all(leaves, active, state)``, its new leaves.
 
-    One call on all the leaves and the places of those that are not inert, which can
-    then go in bulk (grouped, packed); it returns every leaf, the inert ones as they
-    are. ``state`` is what the caller hands over (what one call keeps: a memo).
+    ``active`` says where the leaves that are not inert are; ``state`` is the caller's.
 
     >>> import torch
     >>> def plus_one(leaves, active, state):
@@ -302,10 +286,10 @@ def _moved_all(  # noqa: PLR0917 - map_flat's own arguments
     tree: Any,
     skip: frozenset[Hashable] | None = None,
 ) -> list[Any]:
-    """``move_all``'s result; if it raised, the first leaf that fails again, with its path.
+    """``move_all``'s result, or the error of the first leaf that fails alone, with its path.
 
-    Moving leaves again one by one repeats no side effect: an object moves once per call
-    (the mover's memo), and a tensor's copy has none.
+    Moving again repeats no side effect: an object moves once per call (the mover's
+    memo), a tensor's copy has none.
     """
     try:
         return move_all(leaves, active, state)
@@ -331,9 +315,6 @@ def map_leaves(  # noqa: PLR0912 - one loop, as in flatten
     root: str | None = "data",
 ) -> Any:
     """``tree`` rebuilt with ``fn(leaf, state)`` applied to each leaf that is not inert.
-
-    :func:`map_flat`'s result, in one pass. ``fn`` keeps a memo in ``state`` if a leaf
-    met twice must come back as one object.
 
     >>> import torch
     >>> map_leaves(lambda t, _: t + 1, {"a": [torch.zeros(1)], "n": 3})
@@ -414,10 +395,9 @@ def _located(  # noqa: PLR0917 - map_leaves' own arguments
     skip: frozenset[Hashable] | None,
     root: str | None,
 ) -> Exception:
-    """``err``, raised for ``where`` (a leaf or container of ``tree``), with its path.
+    """``err``, raised for ``where`` (the first leaf or container that is it), with its path.
 
-    The first object that is ``where`` is the one that failed: the walk met it first,
-    and an object moves once. A walk with no root, or in a compiled graph, walks no more.
+    A walk with no root, or in a compiled graph, does not walk again.
     """
     if root is None:
         return err
@@ -445,10 +425,7 @@ def _with_path(err: Exception, path: str, where: Any) -> Exception:
 
 
 def _too_deep(stack: list[tuple[Node, Any, Iterator[Any], int]]) -> TransferError:
-    """A walk ``MAX_DEPTH`` containers deep: a cycle, or honest depth.
-
-    Each frame's count says which of its children the walk is in: its key names it.
-    """
+    """A walk ``MAX_DEPTH`` deep: a cycle, or honest depth (each frame's count names its key)."""
     fragments = [list(node.keys(container))[count - 1] for node, container, _, count in stack]
     first_seen: dict[int, int] = {}
     for depth, (_, container, _, _) in enumerate(stack):
