@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy as copy_module
-from collections.abc import Callable, Collection, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from typing import Any, Final, Literal, NamedTuple, TypeAlias, TypeVar
 
 import torch
@@ -161,7 +161,7 @@ def _plan(device: DeviceLike | None, options: Options) -> _Plan:
 
 
 Mover: TypeAlias = Callable[[Any, "_Call"], Any]
-MoveAll: TypeAlias = Callable[[list[Any], list[int], "_Call"], list[Any]]
+MoveAll: TypeAlias = Callable[[list[Any], Sequence[int], "_Call"], list[Any]]
 
 
 def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
@@ -181,7 +181,7 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
         if type(obj) is not _Tensor:
             return call.leaf(obj)
         notes = call.notes
-        if not plain or notes is _REMEMBER:
+        if notes is _REMEMBER or not plain:
             return call.tensor(obj, device)
         if host:
             if obj.is_cpu if is_cpu else obj.is_meta:  # already there (obj.device costs more)
@@ -198,34 +198,39 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
                 raise call.meta_error() from None
             raise
 
-    def move_all(leaves: list[Any], active: list[int], call: _Call) -> list[Any]:
+    def move_all(leaves: list[Any], active: Sequence[int], call: _Call) -> list[Any]:
         moved = leaves.copy()
         if packs and len(active) >= _packing.MIN_TENSORS:
             packed = _pack(leaves, call)
             if len(packed) == len(active) == len(leaves):  # all, each once: placed from C
                 return list(map(packed.__getitem__, map(id, leaves)))
-            for index in active:
-                moved[index] = packed.get(id(leaves[index]), moved[index])
-            active = [index for index in active if id(leaves[index]) not in packed]
-        tensors = [moved[index] for index in active]
-        if len(set(map(id, tensors))) < len(tensors):
-            call.notes = _REMEMBER  # one tensor twice: known before any moved
-        elif (
-            not host and plain and call.notes is not _REMEMBER and set(map(type, tensors)) <= _EXACT
-        ):
-            with contextlib.suppress(NotImplementedError):  # a meta tensor: move says so
-                copies = [t.to(device, non_blocking=asynchronous) for t in tensors]
-                for index, copy in zip(active, copies, strict=True):
-                    moved[index] = copy
+            if packed:
+                for index in active:
+                    leaf = leaves[index]
+                    moved[index] = packed[id(leaf)] if id(leaf) in packed else move(leaf, call)
                 return moved
+        # Every active leaf a plain tensor, none twice: one comprehension. (The checks run
+        # from C; an inert leaf is never a tensor.)
+        if plain and not host and list(map(type, leaves)).count(_Tensor) == len(active):
+            if len(set(map(id, map(leaves.__getitem__, active)))) < len(active):
+                call.notes = _REMEMBER  # known before any moved
+            elif call.notes is not _REMEMBER:
+                try:
+                    if asynchronous:
+                        return [
+                            x.to(device, non_blocking=True) if type(x) is _Tensor else x
+                            for x in leaves
+                        ]
+                    return [x.to(device) if type(x) is _Tensor else x for x in leaves]
+                except NotImplementedError:  # a meta tensor: move says so
+                    pass
         for index in active:
-            moved[index] = move(moved[index], call)
+            moved[index] = move(leaves[index], call)
         return moved
 
     return move, move_all
 
 
-_EXACT: Final = frozenset({torch.Tensor})
 _FORMAT_DIMS: Final = {torch.channels_last: 4, torch.channels_last_3d: 5}
 
 

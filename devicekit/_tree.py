@@ -15,7 +15,7 @@ one walk: values under those keys pass through as inert leaves.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Final, NamedTuple, TypeAlias
 
 import torch
@@ -34,7 +34,7 @@ _tuple_new = tuple.__new__  # a NamedTuple's own __new__ is a Python frame
 # Per container, in the order they close (children first): (leaves seen when it
 # closed, its rules, the container, its number of children).
 Spec: TypeAlias = list[tuple[int, Node, Any, int]]
-MoveAll: TypeAlias = Callable[[list[Any], list[int], Any], list[Any]]
+MoveAll: TypeAlias = Callable[[list[Any], Sequence[int], Any], list[Any]]
 
 
 class Flat(NamedTuple):
@@ -106,9 +106,10 @@ def _one_kind(values: Collection[Any], nodes: dict[type, Any], learn: Any) -> An
     first = _entry(type(next(iter(values))), nodes, learn)
     if first is not None and first is not INERT:
         return False
-    if all(_entry(kind, nodes, learn) is first for kind in set(map(type, values))):
-        return first
-    return False
+    kinds = set(map(type, values))
+    if len(kinds) > 1 and any(_entry(kind, nodes, learn) is not first for kind in kinds):
+        return False
+    return first
 
 
 def _entry(cls: type, nodes: dict[type, Any], learn: Callable[[type], Any]) -> Any:
@@ -222,7 +223,8 @@ def unflatten(spec: Spec, leaves: list[Any]) -> Any:
         # Its children are the last `count` values: its own leaves up to its close, and
         # the containers closed inside it.
         if count <= end - taken:  # no container inside: only new leaves
-            values += leaves[taken : end - count]
+            if taken < end - count:
+                values += leaves[taken : end - count]
             children = leaves[end - count : end]
         else:
             values += leaves[taken:end]
@@ -266,43 +268,37 @@ def map_flat(
     """
     kind = type(tree)
     if skip is None and (kind is dict or kind is list or kind is tuple):
-        # A flat batch ((images, labels), a dict of features): flatten and unflatten
-        # come down to a line each, a tenth of its host time.
+        # A flat batch ((images, labels), a dict of features), all leaves: flatten and
+        # unflatten come down to a line each, a tenth of its host time.
         values = tree.values() if kind is dict else tree
         if _one_kind(values, _kinds._views[MOVE], _LEARN[MOVE]) is None:
-            moved = _moved_all(move_all, [*values], [*range(len(values))], state, tree)
+            try:
+                moved = move_all([*values], range(len(values)), state)
+            except Exception as err:
+                raise _located_again(err, move_all, state, flatten(tree)) from None
             if kind is dict:
-                return dict(zip(tree, moved))  # noqa: B905 - its own values, in order
+                return dict(zip(tree, moved, strict=True))
             return moved if kind is list else tuple(moved)
-    leaves, spec, active = flatten(tree, skip=skip)
-    return unflatten(spec, _moved_all(move_all, leaves, active, state, tree, skip))
+    flat = flatten(tree, skip=skip)
+    try:
+        moved = move_all(flat.leaves, flat.active, state)
+    except Exception as err:
+        raise _located_again(err, move_all, state, flat) from None
+    return unflatten(flat.spec, moved)
 
 
-def _moved_all(  # noqa: PLR0917 - map_flat's own arguments
-    move_all: MoveAll,
-    leaves: list[Any],
-    active: list[int],
-    state: Any,
-    tree: Any,
-    skip: frozenset[Hashable] | None = None,
-) -> list[Any]:
-    """``move_all``'s result, or the error of the first leaf that fails alone, with its path.
+def _located_again(err: Exception, move_all: MoveAll, state: Any, flat: Flat) -> Exception:
+    """The error of the first leaf that fails alone, with its path; else ``err``.
 
     Moving again repeats no side effect: an object moves once per call (the mover's
     memo), a tensor's copy has none.
     """
-    try:
-        return move_all(leaves, active, state)
-    except Exception as err:
-        flat = flatten(tree, skip=skip)
-        for index in flat.active:
-            try:
-                move_all([flat.leaves[index]], [0], state)
-            except Exception as again:  # noqa: PERF203 - an error path
-                raise _with_path(
-                    again, "data" + paths(flat)[0][index], flat.leaves[index]
-                ) from None
-        raise err from None
+    for index in flat.active:
+        try:
+            move_all([flat.leaves[index]], [0], state)
+        except Exception as again:  # noqa: PERF203 - an error path
+            return _with_path(again, "data" + paths(flat)[0][index], flat.leaves[index])
+    return err
 
 
 def map_leaves(  # noqa: PLR0912 - one loop, as in flatten
