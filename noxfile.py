@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.sessions = ["tests", "interop", "lint", "typecheck", "docs"]
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 
@@ -30,6 +30,23 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def interop(session: nox.Session) -> None:
+    """to_device and the checks on transformers', tensordict's and torch_geometric's objects.
+
+    The packages must be there: a missing one fails the session instead of skipping.
+    """
+    install(session, "test,interop")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/test_interop.py",
+        *session.posargs,
+        env={"DEVICEKIT_REQUIRE_INTEROP": "1"},
+    )
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """Ruff's checks and its formatting, without changing files."""
     session.install("ruff==0.17.6")  # the version the lint extra pins
@@ -48,8 +65,8 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """The Sphinx site with warnings as errors, then every example in it as a doctest."""
     # The API pages import devicekit.testing; the migration guide runs accelerate's and
-    # Lightning Fabric's side of each example too.
-    install(session, "docs,testing,bench")
+    # Lightning Fabric's side of each example too, the moving-data guide other libraries'.
+    install(session, "docs,testing,bench,interop")
     common = ["-n", "-W", "--keep-going", "docs"]
     session.run("sphinx-build", "-b", "html", *common, "docs/_build/html")
     session.run("sphinx-build", "-b", "doctest", *common, "docs/_build/doctest")

@@ -65,9 +65,9 @@ nitpicky = True
 nitpick_ignore = [
     # Type variables in signatures: the generic data type and the decorated callable.
     ("py:class", "T"),
-    ("py:class", "C"),
+    ("py:class", "F"),
     ("py:class", "devicekit._transfer.T"),
-    ("py:class", "devicekit._transfer.C"),
+    ("py:class", "devicekit._kinds.F"),
     ("py:class", "devicekit._loader.B"),  # the batch type DeviceDataLoader is generic in
     ("py:obj", "devicekit._loader.B"),
     # PyTorch documents no page for the handle its hooks return.
