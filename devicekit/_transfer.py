@@ -212,7 +212,10 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
         # Every active leaf a plain tensor, none twice: one comprehension. (The checks run
         # from C; an inert leaf is never a tensor.)
         if plain and not host and list(map(type, leaves)).count(_Tensor) == len(active):
-            if len(set(map(id, map(leaves.__getitem__, active)))) < len(active):
+            # No leaf twice (inert ones may be: None, a small int), or no tensor twice.
+            if len(set(map(id, leaves))) < len(leaves) and len(
+                set(map(id, map(leaves.__getitem__, active)))
+            ) < len(active):
                 call.notes = _REMEMBER  # known before any moved
             elif call.notes is not _REMEMBER:
                 try:

@@ -30,7 +30,15 @@ def run_program(
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
+        try:
+            stdout, stderr = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            # A child that left the session (a torchrun worker orphaned at its exit)
+            # still holds the pipes: stop reading rather than wait for it forever.
+            for pipe in (process.stdout, process.stderr):
+                if pipe is not None:
+                    pipe.close()
+            stderr = "(its output pipes were still held by a child that left its session)"
         msg = f"{' '.join(command)} ran past {timeout} s; what it printed:\n{stderr[-3000:]}"
         raise AssertionError(msg) from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
