@@ -30,7 +30,7 @@ import numbers
 import threading
 from collections import UserDict, UserList
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from typing import Any, Final, NamedTuple, Protocol, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 import torch
 
@@ -68,16 +68,6 @@ class Leaf(enum.Enum):
     ARRAY = enum.auto()  # a numpy array: kept, unless it holds tensors
     KEPT = enum.auto()  # a scalar's subclass, an enum member: kept, strict or not
     OTHER = enum.auto()  # anything else: kept, or refused with strict=True
-
-
-class TransferRule(Protocol):
-    """How to move one user type: ``rule(obj, device, **options)`` returns the moved object.
-
-    ``options`` are ``non_blocking`` (a bool, resolved from ``"auto"``), ``dtype``,
-    ``copy`` and ``memory_format``, as :func:`~devicekit.to_device` received them.
-    """
-
-    def __call__(self, obj: Any, device: torch.device, /, **options: Any) -> Any: ...
 
 
 # Passed through untouched unless a rule is registered for the exact type: scalars,
@@ -380,11 +370,11 @@ def _contents(cls: type) -> Node | None:
 
 # The registry, and the decisions made from it.
 
-_rules: dict[type, TransferRule] = {}
+_rules: dict[type, Callable[..., Any]] = {}  # rule(obj, device, **options) -> moved
 _lock = threading.Lock()  # the registry and the decisions change together under it
 
 
-def _rule_for(cls: type) -> TransferRule | None:
+def _rule_for(cls: type) -> Callable[..., Any] | None:
     """The nearest class in the MRO with a rule, then ABCs in order (``Sequence``: lists)."""
     if not _rules:
         return None

@@ -199,25 +199,18 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
             raise
 
     def move_all(leaves: list[Any], active: Sequence[int], call: _Call) -> list[Any]:
-        moved = leaves.copy()
-        if packs and len(active) >= _packing.MIN_TENSORS:
-            packed = _pack(leaves, call)
-            if len(packed) == len(active) == len(leaves):  # all, each once: placed from C
-                return list(map(packed.__getitem__, map(id, leaves)))
-            if packed:
-                for index in active:
-                    leaf = leaves[index]
-                    moved[index] = packed[id(leaf)] if id(leaf) in packed else move(leaf, call)
+        tensors = {id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}
+        packed = _pack([*tensors.values()], call) if packs and len(tensors) >= _MIN else {}
+        if len(tensors) == len(active) and call.notes is not _REMEMBER:  # each once, nothing else
+            if len(packed) == len(tensors):  # all packed: placed from C
+                made = list(map(packed.__getitem__, tensors))
+                if len(made) == len(leaves):
+                    return made
+                moved = leaves.copy()
+                for index, value in zip(active, made):  # noqa: B905 - one per active leaf
+                    moved[index] = value
                 return moved
-        # Every active leaf a plain tensor, none twice: one comprehension. (The checks run
-        # from C; an inert leaf is never a tensor.)
-        if plain and not host and list(map(type, leaves)).count(_Tensor) == len(active):
-            # No leaf twice (inert ones may be: None, a small int), or no tensor twice.
-            if len(set(map(id, leaves))) < len(leaves) and len(
-                set(map(id, map(leaves.__getitem__, active)))
-            ) < len(active):
-                call.notes = _REMEMBER  # known before any moved
-            elif call.notes is not _REMEMBER:
+            if not packed and plain and waitless:  # one comprehension, no call per tensor
                 try:
                     if asynchronous:
                         return [
@@ -227,14 +220,19 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
                     return [x.to(device) if type(x) is _Tensor else x for x in leaves]
                 except NotImplementedError:  # a meta tensor: move says so
                     pass
+        elif len(tensors) < list(map(type, leaves)).count(_Tensor):
+            call.notes = _REMEMBER  # one tensor twice, known before any moved
+        moved = leaves.copy()
         for index in active:
-            moved[index] = move(leaves[index], call)
+            leaf = leaves[index]
+            moved[index] = packed[id(leaf)] if id(leaf) in packed else move(leaf, call)
         return moved
 
     return move, move_all
 
 
 _FORMAT_DIMS: Final = {torch.channels_last: 4, torch.channels_last_3d: 5}
+_MIN: Final = _packing.MIN_TENSORS
 
 
 class _Call:
@@ -345,9 +343,8 @@ class _Call:
             event.synchronize()
 
 
-def _pack(leaves: list[Any], call: _Call) -> dict[int, torch.Tensor]:
-    """The small host tensors among ``leaves`` sent packed, where that pays, by id."""
-    tensors = list({id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}.values())
+def _pack(tensors: list[torch.Tensor], call: _Call) -> dict[int, torch.Tensor]:
+    """The small host tensors among ``tensors`` sent packed, where that pays, by id."""
     if not _packing.might_pay(tensors):
         return {}
     plan = call.plan
