@@ -180,14 +180,16 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
     def move(obj: Any, call: _Call) -> Any:
         if type(obj) is not _Tensor:
             return call.leaf(obj)
-        notes = call.notes
-        if notes is _REMEMBER or not plain:
+        if not plain:
             return call.tensor(obj, device)
         if host:
             if obj.is_cpu if is_cpu else obj.is_meta:  # already there (obj.device costs more)
                 return obj
             if not waitless:
                 return call.tensor(obj, device)
+        notes = call.notes
+        if notes is _REMEMBER:
+            return call.tensor(obj, device)
         notes.append(id(obj))
         try:
             # A tensor already on the target comes back from .to() as it is. Keyword
