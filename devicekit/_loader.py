@@ -26,6 +26,13 @@ accelerator, with a stand-in for the seam.
 
 On the CPU, the ``meta`` device and any device without streams, batches move in line:
 there is nothing to overlap.
+
+Any number of epochs of one loader may be live at once, as with ``DataLoader``: each
+has its own pipeline (its own feed), and nothing waits for an earlier epoch, so peeking
+at a batch before the loop, nested loops, or an epoch whose source is stuck never hold
+up the next. The one exception is a DataLoader that keeps one iterator for every epoch
+(``persistent_workers=True``): its ``iter()`` resets that iterator, so a new epoch ends
+the live ones first, waiting at most :data:`HANDOFF_S` for their feeds to leave it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final, Generic, Literal, Protocol, TypeAlias, TypeVar
 
@@ -52,6 +61,10 @@ PinMemory: TypeAlias = bool | Literal["auto"]
 # How often a background thread blocked on a full queue looks up to see whether it
 # was told to stop.
 _STOP_POLL_S: Final = 0.1
+HANDOFF_S = 30.0
+"""How long a new epoch of a DataLoader with persistent workers waits for a live epoch's
+feed to leave the DataLoader's one iterator (its next batch, being read), before it
+refuses to reset that iterator under it."""
 
 
 class Prefetcher(Protocol):
@@ -75,26 +88,27 @@ class Prefetcher(Protocol):
         """Order later copies after everything the consumer has queued so far."""
 
 
-def _pin(batch: Any) -> Any:
-    """The batch with every large host tensor in page-locked memory; aliases stay aliases.
+def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.is_pinned() else tensor.pin_memory()
+
+
+def _pin(batch: Any, pin: Callable[[torch.Tensor], torch.Tensor] = _page_locked) -> Any:
+    """The batch with every large host tensor ``pin``-ned; aliases stay aliases.
 
     Tensors of at most PACK_MAX_BYTES are left alone: they travel packed, through a
     staging buffer that is pinned already, and pinning them first would copy them twice.
+    ``pin`` is the seam the tests replace, on machines where nothing can be pinned.
     """
-    return map_leaves(_pinned, batch, {})
+    return map_leaves(_pinned, batch, ({}, pin))
 
 
-def _pinned(leaf: Any, pinned: dict[int, torch.Tensor]) -> Any:
-    if (
-        not isinstance(leaf, torch.Tensor)
-        or not leaf.is_cpu
-        or leaf.nbytes <= PACK_MAX_BYTES
-        or leaf.is_pinned()
-    ):
+def _pinned(leaf: Any, state: tuple[dict[int, torch.Tensor], Callable[..., Any]]) -> Any:
+    if not isinstance(leaf, torch.Tensor) or not leaf.is_cpu or leaf.nbytes <= PACK_MAX_BYTES:
         return leaf
+    pinned, pin = state
     copy = pinned.get(id(leaf))
     if copy is None:
-        copy = pinned[id(leaf)] = leaf.pin_memory()
+        copy = pinned[id(leaf)] = pin(leaf)
     return copy
 
 
@@ -149,10 +163,19 @@ class _BackgroundFeed:
     blocks on a full queue. :meth:`join` waits for that.
     """
 
-    def __init__(self, batches: Iterator[Any], prepare: Callable[[Any], Any], depth: int) -> None:
+    def __init__(
+        self,
+        batches: Iterator[Any],
+        prepare: Callable[[Any], Any],
+        depth: int,
+        device: torch.device | None = None,
+    ) -> None:
         self._items: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._ended = False
+        self._device = device
+        # A daemon: a thread stuck in the source (a worker blocked on I/O) never holds
+        # up the interpreter's exit.
         self._thread = threading.Thread(
             target=self._run, args=(batches, prepare), name="devicekit-feed", daemon=True
         )
@@ -168,6 +191,12 @@ class _BackgroundFeed:
         return False
 
     def _run(self, batches: Iterator[Any], prepare: Callable[[Any], Any]) -> None:
+        # Set up as PyTorch's pin-memory thread is: pinning copies take one core (the
+        # setting is the thread's own), and allocations go to the loader's device.
+        torch.set_num_threads(1)
+        device = self._device
+        if device is not None and device.index is not None and streams_to(device):
+            torch.accelerator.set_device_index(device.index)
         try:
             for item in batches:
                 if not self._put(prepare(item)):
@@ -202,10 +231,11 @@ class _BackgroundFeed:
             except queue.Empty:  # noqa: PERF203 - draining: the exception is how it ends
                 break
 
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the thread to end (after :meth:`close`, within one item's wait)."""
+    def join(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for the thread to end; whether it did."""
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
@@ -331,7 +361,8 @@ class DeviceDataLoader(Generic[B]):
         # life, made on first use.
         self._prefetchers: dict[torch.device, Prefetcher] = {}
         self._one_shot: Literal["fresh", "started", "used up"] = "fresh"
-        self._feed: _BackgroundFeed | None = None  # the last epoch's, until its thread ends
+        # The feeds of live epochs, while their threads run (each thread holds its feed).
+        self._feeds: weakref.WeakSet[_BackgroundFeed] = weakref.WeakSet()
 
     # What the wrapped loader knows.
 
@@ -434,12 +465,8 @@ class DeviceDataLoader(Generic[B]):
 
     def __iter__(self) -> Iterator[B]:
         device = current_device() if self._device is None else self._device
-        if self._feed is not None:
-            # The last epoch's feed may still be inside the source's next() after an early
-            # break; a DataLoader with persistent workers reuses its iterator, so the
-            # thread must be out of it before iter() resets it.
-            self._feed.join()
-            self._feed = None
+        if getattr(self.loader, "persistent_workers", False) and self._feeds:
+            self._end_live_epochs()
         make_prefetcher = PREFETCHERS.get(device.type) or (
             StreamPrefetcher if streams_to(device) else None
         )
@@ -448,7 +475,30 @@ class DeviceDataLoader(Generic[B]):
         prefetcher = self._prefetchers.get(device)
         if prefetcher is None:
             prefetcher = self._prefetchers[device] = make_prefetcher(device, self._non_blocking)
-        return self._ahead(self._batches(), prefetcher)
+        return self._ahead(self._batches(), prefetcher, device)
+
+    def _end_live_epochs(self) -> None:
+        """End the live epochs' feeds, which may be inside the one iterator iter() resets.
+
+        A DataLoader with persistent workers keeps one iterator and resets it on
+        ``iter()``: a feed inside its ``next()`` then would read from a reset iterator.
+        The live epochs end (they yield what they copied ahead, then stop).
+        """
+        feeds = list(self._feeds)
+        for feed in feeds:
+            feed.close()
+        deadline = time.monotonic() + HANDOFF_S
+        for feed in feeds:
+            if not feed.join(max(0.0, deadline - time.monotonic())):
+                msg = (
+                    f"Cannot start a new epoch: the wrapped {type(self.loader).__name__} keeps "
+                    "one iterator for every epoch (persistent_workers=True) and iter() resets "
+                    f"it, but a live epoch has been waiting on it for its next batch for "
+                    f"{HANDOFF_S:g} s (a worker stuck?). Set the DataLoader's timeout= to "
+                    "surface a stuck worker as an error, or wrap a DataLoader without "
+                    "persistent workers, whose epochs are independent."
+                )
+                raise RuntimeError(msg)
 
     def _finish(self, batch: Any) -> Any:
         return batch if self._transform is None else self._transform(batch)
@@ -464,10 +514,13 @@ class DeviceDataLoader(Generic[B]):
         for batch in batches:
             yield self._finish(to_device(batch, device, non_blocking=non_blocking))
 
-    def _ahead(self, batches: Iterator[Any], prefetcher: Prefetcher) -> Iterator[B]:
+    def _ahead(
+        self, batches: Iterator[Any], prefetcher: Prefetcher, device: torch.device
+    ) -> Iterator[B]:
         feed = None
         if self._pins():
-            feed = self._feed = _BackgroundFeed(batches, prefetcher.pin, self._prefetch)
+            feed = _BackgroundFeed(batches, prefetcher.pin, self._prefetch, device)
+            self._feeds.add(feed)
             batches = feed
         try:
             yield from _prefetched(batches, prefetcher, self._prefetch, self._finish)

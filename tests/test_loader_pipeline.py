@@ -12,6 +12,8 @@ and each must leave no thread behind.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
 from devicekit import _loader
+from devicekit._packing import PACK_MAX_BYTES
 
 META = torch.device("meta")
 WATCHDOG_S = 10
@@ -124,12 +127,19 @@ class Source:
 
 
 def _loader_for(
-    source: Any, prefetch: int, pin: bool, monkeypatch: pytest.MonkeyPatch, **options: Any
+    source: Any,
+    prefetch: int,
+    pin: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    live: int = 1,
+    **options: Any,
 ) -> tuple[dk.DeviceDataLoader[Any], list[StandIn]]:
+    """A loader over ``source`` with the stand-in; ``live`` epochs may hold batches at once."""
     made: list[StandIn] = []
 
     def make(device: torch.device, non_blocking: object) -> StandIn:
-        made.append(StandIn(prefetch))
+        made.append(StandIn(prefetch * live))
         return made[-1]
 
     monkeypatch.setitem(_loader.PREFETCHERS, "meta", make)
@@ -298,3 +308,236 @@ def test_a_dataloader_starts_its_workers_once_per_epoch(
             assert len(list(loader)) == 2
         assert len(calls) == 3
     _no_thread_left()
+
+
+# Several live epochs of one loader, as DataLoader allows: each has its own pipeline, and
+# none waits for another.
+
+AHEAD = [1, 2, 3]
+
+
+@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("prefetch", AHEAD)
+def test_peeking_at_a_batch_then_training(
+    prefetch: int, pin: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # it = iter(loader); first = next(it): a notebook habit, before the real loop.
+    loader, _ = _loader_for(Source(6), prefetch, pin, monkeypatch, live=2)
+    peek = iter(loader)
+    first = next(peek)
+    assert list(loader) == _expected(6, prefetch)
+    assert [first, *peek] == _expected(6, prefetch)  # the peeked epoch goes on, whole
+    _no_thread_left()
+
+
+@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("prefetch", AHEAD)
+def test_nested_loops_over_one_loader(
+    prefetch: int, pin: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loader, _ = _loader_for(Source(4), prefetch, pin, monkeypatch, live=2)
+    pairs = [(a, b) for a in loader for b in loader]
+    batches = _expected(4, prefetch)
+    assert pairs == [(a, b) for a in batches for b in batches]
+    _no_thread_left()
+
+
+@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("prefetch", AHEAD)
+def test_two_live_iterators_taken_in_turn(
+    prefetch: int, pin: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loader, _ = _loader_for(Source(5), prefetch, pin, monkeypatch, live=2)
+    first, second = iter(loader), iter(loader)
+    batches = _expected(5, prefetch)
+    assert list(zip(first, second, strict=True)) == list(zip(batches, batches, strict=True))
+    _no_thread_left()
+
+
+class StuckSource:
+    """Re-iterable; its first epoch blocks before batch ``at`` until ``release`` is set."""
+
+    def __init__(self, length: int, at: int) -> None:
+        self.length, self.at = length, at
+        self.release = threading.Event()
+        self.stuck = threading.Event()  # set once the first epoch is blocked
+        self.epochs = 0
+
+    def __iter__(self) -> Iterator[int]:
+        self.epochs += 1
+        epoch = self.epochs
+        for index in range(self.length):
+            if epoch == 1 and index == self.at:
+                self.stuck.set()
+                assert self.release.wait(WATCHDOG_S)
+            yield index
+
+
+@pytest.mark.parametrize("keep_the_stuck_epoch", [True, False], ids=["live", "left"])
+@pytest.mark.parametrize("prefetch", AHEAD)
+def test_a_stuck_epoch_never_holds_up_the_next(
+    prefetch: int, keep_the_stuck_epoch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two batches taken copy `prefetch` more ahead: the source blocks just after those.
+    source = StuckSource(prefetch + 5, at=prefetch + 2)
+    loader, _ = _loader_for(source, prefetch, True, monkeypatch, live=2)
+    stuck = iter(loader)
+    assert [next(stuck), next(stuck)] == _expected(2, prefetch)
+    assert source.stuck.wait(WATCHDOG_S)  # its feed thread waits inside the source
+    if not keep_the_stuck_epoch:
+        del stuck  # a loop left early: its feed is told to stop, nobody waits for it
+    assert list(loader) == _expected(prefetch + 5, prefetch)  # the next epoch runs meanwhile
+    source.release.set()
+    if keep_the_stuck_epoch:
+        assert list(stuck) == _expected(prefetch + 5, prefetch)[2:]
+    _no_thread_left()
+
+
+_EXITS_WITH_A_STUCK_SOURCE = """
+import threading, torch, devicekit as dk
+from devicekit import _loader
+from devicekit._packing import PACK_MAX_BYTES
+
+class Instant:
+    def pin(self, batch): return batch
+    def start(self, batch): return batch
+    def hand_over(self, ticket): return ticket
+    def consumer_done(self): pass
+
+def stuck_forever():
+    yield from range(3)  # what the first batch and the copies ahead of it need
+    threading.Event().wait()  # then a worker blocked on I/O, for good
+    yield 3
+
+_loader.PREFETCHERS["meta"] = lambda device, non_blocking: Instant()
+loader = dk.DeviceDataLoader(stuck_forever, "meta", pin_memory=True)
+epoch = iter(loader)
+assert next(epoch) == 0
+print("stuck", flush=True)
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", ["pass", "del epoch"], ids=["epoch-live", "epoch-left"])
+def test_the_interpreter_exits_while_a_source_is_stuck(ending: str) -> None:
+    script = _EXITS_WITH_A_STUCK_SOURCE.format(ending=ending)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=WATCHDOG_S - 1,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "stuck\n"
+
+
+def test_a_new_epoch_of_a_persistent_dataloader_ends_the_live_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its iter() resets the one iterator every epoch shares: the live epoch ends first
+    # (what it copied ahead still arrives), and the new one reads every batch.
+    data = TensorDataset(torch.arange(32))
+    inner = DataLoader(data, batch_size=4, num_workers=2, persistent_workers=True)
+    loader, _ = _loader_for(inner, 2, True, monkeypatch, live=2)
+    monkeypatch.setattr(StandIn, "hand_over", lambda self, ticket: ticket.batch)
+    peek = iter(loader)
+    first = next(peek)
+    assert torch.equal(torch.cat([batch[0] for batch in loader]), torch.arange(32))
+    rest = list(peek)
+    assert len(rest) <= 2  # what was in flight when the new epoch began, then the end
+    assert torch.equal(torch.cat([b[0] for b in [first, *rest]]), torch.arange(4 * len(rest) + 4))
+    _no_thread_left()
+
+
+class OneIterator:
+    """What a DataLoader with persistent workers does: one iterator, reset on iter()."""
+
+    persistent_workers = True
+
+    def __init__(self) -> None:
+        self.source = StuckSource(6, at=3)  # after one batch and the copies ahead of it
+        self.current: Iterator[int] = iter(())
+
+    def __iter__(self) -> Iterator[int]:
+        self.current = iter(self.source)
+        return self.current
+
+
+def test_a_persistent_loader_stuck_in_a_live_epoch_is_an_error_not_a_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_loader, "HANDOFF_S", 0.2)
+    inner = OneIterator()
+    loader, _ = _loader_for(inner, 1, True, monkeypatch, live=2)
+    stuck = iter(loader)
+    assert next(stuck) == 0
+    assert inner.source.stuck.wait(WATCHDOG_S)
+    with pytest.raises(RuntimeError, match=r"persistent_workers=True\) and iter\(\) resets"):
+        iter(loader)
+    inner.source.release.set()
+    del stuck
+    _no_thread_left()
+
+
+# The feed thread, set up as PyTorch's pin-memory thread is, and pinning through its seam.
+
+
+def test_the_feed_thread_pins_on_one_core_and_leaves_the_training_thread_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads_seen: list[int] = []
+
+    def pin(self: StandIn, batch: int) -> int:
+        threads_seen.append(torch.get_num_threads())
+        return batch
+
+    loader, _ = _loader_for(Source(3), 1, True, monkeypatch)
+    monkeypatch.setattr(StandIn, "pin", pin)
+    before = torch.get_num_threads()
+    assert list(loader) == _expected(3, 1)
+    assert threads_seen == [1, 1, 1]
+    assert torch.get_num_threads() == before
+    _no_thread_left()
+
+
+class PinRecorder:
+    """Stands in for Tensor.pin_memory where nothing can be pinned: a copy, recorded."""
+
+    def __init__(self) -> None:
+        self.pinned: list[torch.Tensor] = []
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.pinned.append(tensor)
+        return tensor.clone()
+
+
+def test_pinning_takes_large_host_tensors_once_each_and_leaves_the_rest() -> None:
+    large = torch.zeros(PACK_MAX_BYTES // 4 + 1)  # float32: one element too many
+    small = torch.zeros(PACK_MAX_BYTES // 4)  # exactly the packing limit
+    on_meta = torch.zeros(PACK_MAX_BYTES, device="meta")
+    batch = {"a": large, "again": [large], "small": small, "meta": on_meta, "id": "x"}
+    pin = PinRecorder()
+    pinned = _loader._pin(batch, pin)
+    assert [id(t) for t in pin.pinned] == [id(large)]  # pinned once, although there twice
+    assert pinned["a"] is pinned["again"][0]  # aliases stay aliases
+    assert pinned["a"] is not large
+    assert torch.equal(pinned["a"], large)
+    assert pinned["small"] is small  # travels packed through a pinned staging buffer
+    assert pinned["meta"] is on_meta
+    assert pinned["id"] == "x"
+    assert batch["a"] is large  # the input is untouched
+
+
+def test_pinning_by_default_keeps_pinned_tensors_and_pins_the_others() -> None:
+    tensor = torch.zeros(PACK_MAX_BYTES)
+    calls: list[str] = []
+
+    class Pinned(torch.Tensor):
+        def is_pinned(self, device: object = None) -> bool:
+            calls.append("is_pinned")
+            return True
+
+    already = tensor.as_subclass(Pinned)
+    assert _loader._page_locked(already) is already
+    assert calls == ["is_pinned"]
