@@ -4,41 +4,59 @@ Run on a machine with one CUDA GPU, from the repository root::
 
     PYTHONPATH=. python benchmarks/gpu_report.py --out gpu-report.md
 
-It takes about five minutes and writes a markdown report (printed too) with the date,
-GPU, driver, PyTorch and peer versions, then:
+It writes a markdown report, section by section as each ends (printed too): a header
+with the date, commit, CPU model, GPU, driver, PyTorch and peer versions, then
 
-1. the cuda-marked tests (``pytest -m cuda``), each in a fresh interpreter's run;
+1. the cuda-marked tests (``pytest -m cuda``), and the loader's under PyTorch's CUDA
+   sanitizer, each in a subprocess with its own time limit;
 2. host->device transfers, each call followed by a synchronize, rounds interleaved:
    ``.to(d)`` and ``.to(d, non_blocking=True)`` per tensor, accelerate's
    ``send_to_device``, Lightning's ``move_data_to_device`` and devicekit, on the
    workloads of the targets, pageable and pinned;
-3. packing: the chunk size swept, and a profile of the host work of one call;
-4. bulk bandwidth, host->device and device->host, against ``copy_``;
-5. the loader's overlap: per step against max(compute, copy, pin), for prefetch 1-4,
-   with compute equal to the copy time and twice it, and memory over many epochs;
+3. packing: the chunk size swept (interleaved), and a profile of one call's host work;
+4. bulk bandwidth, interleaved: host->device against ``copy_`` from pinned memory, and
+   device->host as ``.to("cpu")``, ``.to("cpu", non_blocking=True)`` + synchronize and
+   ``copy_`` into pinned memory (the limit);
+5. the loader's overlap: per step against max(compute, copy, pin), by hand (pageable,
+   and a pinning DataLoader + non_blocking) and through DeviceDataLoader at prefetch
+   1-4; memory over many epochs: device peak, pinned host memory, host RSS, threads;
 6. two real training loops (a torchvision ResNet-18 on 224 px uint8 images and a small
-   CNN on 64 px float images, DataLoader with 6 workers, bf16 autocast, channels_last):
-   images per second by hand and through DeviceDataLoader.
+   CNN on 64 px float images): images precomputed in memory, shuffled, ``drop_last``, 6
+   persistent workers, bf16 autocast, channels_last, 5 warm-up steps then 60 timed
+   steps, a fresh seeded model per variant, best of 2; with the bare loader's rate.
 
-``--smoke`` runs every section on the CPU with tiny sizes and no subprocesses: what CI
-runs, so the script cannot rot where no GPU is at hand. Its figures mean nothing.
+Each section runs under a watchdog (:data:`BUDGET_S`); one that fails or runs out of
+time is reported as such, and every other section still is. On an H100 it takes about
+4-5 minutes (tests 2 min, loops 1.5 min, the rest 1 min), 8 minutes at the most.
+
+``--smoke`` runs every section on the CPU with tiny sizes, through the same pipeline an
+accelerator takes: the meta device is moved to as to an accelerator (packing), a
+stand-in takes the side stream's place in DeviceDataLoader (the feed thread pins
+through its seam), and the DataLoaders have 2 workers. CI runs it, so the script cannot
+rot where no GPU is at hand; its figures mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
+import faulthandler
 import functools
 import importlib.metadata
 import io
 import os
 import platform
 import pstats
+import resource
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +70,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_to_device import mixed_batch, per_tensor_loop
 
 import devicekit as dk
-from devicekit import _packing
+from devicekit import _loader, _packing
 from devicekit._bench import per_image_batch
+from devicekit._transfer import as_accelerator
 
 Mover = Callable[[Any, torch.device], Any]
+BUDGET_S: dict[str, float] = {
+    # seconds per section, 470 in all: the tests' two subprocesses have 130 and 60
+    "tests": 200,
+    "transfers": 45,
+    "packing": 30,
+    "bandwidth": 30,
+    "overlap": 55,
+    "loops": 110,
+}
+TEST_RUNS_S = (130, 60)
 
 
 @dataclass
@@ -79,7 +108,41 @@ class Setting:
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor in pinned memory where there is an accelerator to pin for."""
-        return tensor.pin_memory() if self.gpu else tensor
+        return tensor.pin_memory() if self.gpu else tensor.clone()
+
+
+class _HostPrefetcher:
+    """The smoke run's stand-in for the side stream: copies in order on the host.
+
+    It pins through the loader's own pinning walk (with a copy for pinning, as nothing
+    can be pinned without an accelerator), so the feed thread runs what it runs on a GPU.
+    """
+
+    def __init__(self, device: torch.device, non_blocking: object) -> None:
+        self.device = device
+
+    def pin(self, batch: Any) -> Any:
+        return _loader._pin(batch, torch.Tensor.clone)
+
+    def start(self, batch: Any) -> Any:
+        return dk.to_device(batch, self.device)
+
+    def hand_over(self, ticket: Any) -> Any:
+        return ticket
+
+    def consumer_done(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def accelerator_on_the_cpu() -> Iterator[None]:
+    """The meta device taken as an accelerator: packing, the feed thread, the pipeline."""
+    _loader.PREFETCHERS["meta"] = _HostPrefetcher
+    try:
+        with as_accelerator("meta"):
+            yield
+    finally:
+        del _loader.PREFETCHERS["meta"]
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -136,15 +199,21 @@ def cuda_tests(setting: Setting) -> list[str]:
             ["tests/test_loader_cuda.py"],
         ),
     }
-    for label, (environment, paths) in runs.items():
-        result = subprocess.run(
-            [*pytest, *paths],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=240,
-            env={**os.environ, **environment},
-        )
+    for (label, (environment, paths)), limit_s in zip(runs.items(), TEST_RUNS_S, strict=True):
+        try:
+            result = subprocess.run(
+                [*pytest, *paths],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=limit_s,
+                env={**os.environ, **environment},
+            )
+        except subprocess.TimeoutExpired as expired:
+            output = expired.stdout or b""
+            text = output.decode() if isinstance(output, bytes) else output
+            lines += [f"{label}: did not finish in {limit_s} s", "", "```", text[-3000:], "```", ""]
+            continue
         tail = (result.stdout + result.stderr).strip().splitlines()[-20:]
         lines += [f"{label}: exit code {result.returncode}", "", "```", *tail, "```", ""]
     return lines
@@ -189,14 +258,10 @@ def transfer_workloads(setting: Setting) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _pinned(batch: Any, setting: Setting) -> Any:
-    return dk.to_device(batch, "cpu") if not setting.gpu else _pin_all(batch)
-
-
-def _pin_all(batch: Any) -> Any:
+def _pin_all(batch: Any, setting: Setting) -> Any:
     from devicekit._tree import map_leaves
 
-    return map_leaves(lambda x, _: x.pin_memory() if isinstance(x, torch.Tensor) else x, batch)
+    return map_leaves(lambda x, _: setting.pin(x) if isinstance(x, torch.Tensor) else x, batch)
 
 
 def transfers(setting: Setting) -> list[str]:
@@ -218,7 +283,7 @@ def transfers(setting: Setting) -> list[str]:
     for memory in ("pageable", "pinned"):
         rows = []
         for name, make in transfer_workloads(setting).items():
-            batch = make() if memory == "pageable" else _pinned(make(), setting)
+            batch = make() if memory == "pageable" else _pin_all(make(), setting)
             contenders = {
                 label: functools.partial(move, batch, setting.device)
                 for label, move in movers.items()
@@ -240,24 +305,39 @@ def transfers(setting: Setting) -> list[str]:
 # 3. Packing: the chunk bound swept, and where one call's host time goes.
 
 
+@contextlib.contextmanager
+def _chunk_bound(chunk: int) -> Iterator[None]:
+    chosen = _packing.CHUNK_BYTES
+    _packing.CHUNK_BYTES = chunk  # type: ignore[misc] - the sweep sets the bound
+    try:
+        yield
+    finally:
+        _packing.CHUNK_BYTES = chosen  # type: ignore[misc]
+
+
+def _with_chunk(chunk: int, batch: Any, device: torch.device) -> None:
+    with _chunk_bound(chunk):
+        dk.to_device(batch, device)
+
+
 def packing(setting: Setting) -> list[str]:
     lines = ["## Packing", ""]
-    if not setting.gpu:
-        lines += ["(smoke: the sweep runs to the CPU, where nothing packs)", ""]
     workloads = transfer_workloads(setting)
-    chosen = _packing.CHUNK_BYTES
-    rows = []
-    for chunk in (64 << 10, 128 << 10, 256 << 10, 1 << 20, 4 << 20):
-        _packing.CHUNK_BYTES = chunk  # type: ignore[misc] - the sweep sets the bound
-        cells = [f"{chunk >> 10} KiB" + (" (chosen)" if chunk == chosen else "")]
-        for name in ("1000 x 4 KiB", "64 per-image dicts of 3 small tensors"):
-            batch = workloads[name]()
-            medians = interleaved(
-                {"devicekit": functools.partial(dk.to_device, batch, setting.device)}, setting
-            )
-            cells.append(f"{medians['devicekit']:.0f}")
-        rows.append(cells)
-    _packing.CHUNK_BYTES = chosen  # type: ignore[misc]
+    chunks = (64 << 10, 128 << 10, 256 << 10, 1 << 20, 4 << 20)
+    names = ("1000 x 4 KiB", "64 per-image dicts of 3 small tensors")
+    columns = {}
+    for name in names:
+        batch = workloads[name]()
+        contenders = {  # every chunk size in each round: interleaved
+            str(chunk): functools.partial(_with_chunk, chunk, batch, setting.device)
+            for chunk in chunks
+        }
+        columns[name] = interleaved(contenders, setting)
+    rows = [
+        [f"{chunk >> 10} KiB" + (" (chosen)" if chunk == _packing.CHUNK_BYTES else "")]
+        + [f"{columns[name][str(chunk)]:.0f}" for name in names]
+        for chunk in chunks
+    ]
     lines += table(["chunk bound", "1000 x 4 KiB us", "64 per-image dicts us"], rows)
     batch = workloads["1000 x 4 KiB"]()
     dk.to_device(batch, setting.device)
@@ -277,31 +357,37 @@ def packing(setting: Setting) -> list[str]:
 # 4. Bulk bandwidth.
 
 
-def _gbps(nbytes: int, fn: Callable[[], Any], setting: Setting) -> float:
-    medians = interleaved({"x": fn}, setting, budget_s=2 * setting.budget_s)
-    return nbytes / (medians["x"] * 1e-6) / 1e9
-
-
 def _bandwidth_row(mib: int, setting: Setting) -> list[str]:
     nbytes = mib << 20
     host = torch.randn(nbytes // 4)
     pinned = setting.pin(host)
-    on_device = host.to(setting.device)
-    target = torch.empty_like(host, device=setting.device)
     device = setting.device
-    moves: list[Callable[[], Any]] = [
-        lambda: target.copy_(pinned, non_blocking=True),
-        lambda: dk.to_device(pinned, device),
-        lambda: host.to(device, non_blocking=True),
-        lambda: dk.to_device(host, device),
-        lambda: on_device.to("cpu"),
-        lambda: dk.to_device(on_device, "cpu"),
-    ]
-    return [f"{mib} MiB"] + [f"{_gbps(nbytes, move, setting):.1f}" for move in moves]
+    # Device -> host needs data on a device: the smoke run reads from host memory.
+    source = device if setting.gpu else torch.device("cpu")
+    on_device = host.to(source)
+    target = torch.empty_like(host, device=device)
+    pinned_out = setting.pin(torch.empty_like(host))
+
+    def to_host_non_blocking() -> None:
+        on_device.to("cpu", non_blocking=True)
+        setting.sync()
+
+    moves: dict[str, Callable[[], Any]] = {
+        "pinned copy_": lambda: target.copy_(pinned, non_blocking=True),
+        "pinned devicekit": lambda: dk.to_device(pinned, device),
+        "pageable .to()": lambda: host.to(device, non_blocking=True),
+        "pageable devicekit": lambda: dk.to_device(host, device),
+        "d->h .to('cpu')": lambda: on_device.to("cpu"),
+        "d->h .to('cpu', non_blocking) + sync": to_host_non_blocking,
+        "d->h copy_ to pinned": lambda: pinned_out.copy_(on_device),
+        "d->h devicekit": lambda: dk.to_device(on_device, "cpu"),
+    }
+    medians = interleaved(moves, setting, budget_s=2 * setting.budget_s)
+    return [f"{mib} MiB"] + [f"{nbytes / (medians[name] * 1e-6) / 1e9:.1f}" for name in moves]
 
 
 def bandwidth(setting: Setting) -> list[str]:
-    rows = [_bandwidth_row(mib, setting) for mib in ((4, 64) if setting.smoke else (64, 256))]
+    rows = [_bandwidth_row(mib, setting) for mib in ((4, 16) if setting.smoke else (64, 256))]
     header = [
         "size",
         "pinned copy_ GB/s",
@@ -309,9 +395,11 @@ def bandwidth(setting: Setting) -> list[str]:
         "pageable .to()",
         "pageable devicekit",
         "d->h .to('cpu')",
+        "d->h non_blocking + sync",
+        "d->h copy_ to pinned (limit)",
         "d->h devicekit",
     ]
-    return ["## Bandwidth", "", *table(header, rows)]
+    return ["## Bandwidth", "", "GB/s, all contenders interleaved.", "", *table(header, rows)]
 
 
 # 5. The loader's overlap and memory.
@@ -342,6 +430,7 @@ class _Compute:
 
 def _per_step(run_epoch: Callable[[], int], setting: Setting) -> float:
     run_epoch()  # warm: pinned blocks, the side stream, the caching allocator
+    setting.sync()
     times = []
     for _ in range(3):
         start = time.perf_counter()
@@ -351,10 +440,33 @@ def _per_step(run_epoch: Callable[[], int], setting: Setting) -> float:
     return min(times)
 
 
+class _Batches(Dataset[torch.Tensor]):
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.batches[index]
+
+
+def _host_rss_mib() -> float:
+    try:
+        with open("/proc/self/status") as status:  # Linux: the current RSS
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the peak, elsewhere
+
+
 def overlap(setting: Setting) -> list[str]:
     count, mib = (6, 1) if setting.smoke else (24, 16)
     batches = [torch.randn((mib << 20) // 4) for _ in range(count)]
     compute = _Compute(setting)
+    pinned_batches = [setting.pin(batch) for batch in batches]
 
     def copy_only() -> int:
         for batch in pinned_batches:
@@ -366,12 +478,13 @@ def overlap(setting: Setting) -> list[str]:
             setting.pin(batch)
         return count
 
-    pinned_batches = [setting.pin(batch) for batch in batches]
     copy_s = _per_step(copy_only, setting)
     pin_s = _per_step(pin_only, setting)
+    pinned_batches.clear()  # the memory table below measures the loader's alone
+    pinning = DataLoader(_Batches(batches), batch_size=None, pin_memory=setting.gpu)
     rows = []
     for factor in (1, 2):
-        step_s = copy_s * factor
+        step_s = max(copy_s, pin_s) * factor
 
         def step(batch: torch.Tensor, step_s: float = step_s) -> None:
             compute(step_s)
@@ -382,6 +495,11 @@ def overlap(setting: Setting) -> list[str]:
                 step(batch.to(setting.device, non_blocking=True))
             return count
 
+        def pinned_by_hand(step: Callable[[torch.Tensor], None] = step) -> int:
+            for batch in pinning:
+                step(batch.to(setting.device, non_blocking=True))
+            return count
+
         def compute_only(step_s: float = step_s) -> int:
             for _ in batches:
                 compute(step_s)
@@ -389,7 +507,11 @@ def overlap(setting: Setting) -> list[str]:
 
         compute_s = _per_step(compute_only, setting)
         bound = max(compute_s, copy_s, pin_s)
-        cells = [f"{factor}x copy", f"{_per_step(by_hand, setting) / bound:.2f}"]
+        cells = [
+            f"{factor}x max(copy, pin)",
+            f"{_per_step(by_hand, setting) / bound:.2f}",
+            f"{_per_step(pinned_by_hand, setting) / bound:.2f}",
+        ]
         for prefetch in (1, 2, 3, 4):
             loader = dk.DeviceDataLoader(batches, setting.device, prefetch=prefetch)
 
@@ -410,53 +532,73 @@ def overlap(setting: Setting) -> list[str]:
         ),
         "",
         *table(
-            ["compute", "by hand", "prefetch 1", "prefetch 2", "prefetch 3", "prefetch 4"], rows
+            [
+                "compute",
+                "by hand, pageable",
+                "by hand, pinning DataLoader",
+                "prefetch 1",
+                "prefetch 2",
+                "prefetch 3",
+                "prefetch 4",
+            ],
+            rows,
         ),
     ]
+    return lines + _loader_memory(batches, setting)
+
+
+def _loader_memory(batches: list[torch.Tensor], setting: Setting) -> list[str]:
     epochs = 3 if setting.smoke else 50
-    memory_rows = []
+    rows = []
     for prefetch in (1, 2, 3, 4):
         loader = dk.DeviceDataLoader(batches, setting.device, prefetch=prefetch)
-        device_mib, pinned_mib = [], []
+        if setting.gpu:
+            torch.cuda.reset_peak_memory_stats(setting.device)
+        pinned_mib, rss_mib, threads = [], [], []
         for _ in range(epochs):
             for batch in loader:
                 batch.add_(1.0)
+                threads.append(threading.active_count())
             setting.sync()
+            rss_mib.append(_host_rss_mib())
             if setting.gpu:
-                device_mib.append(torch.cuda.memory_allocated(setting.device) / 2**20)
-                host_stats = getattr(torch.cuda, "host_memory_stats", dict)  # PyTorch >= 2.5
-                stats = host_stats()
+                stats = torch.cuda.host_memory_stats()
                 pinned_mib.append(stats.get("allocated_bytes.current", 0) / 2**20)
-        spread = (
-            f"{min(device_mib):.0f}..{max(device_mib):.0f}" if device_mib else "n/a",
-            f"{min(pinned_mib):.0f}..{max(pinned_mib):.0f}" if pinned_mib else "n/a",
+        peak = (
+            f"{torch.cuda.max_memory_allocated(setting.device) / 2**20:.0f}"
+            if setting.gpu
+            else "n/a"
         )
-        memory_rows.append([str(prefetch), *spread])
-    lines += [f"Memory after each of {epochs} epochs (MiB):", ""]
-    return lines + table(["prefetch", "device", "pinned host"], memory_rows)
+        pinned = f"{min(pinned_mib):.0f}..{max(pinned_mib):.0f}" if pinned_mib else "n/a"
+        rss = f"{min(rss_mib):.0f}..{max(rss_mib):.0f}"
+        rows.append([str(prefetch), peak, pinned, rss, f"{min(threads)}..{max(threads)}"])
+    total_mib = sum(batch.nbytes for batch in batches) / 2**20
+    return [
+        f"Memory over {epochs} epochs (MiB; the batches are {total_mib:.0f} MiB of host memory):",
+        "",
+        *table(["prefetch", "device peak", "pinned host", "host RSS", "threads"], rows),
+    ]
 
 
 # 6. Real training loops.
 
 
 class _Images(Dataset[tuple[torch.Tensor, int]]):
-    """Synthetic images, made in the workers as a decoding dataset would."""
+    """Images made once, in memory: the workers only index, as a cached dataset does."""
 
     def __init__(self, count: int, size: int, dtype: torch.dtype) -> None:
-        self.count, self.size, self.dtype = count, size, dtype
+        generator = torch.Generator().manual_seed(0)
+        shape = (count, 3, size, size)
+        if dtype is torch.uint8:
+            self.images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+        else:
+            self.images = torch.rand(shape, generator=generator)
 
     def __len__(self) -> int:
-        return self.count
+        return len(self.images)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        generator = torch.Generator().manual_seed(index)
-        if self.dtype is torch.uint8:
-            image = torch.randint(
-                0, 256, (3, self.size, self.size), dtype=torch.uint8, generator=generator
-            )
-        else:
-            image = torch.rand(3, self.size, self.size, generator=generator)
-        return image, index % 10
+        return self.images[index], index % 10
 
 
 def _small_cnn() -> nn.Module:
@@ -478,20 +620,45 @@ def _resnet18() -> nn.Module:
     return torchvision.models.resnet18(num_classes=10)
 
 
+WARM_STEPS = 5
+
+
 def _train(
     model: nn.Module, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], setting: Setting
-) -> None:
+) -> tuple[int, float]:
+    """Train on every batch; the number timed and their seconds, after the warm-up steps."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     device_type = setting.device.type
-    for images, labels in batches:
+    start, timed = 0.0, 0
+    for step, (images, labels) in enumerate(batches):
+        if step == WARM_STEPS:  # the pipeline is full, cudnn has chosen: the clock starts
+            setting.sync()
+            start = time.perf_counter()
         inputs = images.to(memory_format=torch.channels_last)
         if inputs.dtype is torch.uint8:
             inputs = inputs.float().div_(255)
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=setting.gpu):
+        autocast = (
+            torch.autocast(device_type, dtype=torch.bfloat16)
+            if setting.gpu
+            else contextlib.nullcontext()  # autocast refuses the smoke run's meta device
+        )
+        with autocast:
             loss = nn.functional.cross_entropy(model(inputs), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        timed += step >= WARM_STEPS
+    setting.sync()
+    return timed, time.perf_counter() - start
+
+
+def _loader_alone(loader: DataLoader[Any]) -> tuple[int, float]:
+    start, timed = 0.0, 0
+    for step, _ in enumerate(loader):
+        if step == WARM_STEPS:
+            start = time.perf_counter()
+        timed += step >= WARM_STEPS
+    return timed, time.perf_counter() - start
 
 
 def training_loops(setting: Setting) -> list[str]:
@@ -505,11 +672,13 @@ def training_loops(setting: Setting) -> list[str]:
         loops["ResNet-18, 224 px uint8, batch 256"] = (_resnet18, 224, torch.uint8, 256)
     except ImportError:
         pass
-    steps, workers = (3, 0) if setting.smoke else (60, 6)
+    timed_steps, workers, rounds = (3, 2, 1) if setting.smoke else (60, 6, 2)
+    device = setting.device
     rows = []
+    columns: list[str] = []
     for name, (make_model, full_size, dtype, full_batch) in loops.items():
         size, batch_size = (16, 8) if setting.smoke else (full_size, full_batch)
-        dataset = _Images(steps * batch_size, size, dtype)
+        dataset = _Images((WARM_STEPS + timed_steps) * batch_size, size, dtype)
 
         def loader(
             pin: bool, dataset: _Images = dataset, batch_size: int = batch_size
@@ -517,48 +686,49 @@ def training_loops(setting: Setting) -> list[str]:
             return DataLoader(
                 dataset,
                 batch_size=batch_size,
+                shuffle=True,
+                drop_last=True,
                 num_workers=workers,
                 pin_memory=pin and setting.gpu,
-                persistent_workers=workers > 0,
+                persistent_workers=True,
             )
 
         plain, pinning = loader(pin=False), loader(pin=True)
         variants: dict[str, Callable[[], Iterator[Any]]] = {
             ".to(d), no pinning": lambda plain=plain: (
-                (x.to(setting.device), y.to(setting.device)) for x, y in plain
+                (x.to(device), y.to(device)) for x, y in plain
             ),
             "pin_memory + non_blocking": lambda pinning=pinning: (
-                (x.to(setting.device, non_blocking=True), y.to(setting.device, non_blocking=True))
+                (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                 for x, y in pinning
             ),
-            "DeviceDataLoader": lambda plain=plain: iter(
-                dk.DeviceDataLoader(plain, setting.device)
-            ),
+            "DeviceDataLoader": lambda plain=plain: iter(dk.DeviceDataLoader(plain, device)),
             "DeviceDataLoader(pinning loader)": lambda pinning=pinning: iter(
-                dk.DeviceDataLoader(pinning, setting.device)
+                dk.DeviceDataLoader(pinning, device)
             ),
             "DeviceDataLoader(prefetch=0)": lambda plain=plain: iter(
-                dk.DeviceDataLoader(plain, setting.device, prefetch=0)
+                dk.DeviceDataLoader(plain, device, prefetch=0)
             ),
         }
-        model = dk.to_device(make_model(), setting.device).to(memory_format=torch.channels_last)
-        rates: dict[str, list[float]] = {variant: [] for variant in variants}
-        for _ in range(1 if setting.smoke else 2):  # best of two rounds, interleaved
+        rates: dict[str, list[float]] = {variant: [] for variant in ["loader alone", *variants]}
+        for _ in range(rounds):  # best of the rounds, variants interleaved
+            timed, seconds = _loader_alone(plain)
+            rates["loader alone"].append(timed * batch_size / seconds)
             for variant, batches in variants.items():
-                _train(model, batches(), setting)  # warm: workers, cudnn, the allocator
-                setting.sync()
-                start = time.perf_counter()
-                _train(model, batches(), setting)
-                setting.sync()
-                rates[variant].append(steps * batch_size / (time.perf_counter() - start))
+                torch.manual_seed(0)  # the same fresh model for every variant
+                model = dk.to_device(make_model(), device).to(memory_format=torch.channels_last)
+                timed, seconds = _train(model, batches(), setting)
+                rates[variant].append(timed * batch_size / seconds)
         rows.append([name] + [f"{max(rate):,.0f}" for rate in rates.values()])
-        columns = ["loop", *variants]
+        columns = ["loop", *rates]
     lines = [
         "## Real training loops",
         "",
         (
-            f"Images per second, {workers} DataLoader workers, bf16 autocast, channels_last, "
-            "best of two rounds."
+            f"Images per second: images in memory, shuffled, drop_last, {workers} persistent "
+            f"DataLoader workers, bf16 autocast, channels_last, {WARM_STEPS} warm-up steps "
+            f"then {timed_steps} timed, a fresh seeded model per variant, best of {rounds}. "
+            "'loader alone' iterates the DataLoader without a GPU: the most any variant can reach."
         ),
         "",
     ]
@@ -575,20 +745,35 @@ def _version(name: str) -> str:
         return "not installed"
 
 
+def _command_output(command: list[str]) -> str:
+    try:
+        return subprocess.run(
+            command, capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:  # Linux names the model there
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def header(setting: Setting) -> list[str]:
     gpu = torch.cuda.get_device_name(setting.device) if setting.gpu else "none (smoke run)"
     driver = "n/a"
     if setting.gpu:
-        try:
-            driver = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],  # noqa: S607
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=30,
-            ).stdout.split()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            driver = "unknown"
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        driver = (_command_output(query).split() or ["unknown"])[0]
+    root = Path(__file__).parent.parent
+    commit = _command_output(["git", "-C", str(root), "rev-parse", "HEAD"])
+    dirty = _command_output(["git", "-C", str(root), "status", "--porcelain", "--untracked=no"])
     peers = ", ".join(
         f"{name} {_version(name)}"
         for name in ("accelerate", "lightning-fabric", "lightning", "torchvision")
@@ -597,16 +782,14 @@ def header(setting: Setting) -> list[str]:
         "# devicekit GPU report",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- commit: {commit}{'' if dirty in ('', 'unknown') else ' (with uncommitted changes)'}",
         f"- GPU: {gpu}; driver {driver}; CUDA {torch.version.cuda}",
         (
             f"- PyTorch {torch.__version__}; Python {platform.python_version()}; "
             f"devicekit {dk.__version__}"
         ),
         f"- peers: {peers}",
-        (
-            f"- host: {platform.processor() or platform.machine()}, "
-            f"{torch.get_num_threads()} intra-op threads"
-        ),
+        f"- host: {_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads",
         "",
     ]
 
@@ -621,30 +804,83 @@ SECTIONS: dict[str, Callable[[Setting], list[str]]] = {
 }
 
 
+class SectionTimeout(Exception):  # noqa: N818 - what it reports is a time limit
+    """Raised in the main thread when a section runs past its budget."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, *, hard: bool) -> Iterator[None]:
+    """Raise SectionTimeout after ``seconds``; with ``hard``, end the process later still.
+
+    A hang inside a C call that holds the interpreter is not interrupted by the signal:
+    ``hard`` then dumps every thread's stack and exits 30 s later, after the sections
+    before have been written.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum: int, frame: object) -> None:
+        msg = f"the section ran past its {seconds:g} s budget"
+        raise SectionTimeout(msg)
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    if hard:
+        faulthandler.dump_traceback_later(seconds + 30, exit=True)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if hard:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def run_section(name: str, setting: Setting) -> list[str]:
+    """One section's lines, or what stopped it; never raises but for Ctrl-C."""
+    start = time.perf_counter()
+    budget = BUDGET_S[name] * (0.5 if setting.smoke else 1)
+    try:
+        with watchdog(budget, hard=not setting.smoke):
+            lines = SECTIONS[name](setting)
+    except Exception as error:  # reported in its place; the others still run
+        trace = traceback.format_exception(error)[-12:]
+        lines = [f"## {name}: FAILED", "", "```", *"".join(trace).splitlines(), "```", ""]
+    return [*lines, f"({name}: {time.perf_counter() - start:.0f} s)", ""]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the report to this file")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: for CI")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, the accelerator path on the CPU: for CI"
+    )
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run these sections only")
     args = parser.parse_args(argv)
+    context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if args.smoke:
-        setting = Setting(torch.device("cpu"), smoke=True, rounds=2, budget_s=0.005)
+        setting = Setting(torch.device("meta"), smoke=True, rounds=2, budget_s=0.005)
+        context = accelerator_on_the_cpu()
     elif torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         setting = Setting(device, smoke=False, rounds=15, budget_s=0.25)
     else:
         parser.error("no CUDA GPU is visible; --smoke runs the script on the CPU")
-    report = header(setting)
-    print("\n".join(report), flush=True)
-    for name, section in SECTIONS.items():
-        if args.only and name not in args.only:
-            continue
-        start = time.perf_counter()
-        lines = [*section(setting), f"({name}: {time.perf_counter() - start:.0f} s)", ""]
+
+    def emit(lines: list[str]) -> None:  # as each section ends: a later hang loses nothing
         print("\n".join(lines), flush=True)
-        report += lines
+        if args.out:
+            with args.out.open("a") as out:
+                out.write("\n".join(lines) + "\n")
+
     if args.out:
-        args.out.write_text("\n".join(report))
+        args.out.write_text("")
+    emit(header(setting))
+    with context:
+        for name in SECTIONS:
+            if not args.only or name in args.only:
+                emit(run_section(name, setting))
 
 
 if __name__ == "__main__":
