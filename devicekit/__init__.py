@@ -6,7 +6,7 @@ arbitrarily nested batches), and explain device problems in the user's own terms
 
 from devicekit._audit import TransferEvent, TransferLog, track_transfers
 from devicekit._backends import Backend, DeviceInfo
-from devicekit._checkpoint import load
+from devicekit._checkpoint import load, save
 from devicekit._checks import GuardHandle, check_same_device, find_devices, guard
 from devicekit._errors import (
     DeviceKitError,
@@ -40,6 +40,7 @@ __all__ = [
     "guard",
     "load",
     "register_transfer",
+    "save",
     "to_device",
     "track_transfers",
     "unregister_transfer",
