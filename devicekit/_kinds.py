@@ -28,6 +28,7 @@ import functools
 import inspect
 import numbers
 import threading
+import typing
 from collections import UserDict, UserList
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Final, NamedTuple, TypeVar
@@ -542,6 +543,12 @@ def register_transfer(cls: type) -> Callable[[F], F]:
     """
     if not isinstance(cls, type):  # for callers without a type checker
         msg = f"Expected a class to register a transfer rule for, got {type(cls).__name__} {cls!r}."  # type: ignore[unreachable]
+        raise TypeError(msg)
+    if cls is typing.Any:
+        msg = (
+            "Expected a class to register a transfer rule for, got typing.Any, which no "
+            "object is an instance of. Register the types you mean."
+        )
         raise TypeError(msg)
     if cls is torch.Tensor or cls is object:
         msg = (

@@ -16,7 +16,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -96,9 +96,9 @@ def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, run: _Run) -> i
         samples = sum(report.samples for report in reports)
         seconds = sum(report.seconds for report in reports)
         print(
-            f"Trained {epochs} epoch(s) on {manager.device}: loss {reports[0].first_loss:.3f} "
-            f"(first batch) -> {reports[-1].loss:.3f} (last epoch), {samples / seconds:,.0f} "
-            f"samples/s over {seconds:.1f} s."
+            f"Trained {_count(epochs, 'epoch')} on {manager.device}: loss "
+            f"{reports[0].first_loss:.3f} (first batch) -> {reports[-1].loss:.3f} (last epoch), "
+            f"{samples / seconds:,.0f} samples/s over {seconds:.1f} s."
         )
     return 0
 
@@ -170,15 +170,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    parser = _parser()
-    args = parser.parse_args(argv)
+    parser, commands = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # under the command's own usage, where the option would have gone
+        where = commands.get(args.command, parser)
+        hint = (
+            " (to choose a GPU, pass --device cuda or --device cuda:1)"
+            if args.command == "demo" and any(a.lstrip("-") in ("gpu", "cuda") for a in unknown)
+            else ""
+        )
+        where.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     debug = args.debug or os.environ.get("DEVICEKIT_DEBUG", "") not in ("", "0")
     run = _Run()
     try:
         status = _run(args, run)
         sys.stdout.flush()  # here, so a closed pipe is caught below and not at exit
     except KeyboardInterrupt:
-        done = f" after {run.epochs_done} epoch(s)" if args.command == "demo" else ""
+        done = f" after {_count(run.epochs_done, 'epoch')}" if args.command == "demo" else ""
         print(f"\ndevicekit: interrupted{done}.", file=sys.stderr)
         return 130
     except BrokenPipeError:
@@ -208,23 +216,40 @@ def _epochs(text: str) -> int:
     return epochs
 
 
-def _parser() -> argparse.ArgumentParser:
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+_COMMANDS: Final = {
+    "info": "List the devices, the one selected, and why.",
+    "demo": "Train a small CNN on synthetic data through devicekit.",
+    "bench": "Measure devicekit's transfers on this machine.",
+}
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="devicekit", description="Device handling for PyTorch training loops."
     )
     parser.add_argument("--version", action="version", version=devicekit.__version__)
-    parser.add_argument(
-        "--debug", action="store_true", help="show the traceback of an error (DEVICEKIT_DEBUG=1)"
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    info = commands.add_parser("info", help="list the devices, the one selected, and why")
-    info.add_argument("--json", action="store_true", help="print a JSON report instead")
-    demo = commands.add_parser("demo", help="train a small CNN on synthetic data through devicekit")
+    debug_help = "show the traceback of an error (DEVICEKIT_DEBUG=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    # --debug is taken after the command too; there its default leaves the global one be.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = {
+        name: subparsers.add_parser(
+            name, help=text[0].lower() + text[1:-1], description=text, parents=[common]
+        )
+        for name, text in _COMMANDS.items()
+    }
+    commands["info"].add_argument("--json", action="store_true", help="print a JSON report instead")
+    demo = commands["demo"]
     demo.add_argument("--epochs", type=_epochs, default=3, help="passes over the data (default 3)")
     demo.add_argument("--device", help="a device such as cuda:1 (default: devicekit's choice)")
     demo.add_argument("--json", action="store_true", help="print a JSON report at the end only")
-    commands.add_parser("bench", help="measure devicekit's transfers on this machine")
-    return parser
+    return parser, commands
 
 
 def _run(args: argparse.Namespace, run: _Run) -> int:

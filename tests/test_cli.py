@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import devicekit
+from devicekit import cli
 
 
 def _run(*args: str, **environ: str) -> str:
@@ -129,3 +130,42 @@ def test_ctrl_c_says_how_far_the_demo_got() -> None:
     done = int(stderr.split("interrupted after ")[1].split(" epoch")[0])
     assert done >= 1
     assert "Traceback" not in stderr
+
+
+# What a user trips on next: usage under the command, --debug after it, help that says
+# what each command does, counts that read as English.
+
+
+def test_an_unknown_option_is_refused_under_the_command_with_a_hint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", "--gpu"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("usage: devicekit demo ")
+    assert "unrecognized arguments: --gpu (to choose a GPU, pass --device cuda" in error
+
+
+def test_debug_is_taken_after_the_command_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    assert cli.main(["info"]) == 2  # a mistake is one line...
+    with pytest.raises(ValueError, match="Expected LOCAL_RANK"):  # ...or, debugging, raised
+        cli.main(["info", "--debug"])
+
+
+@pytest.mark.parametrize("command", ["info", "demo", "bench"])
+def test_each_command_s_help_says_what_it_does(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    description = lines[lines.index("") + 1]
+    assert description.endswith(".")
+    assert description[0].isupper()
+
+
+def test_one_epoch_is_counted_in_the_singular(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--epochs", "1", "--device", "cpu"]) == 0
+    assert "Trained 1 epoch on cpu" in capsys.readouterr().out

@@ -82,7 +82,7 @@ def test_the_demo_trains_for_one_epoch() -> None:
     lines = out.splitlines()
     assert lines[1] == "device: cpu (asked for cpu)"
     assert lines[2].startswith("epoch 1/1  loss ")
-    assert lines[-1].startswith("Trained 1 epoch(s) on cpu: loss ")
+    assert lines[-1].startswith("Trained 1 epoch on cpu: loss ")
 
 
 def test_the_demo_reports_json() -> None:

@@ -608,3 +608,11 @@ def test_track_transfers_watches_its_own_thread_as_documented() -> None:
         worker.join()
         torch.ones(3).to("meta")
     assert log.count == 1  # this thread's copy, not the worker's
+
+
+def test_registering_typing_any_is_refused() -> None:
+    import typing  # noqa: PLC0415 - this test alone needs it
+
+    refusal = re.escape("got typing.Any, which no object is an instance of")
+    with pytest.raises(TypeError, match=refusal):
+        dk.register_transfer(typing.Any)
