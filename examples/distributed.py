@@ -55,6 +55,11 @@ def main() -> None:
                 optimizer.step()
             if rank == 0:
                 print(f"epoch {epoch}: loss {loss.item():.4f}", flush=True)
+    # Every rank's last gradient reductions end before the group does, and the model's
+    # reducer goes while the group still stands: gloo's worker thread is then idle when
+    # the group is torn down (PyTorch can deadlock at exit when it is not).
+    dist.barrier()
+    del model, optimizer
     dist.destroy_process_group()
 
 
