@@ -52,34 +52,29 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes]) -> None:
         RuntimeError: On a rank other than 0, when rank 0 failed to write the file.
     """
     _check_binary(f, "save to")
-    rank, group = _rank()
-    failure: str | None = None
+    rank, grouped = _rank()
     if rank == 0:
         try:
             _write(obj, f)
         except Exception as err:
-            if group is None:
-                raise
-            failure = f"{type(err).__name__}: {err}"
-            _agree(failure)
+            if grouped:  # the other ranks wait for the outcome: they raise too
+                _agree(f"{type(err).__name__}: {err}")
             raise
-    if group is not None:
-        failure = _agree(failure)
-        if failure is not None:
-            msg = f"Cannot save the checkpoint: rank 0 failed to write it ({failure})."
-            raise RuntimeError(msg)
+    if grouped and (failure := _agree(None)) is not None:
+        msg = f"Cannot save the checkpoint: rank 0 failed to write it ({failure})."
+        raise RuntimeError(msg)
 
 
-def _rank() -> tuple[int, Any]:
+def _rank() -> tuple[int, bool]:
     """This process's global rank, and whether a process group is there to wait on."""
     distributed = torch.distributed
     if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank(), distributed.group.WORLD
-    return int(os.environ.get("RANK", "0") or 0), None
+        return distributed.get_rank(), True
+    return int(os.environ.get("RANK", "0") or 0), False
 
 
 def _agree(failure: str | None) -> str | None:
-    """Rank 0's outcome on every rank; waiting for it is the barrier."""
+    """Rank 0's outcome (``failure``, given there) on every rank; waiting for it is the barrier."""
     outcome = [failure]
     torch.distributed.broadcast_object_list(outcome, src=0)
     return outcome[0]
@@ -122,7 +117,7 @@ def _check_binary(f: object, doing: str) -> None:
 
 
 def _format_of(f: str | os.PathLike[str] | IO[bytes]) -> str:
-    """``"zip"``, ``"legacy"`` or what the file begins with: read, then put back."""
+    """``"zip"``, ``"legacy"``, ``"unread"`` or what the file begins with; put back after."""
     if isinstance(f, str | os.PathLike):
         with open(f, "rb") as file:
             start = file.read(len(_LEGACY_MAGIC) + 2)
@@ -131,7 +126,7 @@ def _format_of(f: str | os.PathLike[str] | IO[bytes]) -> str:
         start = f.read(len(_LEGACY_MAGIC) + 2)
         f.seek(position)
     else:
-        return "zip"  # an unseekable stream: torch.load says what it finds
+        return "unread"  # an unseekable stream: torch.load says what it finds
     if start.startswith(_ZIP_MAGIC):
         return "zip"
     if start[2:].startswith(_LEGACY_MAGIC):
@@ -187,7 +182,7 @@ def load(
     target = current_device() if device is None else resolve_device(device)
     name = shown(str(f if isinstance(f, str | os.PathLike) else getattr(f, "name", f)), limit=300)
     found = _format_of(f)
-    if found not in ("zip", "legacy"):
+    if found not in ("zip", "legacy", "unread"):
         # Never handed to torch.load: its refusal would advise weights_only=False, that
         # is running a pickle's code, for a file that is no checkpoint at all.
         why = "is empty" if found == "empty" else f"is not one (it {found})"
