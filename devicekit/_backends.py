@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from devicekit._devices import accelerator_type
+from devicekit._devices import accelerator_type, shown
 from devicekit._nvml import NvmlGpu, read_nvml, visible_gpus
 
 __all__ = [
@@ -146,7 +146,7 @@ class CudaBackend:
             visible = visible_gpus(gpus, self._environ)
         if gpus and not visible:
             setting = self._environ.get("CUDA_VISIBLE_DEVICES")
-            self.note = f"CUDA_VISIBLE_DEVICES={setting!r} hides all {len(gpus)} GPU(s)"
+            self.note = f"CUDA_VISIBLE_DEVICES={shown(setting)} hides all {len(gpus)} GPU(s)"
         return [
             DeviceInfo(
                 torch.device("cuda", index),

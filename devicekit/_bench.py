@@ -19,7 +19,7 @@ import torch
 from devicekit._devices import available_devices
 from devicekit._transfer import to_device
 
-__all__ = ["handwritten_per_image", "per_image_batch", "report"]
+__all__ = ["handwritten_per_image", "measure", "per_image_batch", "report"]
 
 
 def per_image_batch(count: int = 64) -> list[dict[str, Any]]:
@@ -78,32 +78,59 @@ def _copies(device: torch.device) -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def report() -> list[str]:
-    """The table ``devicekit bench`` prints."""
+def measure() -> dict[str, Any]:
+    """What ``devicekit bench`` measures, as ``bench --json`` prints it.
+
+    ``to_device``: one row per target, the handwritten comprehension and to_device in
+    microseconds and their ratio; ``copies``: the accelerator measured and one row per
+    batch, or None without one; ``seconds``: how long measuring took.
+    """
     start = time.perf_counter()
     batch = per_image_batch()
-    lines = [
-        "to_device vs the handwritten comprehension, 64 per-image dicts of 3 tensors",
-        f"  {'target':<28} {'handwritten us':>15} {'to_device us':>13} {'ratio':>6}",
-    ]
+    rows = []
     for label, device in (
         ("cpu (nothing to move)", torch.device("cpu")),
         ("meta (a real move)", torch.device("meta")),
     ):
         hand = _median_us(functools.partial(handwritten_per_image, batch, device))
         ours = _median_us(functools.partial(to_device, batch, device))
-        lines.append(f"  {label:<28} {hand:>15.1f} {ours:>13.1f} {ours / hand:>6.2f}")
+        rows.append({"target": label, "handwritten_us": hand, "to_device_us": ours})
     accelerators = [name for name in available_devices() if name not in ("cpu", "meta")]
+    copies = None
     if accelerators:
         device = torch.device(accelerators[0])
+        copies = {
+            "device": str(device),
+            "rows": [
+                {"what": label, "pageable_us": pageable, "pinned_us": pinned, "packed_us": packed}
+                for label, pageable, pinned, packed in _copies(device)
+            ],
+        }
+    return {"to_device": rows, "copies": copies, "seconds": time.perf_counter() - start}
+
+
+def report(measured: dict[str, Any]) -> list[str]:
+    """The table ``devicekit bench`` prints for what :func:`measure` returned."""
+    lines = [
+        "to_device vs the handwritten comprehension, 64 per-image dicts of 3 tensors",
+        f"  {'target':<28} {'handwritten us':>15} {'to_device us':>13} {'ratio':>6}",
+    ]
+    for row in measured["to_device"]:
+        hand, ours = row["handwritten_us"], row["to_device_us"]
+        lines.append(f"  {row['target']:<28} {hand:>15.1f} {ours:>13.1f} {ours / hand:>6.2f}")
+    copies = measured["copies"]
+    if copies is not None:
         lines += [
             "",
-            f"host -> {device} copies",
+            f"host -> {copies['device']} copies",
             f"  {'what':<16} {'pageable us':>12} {'pinned us':>10} {'packed us':>10}",
         ]
-        for label, pageable, pinned, packed in _copies(device):
-            lines.append(f"  {label:<16} {pageable:>12.1f} {pinned:>10.1f} {packed:>10.1f}")
+        lines += [
+            f"  {row['what']:<16} {row['pageable_us']:>12.1f} {row['pinned_us']:>10.1f} "
+            f"{row['packed_us']:>10.1f}"
+            for row in copies["rows"]
+        ]
     else:
         lines += ["", "No accelerator here: host -> device copies are not measured."]
-    lines.append(f"({time.perf_counter() - start:.1f} s)")
+    lines.append(f"({measured['seconds']:.1f} s)")
     return lines

@@ -135,6 +135,16 @@ def _default_family() -> str:
     return next((kind for kind in _ACCELERATORS if _device_count(kind)), "cpu")
 
 
+def _did_you_mean(spec: str) -> str:
+    """A hint where the spec parses once lower-cased and stripped ('CPU', ' cuda:0')."""
+    candidate = spec.strip().lower()
+    try:
+        torch.device(candidate)
+    except RuntimeError:
+        return ""
+    return f" (did you mean {candidate!r}?)"
+
+
 def parse_device(spec: object) -> torch.device:
     """Parse a device spec without checking that this machine has the device.
 
@@ -152,7 +162,7 @@ def parse_device(spec: object) -> torch.device:
             return torch.device(spec)
         except RuntimeError:
             msg = (
-                f"Expected a device such as {_EXAMPLES}, got {shown(spec)}. "
+                f"Expected a device such as {_EXAMPLES}, got {shown(spec)}{_did_you_mean(spec)}. "
                 f"Available here: {_choices()}."
             )
             raise DeviceUnavailableError(msg) from None

@@ -119,6 +119,11 @@ def _visibility_set(device_type: str) -> bool:
     return any(os.environ.get(name) for name in _VISIBILITY_VARIABLES.get(device_type, ()))
 
 
+def _count(number: int, noun: str) -> str:
+    """``1 cuda device``, ``2 cuda devices``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _processes(count: int) -> str:
     return "1 process" if count == 1 else f"{count} processes"
 
@@ -146,6 +151,19 @@ def _local_rank() -> int | None:
         )
         raise ValueError(msg)
     return rank
+
+
+def _listed(backend: Backend) -> list[DeviceInfo]:
+    """What ``backend.devices()`` lists, checked: a custom backend's mistake named here."""
+    found = list(backend.devices())
+    for position, info in enumerate(found):
+        if not isinstance(info, DeviceInfo):  # for untyped backends
+            msg = (  # type: ignore[unreachable]
+                f"Expected the {backend.name!r} backend's devices() to list devicekit.DeviceInfo "
+                f"objects, got {type(info).__name__} {shown(info)} at position {position}."
+            )
+            raise TypeError(msg)
+    return found
 
 
 class DeviceManager:
@@ -221,7 +239,7 @@ class DeviceManager:
         self._prefer = tuple(prefer)
         self._min_free = None if min_free_memory is None else parse_bytes(min_free_memory)
         self._fallback = fallback
-        self._found = {id(backend): list(backend.devices()) for backend in self._backends}
+        self._found = {id(backend): _listed(backend) for backend in self._backends}
         self._devices = tuple(info for infos in self._found.values() for info in infos)
         self._skipped: list[str] = []
         self._device, self._reason = self._select(device, policy)
@@ -230,9 +248,10 @@ class DeviceManager:
     def from_env(cls, **options: Any) -> DeviceManager:
         """A manager configured by the environment, for scripts and launchers.
 
-        ``DEVICEKIT_DEVICE`` (``"cuda:1"``, ``"cpu"``, an index) is used when set;
-        otherwise, under torchrun, ``LOCAL_RANK`` selects ``cuda:LOCAL_RANK`` among the
-        visible devices; otherwise ``options`` decide, as in the constructor.
+        ``DEVICEKIT_DEVICE`` (``"cuda:1"``, ``"cpu"``, an index) when set, as in the
+        constructor given no device, and here over a ``device`` given as a default;
+        else torchrun's ``LOCAL_RANK`` selects ``cuda:LOCAL_RANK`` among the visible
+        devices; else ``options`` decide, as in the constructor.
 
         >>> import devicekit as dk, os
         >>> os.environ["DEVICEKIT_DEVICE"] = "cpu"
@@ -243,7 +262,7 @@ class DeviceManager:
 
         Args:
             **options: Keyword arguments of the constructor; a ``device`` given here is
-                used where ``DEVICEKIT_DEVICE`` is not set.
+                a default, used where ``DEVICEKIT_DEVICE`` is not set.
 
         Returns:
             The manager.
@@ -252,20 +271,10 @@ class DeviceManager:
             DeviceUnavailableError: ``DEVICEKIT_DEVICE`` names no device of this machine.
             ValueError: ``LOCAL_RANK`` is not a whole number of 0 or more.
         """
-        spec = os.environ.get("DEVICEKIT_DEVICE", "").strip()
-        if spec:
-            index = _whole_number(spec)
-            # The variable wins over a device= given here, as an environment setting
-            # overrides a program's default.
+        if os.environ.get("DEVICEKIT_DEVICE", "").strip():
+            # The variable overrides a program's default, as environment settings do.
             options.pop("device", None)
-            try:
-                manager = cls(spec if index is None else index, **options)
-            except DeviceUnavailableError as err:
-                msg = f"DEVICEKIT_DEVICE={shown(spec)} cannot be used: {err}"
-                raise DeviceUnavailableError(msg) from None
-            manager._reason = "DEVICEKIT_DEVICE asks for it"
-            return manager
-        if _local_rank() is not None:
+        elif _local_rank() is not None:
             options.setdefault("policy", "local-rank")
         return cls(**options)
 
@@ -349,6 +358,15 @@ class DeviceManager:
     def _select(self, device: DeviceLike | None, policy: Policy) -> tuple[torch.device, str]:
         if device is not None:
             return self._explicit(device)
+        spec = os.environ.get("DEVICEKIT_DEVICE", "").strip()
+        if spec:
+            index = _whole_number(spec)
+            try:
+                chosen, _ = self._explicit(spec if index is None else index)
+            except DeviceUnavailableError as err:
+                msg = f"DEVICEKIT_DEVICE={shown(spec)} cannot be used: {err}"
+                raise DeviceUnavailableError(msg) from None
+            return chosen, "DEVICEKIT_DEVICE asks for it"
         if policy == "local-rank" or (policy == "auto" and _local_rank() is not None):
             return self._by_local_rank()
         for position, name in enumerate(self._prefer):
@@ -391,9 +409,24 @@ class DeviceManager:
         match = next((info for info in found if info.index == index), None)
         if match is None:
             choices = ", ".join(repr(str(info.device)) for info in self._devices)
-            msg = f"Expected one of {choices} (the devices here), got {shown(str(spec))}."
+            msg = (
+                f"Expected one of {choices} (the devices here), got {shown(str(spec))}: "
+                f"{self._why_none(device.type, found)}."
+            )
             raise DeviceUnavailableError(msg)
         return match.device, f"asked for {spec}"
+
+    def _why_none(self, device_type: str, found: list[DeviceInfo]) -> str:
+        """Why a device of ``device_type`` asked for by index is not here, in a few words."""
+        if found:
+            indices = ", ".join(str(info.device) for info in found)
+            return f"this process sees {_count(len(found), device_type + ' device')} ({indices})"
+        notes = [
+            note
+            for backend in self._backends
+            if backend.device_type == device_type and (note := getattr(backend, "note", None))
+        ]
+        return f"no {device_type} device is visible" + (f" ({notes[0]})" if notes else "")
 
     def _has_room(self, info: DeviceInfo) -> bool:
         if self._min_free is None or info.free_memory is None:
@@ -493,12 +526,8 @@ class DeviceManager:
             raise DeviceUnavailableError(msg)
         if not _fallback_warned.is_set():
             _fallback_warned.set()
-            msg = (
-                f"devicekit uses the CPU: {why}. {reasons} DeviceManager(...).explain() says "
-                "what it saw; fallback='error' makes this an error, and prefer=('cpu',) "
-                "chooses the CPU without this warning."
-            ).replace(".  ", ". ")
-            warn(msg, RuntimeWarning)
+            # One sentence: explain() has the rest, what was seen and passed over.
+            warn(f"devicekit uses the CPU: {why}; see DeviceManager().explain().", RuntimeWarning)
         return torch.device("cpu"), f"{why}, so the CPU is the fallback"
 
 

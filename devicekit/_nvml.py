@@ -109,12 +109,17 @@ def read_nvml() -> list[NvmlGpu] | None:
     return gpus
 
 
+_MOST_DIGITS = 9  # an index longer than this names no GPU
+
+
 def _leading_integer(token: str) -> int:
     """The integer a token starts with, as the CUDA runtime reads it ("1gpu" is 1); -1 if none."""
     digits = token[1:] if token[:1] in "+-" else token
     length = len(digits) - len(digits.lstrip("0123456789"))
     if length == 0:
         return -1
+    if length > _MOST_DIGITS:  # no GPU has that index; int() would refuse 4,301 digits
+        return -1 if token.startswith("-") else 10**_MOST_DIGITS
     return int(token[: length + (len(token) - len(digits))])
 
 

@@ -21,7 +21,7 @@ from typing import Any, Final
 import torch
 
 import devicekit
-from devicekit._bench import report as bench_report
+from devicekit import _bench
 from devicekit._demo import train
 from devicekit._errors import DeviceKitError
 from devicekit._manager import DeviceManager
@@ -64,8 +64,8 @@ class _Run:
 def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, run: _Run) -> int:
     if manager.device.type == "meta":
         msg = (
-            "the demo trains on real data, and meta tensors have none (only shapes): "
-            "choose cpu or an accelerator"
+            "Expected a device with memory for the demo to train on, got meta, whose "
+            "tensors have shapes but no data. Choose cpu or an accelerator."
         )
         raise UserError(msg)
     if not as_json:
@@ -156,8 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A mistake in what was asked (a device this machine lacks, a bad environment
     variable) is one line on stderr and status 2; ``--debug`` (or ``DEVICEKIT_DEBUG=1``)
-    shows the traceback instead. Ctrl-C ends with one line and status 130; a closed
-    pipe (``devicekit info | head -1``) ends quietly.
+    shows the traceback instead. Ctrl-C ends with one line and status 130; a reader
+    that goes away (``devicekit info | head -1``) ends it quietly with status 0, and an
+    output that cannot be written (``> /dev/full``, a closed stdout) with one line and
+    status 1.
 
     >>> main([])  # doctest: +ELLIPSIS
     devicekit ... (PyTorch ...)
@@ -181,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         where.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     debug = args.debug or os.environ.get("DEVICEKIT_DEBUG", "") not in ("", "0")
+    if sys.stdout is None:  # started with stdout closed (>&-): print() would drop it all
+        print("devicekit: error: cannot write the output: stdout is closed.", file=sys.stderr)
+        return 1
     run = _Run()
     try:
         status = _run(args, run)
@@ -190,11 +195,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ndevicekit: interrupted{done}.", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader went away (| head): say nothing more, and let Python's exit not try
-        # to flush into the closed pipe either.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141
+        # The reader went away (| head), before or after the last write, which is a
+        # matter of timing: the same quiet status 0 either way.
+        _drop_output()
+        return 0
+    except OSError as error:
+        if error.filename is not None:  # a file devicekit itself opened: a real failure
+            raise
+        _drop_output()
+        print(f"devicekit: error: cannot write the output: {error.strerror}.", file=sys.stderr)
+        return 1
     except (UserError, DeviceKitError, ValueError) as error:
         if debug:
             raise
@@ -202,6 +212,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"devicekit: error: {message}", file=sys.stderr)
         return 2
     return status
+
+
+def _drop_output() -> None:
+    """Point stdout at the null device, so that Python's exit flushes it without error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _epochs(text: str) -> int:
@@ -244,7 +260,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         )
         for name, text in _COMMANDS.items()
     }
-    commands["info"].add_argument("--json", action="store_true", help="print a JSON report instead")
+    for name in ("info", "bench"):
+        commands[name].add_argument(
+            "--json", action="store_true", help="print a JSON report instead"
+        )
     demo = commands["demo"]
     demo.add_argument("--epochs", type=_epochs, default=3, help="passes over the data (default 3)")
     demo.add_argument("--device", help="a device such as cuda:1 (default: devicekit's choice)")
@@ -254,7 +273,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 def _run(args: argparse.Namespace, run: _Run) -> int:
     if args.command == "bench":
-        print("\n".join(bench_report()))
+        measured = _bench.measure()
+        print(json.dumps(measured, indent=2) if args.json else "\n".join(_bench.report(measured)))
         return 0
     if args.command == "demo":
         return _demo(_manager(args.device), args.epochs, as_json=args.json, run=run)

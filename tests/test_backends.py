@@ -114,6 +114,17 @@ def test_cuda_backend_says_when_visibility_hides_everything() -> None:
     assert backend.note == "CUDA_VISIBLE_DEVICES='-1' hides all 4 GPU(s)"
 
 
+def test_an_absurdly_long_index_hides_the_gpus_instead_of_raising() -> None:
+    # int() refuses 4,301 digits; such an index names no GPU, as "7" does on four.
+    value = "9" * 5000
+    backend = CudaBackend(nvml=lambda: FOUR, environ={"CUDA_VISIBLE_DEVICES": value}, compiled=True)
+    assert backend.devices() == []
+    shown = f"'{'9' * 57}... (5,000 characters)"
+    assert backend.note == f"CUDA_VISIBLE_DEVICES={shown} hides all 4 GPU(s)"
+    assert _visible(f"2,{value},1") == [2]
+    assert _visible(f"2,-{value},1") == [2]
+
+
 def test_cuda_backend_says_when_pytorch_cannot_use_the_gpus() -> None:
     backend = CudaBackend(nvml=lambda: FOUR, environ={}, compiled=False)
     assert backend.devices() == []

@@ -7,9 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
+import _devicekit_cli
 import devicekit
 from devicekit import cli
 
@@ -77,7 +80,23 @@ def _fails(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
         (("demo", "--device", "cuda:7"), {}, "got 'cuda:7'"),
         (("info",), {"DEVICEKIT_DEVICE": "cuda:7"}, "DEVICEKIT_DEVICE='cuda:7' cannot be used"),
         (("info",), {"LOCAL_RANK": "x"}, "LOCAL_RANK (set by torchrun)"),
-        (("demo", "--device", "meta"), {}, "meta tensors have none"),
+        (
+            ("demo", "--device", "meta"),
+            {},
+            (
+                "Expected a device with memory for the demo to train on, got meta, whose "
+                "tensors have shapes but no data. Choose cpu or an accelerator.\n"
+            ),
+        ),
+        (
+            ("demo", "--device", "cuda:9"),
+            {},
+            # Why, on this machine: no CUDA build, or too few GPUs.
+            "got 'cuda:9': no cuda device is visible"
+            if not torch.cuda.is_available()
+            else "got 'cuda:9': this process sees",
+        ),
+        (("demo", "--device", "CPU"), {}, "got 'CPU' (did you mean 'cpu'?)."),
     ],
 )
 def test_a_mistake_is_one_line_and_status_2(
@@ -110,8 +129,97 @@ def test_a_closed_pipe_ends_quietly() -> None:
         assert process.stdout is not None
         process.stdout.close()  # the reader is gone before the first line is written
         _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 141
+    assert process.returncode == 0  # as when the reader leaves after the last line
     assert stderr == b""
+
+
+def test_a_reader_leaving_ends_with_status_0_whatever_the_timing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Gone:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self) -> int:
+            return sys.__stdout__.fileno() if sys.__stdout__ is not None else 1
+
+    monkeypatch.setattr(cli, "_drop_output", lambda: None)  # the test's stdout stays
+    monkeypatch.setattr(sys, "stdout", Gone())
+    assert cli.main(["info"]) == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_output_that_cannot_be_written_is_one_line_and_status_1() -> None:
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "devicekit", "info"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert result.stderr == "devicekit: error: cannot write the output: No space left on device.\n"
+
+
+def test_a_closed_stdout_is_one_line_and_status_1() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "devicekit", "info"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+        preexec_fn=lambda: os.close(1),  # the child's stdout, before exec
+    )
+    assert result.returncode == 1
+    assert result.stderr == "devicekit: error: cannot write the output: stdout is closed.\n"
+
+
+def test_ctrl_c_while_pytorch_imports_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Interrupted:  # Ctrl-C lands while devicekit (and so PyTorch) is imported
+        def find_spec(self, name: str, *args: object) -> None:
+            if name == "devicekit.cli":
+                raise KeyboardInterrupt
+
+    monkeypatch.delitem(sys.modules, "devicekit.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    monkeypatch.delattr(devicekit, "cli")
+    assert _devicekit_cli.main() == 130
+
+
+RUN_INFO = "sys.argv[1:] = ['info']; raise SystemExit(_devicekit_cli.main())"
+
+
+def test_ctrl_c_soon_after_start_has_no_traceback() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", f"import _devicekit_cli, sys; {RUN_INFO}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        time.sleep(0.3)  # Python is up; PyTorch takes a second or more to import
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    if stdout:  # a machine fast enough to finish first: nothing was interrupted
+        pytest.skip("devicekit info finished within 0.3 s")
+    assert (process.returncode, stderr) == (130, "\ndevicekit: interrupted.\n")
+
+
+def test_bench_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [row["target"] for row in report["to_device"]] == [
+        "cpu (nothing to move)",
+        "meta (a real move)",
+    ]
+    for row in report["to_device"]:
+        assert row["handwritten_us"] > 0
+        assert row["to_device_us"] > 0
+    assert (report["copies"] is None) == (not torch.cuda.is_available())
+    assert report["seconds"] > 0
 
 
 def test_ctrl_c_says_how_far_the_demo_got() -> None:

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 CPU = torch.device("cpu")
+FALLBACK_WARNING = (
+    "devicekit uses the CPU: no cuda, xpu or mps device is usable; see DeviceManager().explain()."
+)
 EXPECTED_A_DEVICE = "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
 
 
@@ -98,11 +101,8 @@ def test_cuda_in_prefer_matches_rocm_gpus() -> None:
 
 
 def test_no_gpu_falls_back_to_the_cpu_and_warns_once() -> None:
-    msg = (
-        "devicekit uses the CPU: no cuda, xpu or mps device is usable. No cuda device is "
-        "visible (this PyTorch build has no CUDA support). DeviceManager(...).explain()"
-    )
-    with pytest.warns(RuntimeWarning, match=re.escape(msg)) as record:
+    msg = FALLBACK_WARNING
+    with pytest.warns(RuntimeWarning, match=f"^{re.escape(msg)}$") as record:
         manager = dk.DeviceManager(backends=machine(note="this PyTorch build has no CUDA support"))
     assert record[0].filename == __file__  # the user's line, not devicekit's
     assert manager.device == CPU
@@ -112,19 +112,16 @@ def test_no_gpu_falls_back_to_the_cpu_and_warns_once() -> None:
 
 
 def test_full_gpus_fall_back_too_and_say_why_for_each() -> None:
-    msg = (
-        "devicekit uses the CPU: no cuda, xpu or mps device is usable. Passed over cuda:0: "
-        "1.0 GiB free of 80.0 GiB, less than the 8.0 GiB min_free_memory asks. Passed over "
-        "cuda:1: 2.0 GiB free of 80.0 GiB, less than the 8.0 GiB min_free_memory asks. "
-        "DeviceManager(...).explain() says what it saw"
-    )
-    with pytest.warns(RuntimeWarning, match=re.escape(msg)):
+    msg = FALLBACK_WARNING
+    with pytest.warns(RuntimeWarning, match=f"^{re.escape(msg)}$"):
         manager = dk.DeviceManager(min_free_memory="8GiB", backends=machine(1, 2))
     assert manager.device == CPU
-    skipped = (
-        "Skipped cuda:1: 2.0 GiB free of 80.0 GiB, less than the 8.0 GiB min_free_memory asks."
-    )
-    assert skipped in manager.explain()
+    for index, free in ((0, 1), (1, 2)):  # the warning's one sentence points here
+        skipped = (
+            f"Skipped cuda:{index}: {free}.0 GiB free of 80.0 GiB, less than the 8.0 GiB "
+            "min_free_memory asks."
+        )
+        assert skipped in manager.explain()
 
 
 def test_fallback_error_lists_what_was_found() -> None:
@@ -183,7 +180,13 @@ def test_explicit_devices_and_indices() -> None:
             "gpu",
             f"{EXPECTED_A_DEVICE}, got 'gpu'.",
         ),
-        ("cuda:7", "Expected one of 'cuda:0', 'cpu' (the devices here), got 'cuda:7'."),
+        (
+            "cuda:7",
+            (
+                "Expected one of 'cuda:0', 'cpu' (the devices here), got 'cuda:7': this "
+                "process sees 1 cuda device (cuda:0)."
+            ),
+        ),
         (
             "cuda:-1",
             f"{EXPECTED_A_DEVICE}, got 'cuda:-1'.",
@@ -287,6 +290,49 @@ def test_local_rank_policy_needs_local_rank() -> None:
     msg = "Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
         dk.DeviceManager(policy="local-rank", backends=machine(70))
+
+
+def test_devicekit_device_is_one_rule_for_every_entry_point(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The constructor, from_env() and current_device() agree, so that a script using
+    # both a manager and to_device(x) never splits itself across two devices.
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "meta")
+    _manager._process_default.cache_clear()
+    try:
+        assert dk.DeviceManager().device == torch.device("meta")
+        assert dk.DeviceManager.from_env().device == torch.device("meta")
+        assert dk.current_device() == torch.device("meta")
+        assert dk.DeviceManager().reason == "DEVICEKIT_DEVICE asks for it"
+    finally:
+        _manager._process_default.cache_clear()
+    # A device passed to the constructor is used as given.
+    assert dk.DeviceManager("cpu").device == CPU
+
+
+def test_choosing_the_cpu_through_the_environment_is_no_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "cpu")
+    manager = dk.DeviceManager(backends=machine(note="this PyTorch build has no CUDA support"))
+    # No warning (filterwarnings turns one into an error), and the reason says why.
+    assert (manager.device, manager.reason) == (CPU, "DEVICEKIT_DEVICE asks for it")
+
+
+def test_a_backend_listing_something_else_than_device_infos_is_named() -> None:
+    class Broken:
+        name = "mybackend"
+        device_type = "cuda"
+
+        def devices(self) -> list[object]:
+            return [None]
+
+    msg = (
+        "Expected the 'mybackend' backend's devices() to list devicekit.DeviceInfo objects, "
+        "got NoneType None at position 0."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        dk.DeviceManager(backends=[Broken()])
 
 
 def test_devicekit_device_wins_over_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
