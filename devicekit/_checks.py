@@ -33,12 +33,13 @@ def _tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
     that move themselves too (a PackedSequence's ``.data``, a graph's ``.x``).
     """
     flat = _tree.flatten(data, view=READ)
+    tensors = [index for index in flat.active if isinstance(flat.leaves[index], torch.Tensor)]
+    if not tensors:  # a million ints, a config: nothing to name, so no path is made
+        return
     leaf_paths, _ = _tree.paths(flat)
-    for index in flat.active:
-        leaf = flat.leaves[index]
-        if isinstance(leaf, torch.Tensor):
-            path = leaf_paths[index]
-            yield (root + path if root or not path.startswith(".") else path[1:]), leaf
+    for index in tensors:
+        path = leaf_paths[index]
+        yield (root + path if root or not path.startswith(".") else path[1:]), flat.leaves[index]
 
 
 def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
@@ -128,7 +129,8 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
         for path, tensor in _tensor_paths(item, root):
             found.setdefault(tensor.device, []).append(path)
     if not found:
-        msg = f"Expected tensors to check, but found none in {len(data)} argument(s)."
+        arguments = "1 argument" if len(data) == 1 else f"{len(data)} arguments"
+        msg = f"Expected tensors to check, but found none in {arguments}."
         raise ValueError(msg)
     if expected is None and len(found) == 1:
         return next(iter(found))

@@ -77,7 +77,7 @@ INERT_TYPES: Final = frozenset(
     {type(None), bool, int, float, complex, str, bytes, range, slice, type(Ellipsis)}
     | {torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
-# Kept, strict or not: subclasses of those, enum members, numpy's scalars.
+# Kept, strict or not: subclasses of those, enum members, numbers (numpy's scalars).
 _KEPT_BASES = (*INERT_TYPES, enum.Enum, numbers.Number)
 # Sequences of numbers or bytes: leaves, as strings are.
 _FLAT_SEQUENCES = (str, bytes, bytearray, range, memoryview, array.array)
@@ -124,7 +124,10 @@ def _refilled(fill: Callable[[Any, Any, list[Any]], None]) -> Callable[[Any, lis
     """
 
     def rebuild(node: Any, values: list[Any]) -> Any:
-        clone = copy.copy(node)
+        try:
+            clone = copy.copy(node)
+        except Exception as err:  # a constructor that needs arguments copy.copy lacks
+            raise _refusal(node, f"which copy.copy cannot copy ({err})") from err
         if clone is node or (isinstance(node, UserDict | UserList) and clone.data is node.data):
             raise _refusal(node, "whose copy shares its contents with the original")
         fill(clone, node, values)
@@ -179,7 +182,10 @@ def rebuild_namedtuple(node: tuple[Any, ...], values: list[Any]) -> tuple[Any, .
 
 
 def _by_type(node: Any, values: list[Any]) -> Any:
-    return type(node)(values)
+    try:
+        return type(node)(values)
+    except Exception as err:  # a constructor that takes something else than the items
+        raise _refusal(node, f"which cannot be built from a list of its items ({err})") from err
 
 
 def _indices(node: Iterable[Any]) -> list[str]:
@@ -375,17 +381,17 @@ _rules: dict[type, Callable[..., Any]] = {}  # rule(obj, device, **options) -> m
 _lock = threading.Lock()  # the registry and the decisions change together under it
 
 
-def _rule_for(cls: type) -> Callable[..., Any] | None:
-    """The nearest class in the MRO with a rule, then ABCs in order (``Sequence``: lists)."""
+def _rule_for(cls: type) -> tuple[type, Callable[..., Any]] | None:
+    """The class registered and its rule: the nearest in the MRO, then ABCs in order."""
     if not _rules:
         return None
     for klass in cls.__mro__:
         if klass in _rules:
-            return _rules[klass]
+            return klass, _rules[klass]
     for base, rule in _rules.items():
         metaclass: type = type(base)
         if issubclass(metaclass, abc.ABCMeta) and issubclass(cls, base):
-            return rule
+            return base, rule
     return None
 
 
@@ -404,7 +410,7 @@ class Decision(NamedTuple):
     cast: Any
     read: Any
     leaf: Leaf | None  # None for containers and inert types
-    detail: Any = None  # the registered rule, or whether a .to() takes non_blocking
+    detail: Any = None  # (class registered, its rule), or whether a .to() takes non_blocking
 
 
 def _decide(cls: type) -> Decision:
@@ -420,7 +426,10 @@ def _decide(cls: type) -> Decision:
         return Decision(LEAF, LEAF, _OPTIMIZER, Leaf.OPTIMIZER)
     if cls in INERT_TYPES or cls is type(_UNSET):
         return Decision(INERT, INERT, INERT, None)
-    if issubclass(cls, _KEPT_BASES):
+    # numpy's scalars (np.bool_ is no numbers.Number), known by name: numpy is not imported.
+    if issubclass(cls, _KEPT_BASES) or any(
+        k.__module__ == "numpy" and k.__name__ == "generic" for k in cls.__mro__
+    ):
         return Decision(LEAF, LEAF, LEAF, Leaf.KEPT)
     node = container_node(cls)
     moves_itself = callable(getattr(cls, "to", None))
@@ -534,6 +543,8 @@ def register_transfer(cls: type) -> Callable[[F], F]:
     Returns:
         A decorator that registers ``fn(obj, device, **options) -> moved`` and returns it
         unchanged. ``options`` are ``non_blocking``, ``dtype``, ``copy`` and ``memory_format``.
+        ``moved`` takes the object's place, so it must be an instance of ``cls``: a rule
+        returning anything else (None, a number) is a TransferError naming the object.
 
     Raises:
         TypeError: ``cls`` is not a class, is :class:`torch.Tensor` (moved by to_device

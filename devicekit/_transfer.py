@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy as copy_module
-from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Final, Literal, NamedTuple, TypeAlias, TypeVar
 
 import torch
@@ -75,13 +75,15 @@ def _check(options: Options) -> Options:
 
 
 def _skip_set(keys: object) -> frozenset[Hashable] | None:
-    """``skip_keys`` as a set: one key alone (a string is not its letters), or many."""
+    """``skip_keys`` as a set: one key alone (a string is not its letters, 5 is key 5), or many."""
+    one = isinstance(keys, str | bytes) or not isinstance(keys, Iterable)
     try:
-        found = frozenset((keys,) if isinstance(keys, str | bytes) else keys)  # type: ignore[call-overload]
+        found = frozenset((keys,) if one else keys)  # type: ignore[call-overload]
     except TypeError:
         msg = (
             "Expected skip_keys to be a mapping key such as 'raw_text', or a collection of "
-            f"hashable keys, got {type(keys).__name__} {keys!r}."
+            f"hashable keys, got {type(keys).__name__} {keys!r}: "
+            + ("a key must be hashable." if one else "each of its items must be a hashable key.")
         )
         raise TypeError(msg) from None
     return found or None
@@ -454,7 +456,10 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: objec
     return optimizer
 
 
-def _move_by_rule(obj: Any, call: _Call, rule: Any) -> Any:
+def _move_by_rule(obj: Any, call: _Call, registered: tuple[type, Any]) -> Any:
+    # What the rule returns takes the object's place in the batch: an instance of the
+    # class registered (a rule for Boxes may return a Boxes for a subclass's instance).
+    cls, rule = registered
     options = call.plan.options
     result = rule(
         obj,
@@ -464,7 +469,7 @@ def _move_by_rule(obj: Any, call: _Call, rule: Any) -> Any:
         copy=options.copy,
         memory_format=options.memory_format or torch.preserve_format,
     )
-    return _checked(result, obj, f"the rule registered for {type(obj).__name__}")
+    return _checked(result, obj, f"the rule registered for {cls.__name__}", expected=cls)
 
 
 def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
@@ -486,7 +491,7 @@ def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
         raise LeafError(msg) from err
     plan = call.plan
     told = {"non_blocking": True} if takes_non_blocking and plan.told else {}
-    moved = _checked(clone.to(plan.device, **told), obj, f"{name}.to()", same_type=True)
+    moved = _checked(clone.to(plan.device, **told), obj, f"{name}.to()", expected=type(obj))
     if plan.plain:
         return moved
     # Tensors stay where the .to() left them (a PackedSequence's batch_sizes, on the
@@ -500,7 +505,7 @@ def _restyle(obj: Any, call: _Call) -> Any:
     return call.leaf(obj) if isinstance(obj, torch.Tensor | torch.nn.Module) else obj
 
 
-def _checked(result: Any, obj: Any, how: str, *, same_type: bool = False) -> Any:
+def _checked(result: Any, obj: Any, how: str, *, expected: type) -> Any:
     name = type(obj).__name__
     if result is None:
         msg = (
@@ -508,11 +513,12 @@ def _checked(result: Any, obj: Any, how: str, *, same_type: bool = False) -> Any
             "moved object. A method that moves in place must return self."
         )
         raise LeafError(msg)
-    if same_type and not isinstance(result, type(obj)):
+    if not isinstance(result, expected):
         msg = (
             f"Cannot move {{path}}: {how} returned a {type(result).__name__} for the {name} "
-            f"there, not a {name}: its .to() does not move it to a device. Register how to "
-            f"move it with @devicekit.register_transfer({name})."
+            f"there, not a {expected.__name__}, so it is not the moved object. Register how "
+            f"to move it with @devicekit.register_transfer({name}), returning a "
+            f"{expected.__name__}."
         )
         raise LeafError(msg)
     return result

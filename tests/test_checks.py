@@ -145,7 +145,7 @@ def test_an_expected_device_is_enforced() -> None:
 
 
 def test_nothing_to_check_is_refused() -> None:
-    msg = "Expected tensors to check, but found none in 2 argument(s)."
+    msg = "Expected tensors to check, but found none in 2 arguments."
     with pytest.raises(ValueError, match=re.escape(msg)):
         dk.check_same_device({"ids": [1, 2]}, None)
 

@@ -260,13 +260,20 @@ def test_skipped_keys_are_inert_leaves_of_the_walk() -> None:
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        (5, "Expected skip_keys to be a mapping key such as 'raw_text', or a collection"),
-        ([["a"]], "or a collection of hashable keys, got list [['a']]."),
+        ([["a"]], "hashable keys, got list [['a']]: each of its items must be a hashable key."),
+        ([{}], "got list [{}]: each of its items must be a hashable key."),
     ],
 )
 def test_skip_keys_that_are_not_keys_are_refused(keys: Any, message: str) -> None:
     with pytest.raises(TypeError, match=re.escape(message)):
         dk.to_device({"a": torch.ones(1)}, "meta", skip_keys=keys)
+
+
+def test_one_key_that_is_not_a_string_may_be_alone() -> None:
+    batch = {5: torch.ones(1), "x": torch.ones(1)}
+    moved = dk.to_device(batch, "meta", skip_keys=5)
+    assert moved[5] is batch[5]
+    assert moved["x"].device == torch.device("meta")
 
 
 def test_errors_in_the_leaf_function_gain_the_leaf_path_on_both_maps() -> None:
