@@ -22,8 +22,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 
 from devicekit._checks import describe_devices, find_devices
 from devicekit._devices import DeviceLike, available_devices, resolve_device
@@ -113,6 +115,28 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32
 _SHAPES = st.lists(st.integers(0, 4), max_size=3).map(tuple)
 
 
+def _checked_dtypes(dtypes: object) -> tuple[torch.dtype, ...]:
+    found = tuple(dtypes) if isinstance(dtypes, Sequence) and not isinstance(dtypes, str) else ()
+    if not found or not all(isinstance(dtype, torch.dtype) for dtype in found):
+        msg = f"Expected dtypes to be a non-empty sequence of torch.dtype, got {dtypes!r}."
+        raise InvalidArgument(msg)
+    return found
+
+
+def _checked_shapes(shapes: object) -> st.SearchStrategy[tuple[int, ...]]:
+    if isinstance(shapes, st.SearchStrategy):
+        return shapes
+    if isinstance(shapes, tuple) and all(
+        isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shapes
+    ):
+        return st.just(shapes)  # one shape, given as is
+    msg = (
+        "Expected shapes to be a strategy of shapes or one shape as a tuple of sizes of 0 or "
+        f"more, such as (2, 3), got {type(shapes).__name__} {shapes!r}."
+    )
+    raise InvalidArgument(msg)
+
+
 @st.composite
 def _tensors(
     draw: st.DrawFn, dtypes: Sequence[torch.dtype], shapes: st.SearchStrategy[tuple[int, ...]]
@@ -145,10 +169,12 @@ def tensors(
 
     Returns:
         The strategy.
+
+    Raises:
+        InvalidArgument: ``dtypes`` or ``shapes`` is not of the kinds above, when the
+            strategy is made, as Hypothesis's own strategies do.
     """
-    if isinstance(shapes, tuple):  # one shape, given as is
-        shapes = st.just(shapes)
-    return _tensors(tuple(dtypes), shapes)
+    return _tensors(_checked_dtypes(dtypes), _checked_shapes(shapes))
 
 
 def _container(kind: str, children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -206,15 +232,30 @@ def batches(
 
     Raises:
         ValueError: ``containers`` names a kind not in :data:`CONTAINER_KINDS`.
+        InvalidArgument: Another argument is not of the kind above, when the strategy is
+            made, as Hypothesis's own strategies do.
     """
     kinds = (containers,) if isinstance(containers, str) else tuple(containers)  # one kind alone
     unknown = sorted(set(kinds) - set(CONTAINER_KINDS))
     if unknown or not kinds:
         msg = f"Expected containers among {CONTAINER_KINDS}, got {kinds!r}."
         raise ValueError(msg)
+    if not isinstance(max_leaves, int) or isinstance(max_leaves, bool) or max_leaves < 1:
+        msg = f"Expected max_leaves to be a whole number of 1 or more, got {max_leaves!r}."
+        raise InvalidArgument(msg)
+    if leaves is not None and not isinstance(leaves, st.SearchStrategy):  # untyped callers
+        msg = (  # type: ignore[unreachable]
+            "Expected leaves to be a Hypothesis strategy such as devicekit.testing.tensors(), "
+            f"got {type(leaves).__name__} {leaves!r}."
+        )
+        raise InvalidArgument(msg)
     if leaves is None:
         scalars = st.none() | st.integers(-5, 5) | st.text(max_size=3) | st.booleans()
         leaves = tensors(dtypes=dtypes, shapes=_SHAPES if shapes is None else shapes) | scalars
+    else:  # checked all the same: a mistake in them is one still
+        _checked_dtypes(dtypes)
+        if shapes is not None:
+            _checked_shapes(shapes)
 
     def extend(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         return st.one_of([_container(kind, children) for kind in kinds])
@@ -241,7 +282,14 @@ def devices(*, meta: bool = True, host: bool = True) -> st.SearchStrategy[torch.
 
     Returns:
         The strategy.
+
+    Raises:
+        InvalidArgument: ``meta`` or ``host`` is not True or False.
     """
+    for name, value in (("meta", meta), ("host", host)):
+        if value is not True and value is not False:  # for untyped callers
+            msg = f"Expected {name} to be True or False, got {value!r}."  # type: ignore[unreachable]
+            raise InvalidArgument(msg)
     found = [torch.device(name) for name in available_devices()]
     wanted = [
         device
@@ -275,7 +323,9 @@ def assert_on_device(data: Any, device: DeviceLike, /) -> None:
 def assert_same_structure(actual: Any, expected: Any, /) -> None:
     """Assert both have the same containers, keys, tensor shapes and dtypes, and other leaves.
 
-    Containers must be of the same exact types; tensor values are not compared.
+    Containers must be of the same exact types. A dict's keys may come in any order, as
+    Python's ``==`` has it (an OrderedDict's may not); a set's members are matched in any
+    order. Tensor values are not compared.
 
     >>> import torch
     >>> from devicekit.testing import assert_same_structure
@@ -291,7 +341,8 @@ def assert_batches_equal(actual: Any, expected: Any, /) -> None:
     """Assert same structure and equal values; tensors may be on different devices.
 
     Meta tensors hold no values: where either side is on meta, shapes and dtypes must
-    match and values are not compared.
+    match and values are not compared. Sparse tensors compare by the values they stand
+    for, numpy arrays by shape, dtype and values; NaN equals NaN in both.
 
     >>> import torch
     >>> from devicekit.testing import assert_batches_equal
@@ -328,7 +379,7 @@ def _shape(data: Any) -> _Shape:
 
 def _compare(actual: Any, expected: Any, *, values: bool) -> None:
     mine, theirs = _shape(actual), _shape(expected)
-    compared_whole: list[str] = []  # sets: compared as values, their members unordered
+    compared_whole: list[str] = []  # sets: their members matched as a whole, unordered
     for path, want in theirs.order:
         if any(path.startswith(whole + "{") for whole in compared_whole):
             continue
@@ -339,14 +390,18 @@ def _compare(actual: Any, expected: Any, *, values: bool) -> None:
             raise AssertionError(msg)
         if isinstance(want, torch.Tensor):
             _compare_tensors(got, want, where, values=values)
-        elif path in theirs.leaves or isinstance(want, set | frozenset):
+        elif isinstance(want, set | frozenset):
             compared_whole.append(path)
-            if got != want:
+            _compare_members(got, want, where, values=values)
+        elif path in theirs.leaves:
+            if not _equal_leaves(got, want):
                 msg = f"{where}: expected {want!r}, got {got!r}."
                 raise AssertionError(msg)
         elif isinstance(want, Mapping):
             keys, got_keys = [k for k, _ in mapping_items(want)], [k for k, _ in mapping_items(got)]
-            if keys != got_keys:
+            # Python's dicts compare equal in any order; OrderedDicts do not.
+            ordered = isinstance(want, collections.OrderedDict)
+            if keys != got_keys if ordered else _differ_unordered(keys, got_keys):
                 msg = f"{where}: expected keys {keys!r}, got {got_keys!r}."
                 raise AssertionError(msg)
         elif theirs.counts[path] != mine.counts[path]:
@@ -354,21 +409,81 @@ def _compare(actual: Any, expected: Any, *, values: bool) -> None:
             raise AssertionError(msg)
 
 
+def _differ_unordered(keys: list[Any], got_keys: list[Any]) -> bool:
+    return len(keys) != len(got_keys) or any(key not in got_keys for key in keys)
+
+
+def _equal_leaves(got: Any, want: Any) -> bool:
+    """``got == want`` for leaves, numpy arrays (equal shape, dtype and values) included."""
+    if isinstance(want, np.ndarray):
+        return (
+            got.shape == want.shape
+            and got.dtype == want.dtype
+            and bool(np.array_equal(got, want, equal_nan=want.dtype.kind in "fc"))
+        )
+    return bool(got == want)
+
+
+def _compare_members(got: Any, want: Any, where: str, *, values: bool) -> None:
+    """Sets: each expected member matched by one actual member, in any order.
+
+    Tensors hash by identity, so a moved set of tensors holds new members: they are
+    matched by what is compared elsewhere (shape, dtype, values), not by ``==``.
+    """
+    if len(got) != len(want):
+        msg = f"{where}: expected {len(want)} members, got {len(got)}."
+        raise AssertionError(msg)
+    left = list(got)
+    for member in want:
+        match = next((g for g in left if _matches(g, member, values=values)), _NO_MATCH)
+        if match is _NO_MATCH:
+            msg = f"{where}: expected a member like {member!r}, found none among {got!r}."
+            raise AssertionError(msg)
+        left.remove(match)
+
+
+_NO_MATCH: Any = object()
+
+
+def _matches(got: Any, want: Any, *, values: bool) -> bool:
+    try:
+        _compare(got, want, values=values)
+    except AssertionError:
+        return False
+    return True
+
+
 def _compare_tensors(
     actual: torch.Tensor, expected: torch.Tensor, path: str, *, values: bool
 ) -> None:
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+    if (
+        actual.shape != expected.shape
+        or actual.dtype != expected.dtype
+        or actual.layout != expected.layout
+    ):
+        layouts = (
+            ("", "")
+            if actual.layout == expected.layout
+            else (f" {_layout(expected)}", f" {_layout(actual)}")
+        )
         msg = (
-            f"{path}: expected a {expected.dtype} tensor of shape {tuple(expected.shape)}, "
-            f"got {actual.dtype} of shape {tuple(actual.shape)}."
+            f"{path}: expected a{layouts[0]} {expected.dtype} tensor of shape "
+            f"{tuple(expected.shape)}, got{layouts[1]} {actual.dtype} of shape "
+            f"{tuple(actual.shape)}."
         )
         raise AssertionError(msg)
     if not values or actual.is_meta or expected.is_meta:
         return
     mine, theirs = actual.cpu(), expected.cpu()
+    if mine.layout != torch.strided:  # sparse: the values it stands for, however stored
+        mine, theirs = mine.to_dense(), theirs.to_dense()
     same = torch.equal(mine, theirs)
     if not same and mine.is_floating_point() | mine.is_complex():  # NaN is equal to NaN here
         same = bool(torch.isclose(mine, theirs, rtol=0, atol=0, equal_nan=True).all())
     if not same:
-        msg = f"{path}: values differ: expected {expected.tolist()!r}, got {actual.tolist()!r}."
+        msg = f"{path}: values differ: expected {theirs.tolist()!r}, got {mine.tolist()!r}."
         raise AssertionError(msg)
+
+
+def _layout(tensor: torch.Tensor) -> str:
+    return str(tensor.layout).removeprefix("torch.")

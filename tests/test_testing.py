@@ -6,11 +6,12 @@ import collections
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
-from hypothesis.errors import NoSuchExample
+from hypothesis.errors import InvalidArgument, NoSuchExample
 
 import devicekit as dk
 from devicekit.testing import (
@@ -170,3 +171,68 @@ def test_assert_on_device_names_what_is_elsewhere() -> None:
     msg = "Expected every tensor on meta, but cpu has ['x'][1]."
     with pytest.raises(AssertionError, match=re.escape(msg)):
         assert_on_device({"x": [torch.ones(1, device="meta"), torch.ones(1)]}, "meta")
+
+
+# A user's first day: the assertions compare as Python and the user's own types do,
+# and a strategy given bad arguments says so when it is made.
+
+
+def test_dicts_compare_in_any_order_and_ordered_dicts_do_not() -> None:
+    assert_batches_equal({"a": torch.ones(1), "b": 2}, {"b": 2, "a": torch.ones(1)})
+    assert_same_structure({"a": 1, "b": 2}, {"b": 2, "a": 1})
+    msg = "data: expected keys ['b', 'a'], got ['a', 'b']."
+    with pytest.raises(AssertionError, match=re.escape(msg)):
+        assert_batches_equal(collections.OrderedDict(a=1, b=2), collections.OrderedDict(b=2, a=1))
+    with pytest.raises(AssertionError, match=re.escape("data: expected keys ['a', 'c']")):
+        assert_batches_equal({"a": 1, "b": 2}, {"a": 1, "c": 2})
+
+
+def _sparse(values: list[float]) -> torch.Tensor:
+    return torch.sparse_coo_tensor([[0, 2]], values, (3,), check_invariants=True)
+
+
+def test_sparse_tensors_compare_by_the_values_they_stand_for() -> None:
+    assert_batches_equal({"s": _sparse([1.0, 2.0])}, {"s": _sparse([1.0, 2.0]).coalesce()})
+    msg = "data['s']: values differ: expected [2.0, 0.0, 4.0], got [1.0, 0.0, 2.0]."
+    with pytest.raises(AssertionError, match=re.escape(msg)):
+        assert_batches_equal({"s": _sparse([1.0, 2.0])}, {"s": _sparse([2.0, 4.0])})
+    msg = "data['s']: expected a sparse_coo torch.float32 tensor of shape (3,), got strided"
+    with pytest.raises(AssertionError, match=re.escape(msg)):
+        assert_batches_equal({"s": torch.zeros(3)}, {"s": _sparse([1.0, 2.0])})
+
+
+def test_numpy_arrays_compare_by_shape_dtype_and_values() -> None:
+    array = np.array([1.0, np.nan])
+    assert_batches_equal({"a": array}, {"a": array.copy()})  # NaN equals NaN, as for tensors
+    for other in (np.array([1.0, 2.0]), np.array([1.0, np.nan], dtype=np.float32)):
+        with pytest.raises(AssertionError, match=re.escape("data['a']: expected array(")):
+            assert_batches_equal({"a": other}, {"a": array})
+
+
+def test_sets_of_tensors_compare_member_by_member_in_any_order() -> None:
+    members = {torch.ones(2), torch.zeros(3)}
+    assert_same_structure(dk.to_device(members, "meta"), members)
+    assert_batches_equal(dk.to_device(members, "cpu", copy=True), members)
+    msg = "data: expected a member like tensor([0., 0.]), found none among {tensor([1., 1.])}."
+    with pytest.raises(AssertionError, match=re.escape(msg)):
+        assert_batches_equal({torch.ones(2)}, {torch.zeros(2)})
+    with pytest.raises(AssertionError, match=re.escape("data: expected 2 members, got 1.")):
+        assert_same_structure({torch.ones(2)}, members)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: tensors(dtypes=["float32"]), "Expected dtypes to be a non-empty sequence"),
+        (lambda: tensors(dtypes=[]), "Expected dtypes to be a non-empty sequence"),
+        (lambda: tensors(shapes=(2, -1)), "got tuple (2, -1)."),
+        (lambda: tensors(shapes=[2, 3]), "got list [2, 3]."),
+        (lambda: batches(max_leaves=0), "Expected max_leaves to be a whole number of 1 or more"),
+        (lambda: batches(leaves=3), "Expected leaves to be a Hypothesis strategy"),
+        (lambda: batches(leaves=st.none(), dtypes=[1]), "Expected dtypes to be a non-empty"),
+        (lambda: devices(meta="yes"), "Expected meta to be True or False, got 'yes'."),
+    ],
+)
+def test_bad_strategy_arguments_fail_when_the_strategy_is_made(make: Any, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        make()  # nothing drawn: the mistake is where the strategy is written
