@@ -1,4 +1,4 @@
-"""Quality gates: ``nox -s tests lint typecheck docs``.
+"""Quality gates: ``nox -s tests lint typecheck docs``; ``nox -s build`` checks the release files.
 
 Every session installs torch==2.13.0 before the project: a bare ``torch`` requirement
 would let pip pick the newest build, with several GB of CUDA packages.
@@ -6,7 +6,15 @@ would let pip pick the newest build, with several GB of CUDA packages.
 
 from __future__ import annotations
 
+import re
+import shutil
+import tempfile
+import zipfile
+from email.parser import HeaderParser
+from pathlib import Path
+
 import nox
+from packaging.requirements import Requirement  # nox's own dependency
 
 nox.options.sessions = ["tests", "interop", "lint", "typecheck", "docs"]
 nox.options.default_venv_backend = "venv"
@@ -15,6 +23,8 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 # The oldest PyTorch devicekit supports (pyproject's floor: torch.accelerator came in 2.6).
 OLDEST_TORCH = "torch==2.6.0"
+# Exact versions, as for ruff: a new release of either must not turn the session red on its own.
+BUILD_TOOLS = ["build==1.6.1", "twine==7.0.0"]
 
 
 def install(session: nox.Session, extras: str) -> None:
@@ -83,3 +93,95 @@ def oldest_torch(session: nox.Session) -> None:
     session.install(OLDEST_TORCH)
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """The sdist and the wheel, checked, then installed and run as a user gets them.
+
+    ``python -m build`` makes the sdist, then the wheel from the unpacked sdist, so a file
+    the sdist leaves out fails here too. The wheel is installed into a virtual environment
+    of its own, and its command is run from a directory outside the clone: there, an
+    import of the checkout cannot stand in for a file the wheel lacks. Not one of the
+    default sessions: it installs PyTorch afresh each time (about a minute).
+    """
+    session.install(*BUILD_TOOLS)
+    dist = Path(session.create_tmp()) / "dist"
+    # Files from an earlier run, of another version, would be checked and installed too.
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", str(dist))
+    (sdist,) = dist.glob("devicekit-*.tar.gz")
+    (wheel,) = dist.glob("devicekit-*.whl")
+    # --strict: a README that PyPI would not render, or no content type for it, fails.
+    session.run("twine", "check", "--strict", str(sdist), str(wheel))
+    _check_wheel(session, wheel)
+
+    with tempfile.TemporaryDirectory(prefix="devicekit-build-") as outside:
+        venv = Path(outside) / "venv"
+        session.run("python", "-m", "venv", str(venv))
+        python = str(venv / "bin" / "python")
+        session.run(python, "-m", "pip", "install", "--quiet", TORCH, external=True)
+        session.run(python, "-m", "pip", "install", TORCH, str(wheel), external=True)
+        with session.chdir(outside):
+            # Where devicekit was imported from: the environment, not the clone.
+            session.run(python, "-c", _FROM_THE_WHEEL, str(venv), external=True)
+            devicekit = str(venv / "bin" / "devicekit")
+            session.run(devicekit, "info", external=True)
+            session.run(devicekit, "demo", "--epochs", "1", external=True)
+
+
+# Run in the wheel's environment, with that environment's directory as argument.
+_FROM_THE_WHEEL = """
+import sys, pathlib, devicekit, _devicekit_cli
+venv = pathlib.Path(sys.argv[1]).resolve()
+for module in (devicekit, _devicekit_cli):
+    where = pathlib.Path(module.__file__).resolve()
+    if venv not in where.parents:
+        sys.exit(f"Expected {module.__name__} to be imported from {venv}, got {where}.")
+print(f"devicekit {devicekit.__version__} from {pathlib.Path(devicekit.__file__).parent}")
+"""
+
+
+def _check_wheel(session: nox.Session, wheel: Path) -> None:
+    """What twine does not look at: the files, the command, the version and the requirements."""
+    found = re.search(
+        r'^__version__ = "(.+)"$', Path("devicekit/__init__.py").read_text(), re.MULTILINE
+    )
+    if found is None:
+        session.error('Expected a line __version__ = "..." in devicekit/__init__.py, found none.')
+    version = found[1]
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        (info,) = {name.split("/")[0] for name in names if ".dist-info/" in name}
+        metadata = HeaderParser().parsestr(archive.read(f"{info}/METADATA").decode())
+        entry_points = archive.read(f"{info}/entry_points.txt").decode()
+
+    if metadata["Version"] != version:
+        session.error(
+            f"Expected {wheel.name} to have version {version}, as devicekit/__init__.py says; "
+            f"its METADATA says {metadata['Version']}."
+        )
+    # The command's module sits beside the package, outside it (pyproject's only-include).
+    expected = {"_devicekit_cli.py", "devicekit/__init__.py", "devicekit/cli.py"}
+    if Path("devicekit/py.typed").exists():
+        expected.add("devicekit/py.typed")  # without it, mypy ignores the wheel's types
+    if missing := sorted(expected - names):
+        session.error(f"Expected {wheel.name} to hold {', '.join(missing)}, it does not.")
+    # Tests, docs or benchmarks in the wheel would install as top-level packages.
+    tops = {name.split("/")[0] for name in names}
+    if stray := sorted(tops - {"devicekit", "_devicekit_cli.py", info}):
+        session.error(
+            f"Expected only devicekit and _devicekit_cli.py in {wheel.name}, found {stray}."
+        )
+    if "devicekit = _devicekit_cli:main" not in entry_points.splitlines():
+        session.error(
+            f"Expected the console script devicekit = _devicekit_cli:main in {wheel.name}, "
+            f"found entry_points.txt:\n{entry_points}"
+        )
+    # Unconditional: torch under an extra's marker would install devicekit without it.
+    requires = [Requirement(line) for line in metadata.get_all("Requires-Dist") or []]
+    always = [requirement for requirement in requires if requirement.marker is None]
+    if "torch" not in {requirement.name for requirement in always}:
+        listed = sorted(str(requirement) for requirement in always)
+        session.error(f"Expected {wheel.name} to require torch; it always requires {listed}.")
+    session.log(f"{wheel.name}: {len(names)} files; the command, py.typed and torch are there.")
