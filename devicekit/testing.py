@@ -171,8 +171,8 @@ def tensors(
         The strategy.
 
     Raises:
-        InvalidArgument: ``dtypes`` or ``shapes`` is not of the kinds above, when the
-            strategy is made, as Hypothesis's own strategies do.
+        hypothesis.errors.InvalidArgument: ``dtypes`` or ``shapes`` is not of the kinds
+            above, when the strategy is made, as Hypothesis's own strategies do.
     """
     return _tensors(_checked_dtypes(dtypes), _checked_shapes(shapes))
 
@@ -232,8 +232,8 @@ def batches(
 
     Raises:
         ValueError: ``containers`` names a kind not in :data:`CONTAINER_KINDS`.
-        InvalidArgument: Another argument is not of the kind above, when the strategy is
-            made, as Hypothesis's own strategies do.
+        hypothesis.errors.InvalidArgument: Another argument is not of the kind above, when
+            the strategy is made, as Hypothesis's own strategies do.
     """
     kinds = (containers,) if isinstance(containers, str) else tuple(containers)  # one kind alone
     unknown = sorted(set(kinds) - set(CONTAINER_KINDS))
@@ -284,7 +284,7 @@ def devices(*, meta: bool = True, host: bool = True) -> st.SearchStrategy[torch.
         The strategy.
 
     Raises:
-        InvalidArgument: ``meta`` or ``host`` is not True or False.
+        hypothesis.errors.InvalidArgument: ``meta`` or ``host`` is not True or False.
     """
     for name, value in (("meta", meta), ("host", host)):
         if value is not True and value is not False:  # for untyped callers

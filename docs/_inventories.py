@@ -99,6 +99,10 @@ HYPOTHESIS = {
         "py:class",
         "reference/strategies.html#hypothesis.strategies.SearchStrategy",
     ),
+    "hypothesis.errors.InvalidArgument": (
+        "py:exception",
+        "reference/api.html#hypothesis.errors.InvalidArgument",
+    ),
 }
 
 
