@@ -150,6 +150,21 @@ def test_nothing_to_check_is_refused() -> None:
         dk.check_same_device({"ids": [1, 2]}, None)
 
 
+@pytest.mark.parametrize("check", [dk.find_devices, dk.check_same_device])
+def test_a_cycle_is_named_from_the_root(check: Any) -> None:
+    # The root has its name and one space around it (it read "[1] is the list  itself").
+    looped: list[Any] = [torch.zeros(1)]
+    looped.append(looped)
+    msg = "Expected data without reference cycles, but data[1] is the list data itself,"
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        check(looped)
+    cyclic: dict[str, Any] = {"x": torch.zeros(1)}
+    cyclic["again"] = cyclic
+    msg = "but data['again'] is the dict data itself, which contains it."
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        check(cyclic)
+
+
 @pytest.mark.usefixtures("swap_module_params")
 def test_the_resume_bug_is_caught_and_fixed() -> None:
     model = nn.Linear(2, 1)
