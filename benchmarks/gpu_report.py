@@ -133,6 +133,9 @@ class _HostPrefetcher:
     def consumer_done(self) -> None:
         pass
 
+    def timer(self, ticket: Any) -> Callable[[bool], float | None]:
+        return lambda wait: None  # the host copies in line: no copy time of its own
+
 
 @contextlib.contextmanager
 def accelerator_on_the_cpu() -> Iterator[None]:

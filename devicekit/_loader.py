@@ -27,6 +27,12 @@ accelerator, with a stand-in for the seam.
 On the CPU, the ``meta`` device and any device without streams, batches move in line:
 there is nothing to overlap.
 
+Every epoch is measured as it runs (:mod:`devicekit._stats`): how long the training
+thread waits for each batch, how long its step takes, and on an accelerator how long
+each copy takes on the side stream, read from its events once they are done. While a
+``torch.profiler`` session runs, the waits, pins and copies are named ranges
+(``devicekit.wait``, ``devicekit.pin``, ``devicekit.copy``); otherwise nothing is recorded.
+
 Any number of epochs of one loader may be live at once, as with ``DataLoader``: each
 has its own pipeline (its own feed), and nothing waits for an earlier epoch, so peeking
 at a batch before the loop, nested loops, or an epoch whose source is stuck never hold
@@ -38,6 +44,7 @@ the live ones first, waiting at most :data:`HANDOFF_S` for their feeds to leave 
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
 import time
@@ -50,10 +57,11 @@ import torch
 from devicekit._devices import DeviceLike, resolve_device, streams_to
 from devicekit._manager import current_device
 from devicekit._packing import PACK_MAX_BYTES
+from devicekit._stats import CopyTimer, EpochRecorder, LoaderStats, Setup, machine_cpus
 from devicekit._transfer import NonBlocking, to_device
 from devicekit._tree import map_leaves
 
-__all__ = ["DeviceDataLoader", "Prefetcher", "StreamPrefetcher"]
+__all__ = ["DeviceDataLoader", "Prefetcher", "StreamPrefetcher", "profiling"]
 
 B = TypeVar("B")
 PinMemory: TypeAlias = bool | Literal["auto"]
@@ -61,6 +69,7 @@ PinMemory: TypeAlias = bool | Literal["auto"]
 # How often a background thread blocked on a full queue looks up to see whether it
 # was told to stop.
 _STOP_POLL_S: Final = 0.1
+_END: Final = object()
 HANDOFF_S = 30.0
 """How long a new epoch of a DataLoader with persistent workers waits for a live epoch's
 feed to leave the DataLoader's one iterator (its next batch, being read), before it
@@ -86,6 +95,30 @@ class Prefetcher(Protocol):
 
     def consumer_done(self) -> None:
         """Order later copies after everything the consumer has queued so far."""
+
+    def timer(self, ticket: Any) -> CopyTimer:
+        """How long the ticket's copy took on the device; it holds nothing of the batch."""
+
+
+def profiling() -> bool:
+    """Whether a torch.profiler session is running, in any thread.
+
+    A range costs 15 us even when no profiler runs (this, 0.1 us), so the loader names
+    its work only while one does. PyTorch's own flag for the session, not the thread's
+    (``torch.autograd._profiler_enabled``): one that records every thread
+    (``profile_all_threads``) records the feed's pinning too, but says False there.
+    """
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+def _to(device: torch.device, batch: Any) -> Any:
+    return to_device(batch, device)
+
+
+def _named(name: str, work: Callable[[Any], Any], item: Any) -> Any:
+    """``work(item)``, as a range called ``name`` in the profiler's trace."""
+    with torch.profiler.record_function(name):
+        return work(item)
 
 
 def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
@@ -123,15 +156,31 @@ class StreamPrefetcher:
     def pin(self, batch: Any) -> Any:
         return _pin(batch)
 
-    def start(self, batch: Any) -> tuple[Any, torch.Event]:
+    def start(self, batch: Any) -> tuple[Any, torch.Event, torch.Event]:
+        # Timing events, recorded around the copy: its time, read later, costs no wait.
+        begin, ready = (torch.Event(device=self._device, enable_timing=True) for _ in "br")
         with self._stream:
+            begin.record(self._stream)
             moved = to_device(batch, self._device, non_blocking=self._non_blocking)
-        return moved, self._stream.record_event()
+            ready.record(self._stream)
+        return moved, begin, ready
 
-    def hand_over(self, ticket: tuple[Any, torch.Event]) -> Any:
-        moved, ready = ticket
+    def hand_over(self, ticket: tuple[Any, torch.Event, torch.Event]) -> Any:
+        moved, _, ready = ticket
         torch.accelerator.current_stream(self._device).wait_event(ready)
         return moved
+
+    def timer(self, ticket: tuple[Any, torch.Event, torch.Event]) -> CopyTimer:
+        _, begin, ready = ticket
+
+        def seconds(wait: bool) -> float | None:
+            if wait:
+                ready.synchronize()
+            elif not ready.query():
+                return None
+            return begin.elapsed_time(ready) / 1e3
+
+        return seconds
 
     def consumer_done(self) -> None:
         self._stream.wait_stream(torch.accelerator.current_stream(self._device))
@@ -199,7 +248,8 @@ class _BackgroundFeed:
             torch.accelerator.set_device_index(device.index)
         try:
             for item in batches:
-                if not self._put(prepare(item)):
+                ready = _named("devicekit.pin", prepare, item) if profiling() else prepare(item)
+                if not self._put(ready):
                     return
         except BaseException as error:  # every failure goes to the consumer
             self._put(_Failure(error))
@@ -248,11 +298,13 @@ def _prefetched(
     prefetcher: Prefetcher,
     depth: int,
     finish: Callable[[Any], Any],
+    record: EpochRecorder,
 ) -> Iterator[Any]:
     """The pipeline: copies ``depth`` batches ahead, hands them over in order.
 
     An exception from the source or from starting a copy surfaces in its place, after
-    every batch before it; one from ``finish`` (the transform) surfaces at once.
+    every batch before it; one from ``finish`` (the transform) surfaces at once. Each
+    copy's timer goes to ``record`` as its batch is handed over.
     """
     in_flight: collections.deque[Any] = collections.deque()
     failure: list[Exception] = []  # the source's: raised once the batches before it are out
@@ -262,7 +314,11 @@ def _prefetched(
         nonlocal ended
         while not ended and len(in_flight) < depth:
             try:
-                in_flight.append(prefetcher.start(next(batches)))
+                batch = next(batches)
+                start = prefetcher.start
+                in_flight.append(
+                    _named("devicekit.copy", start, batch) if profiling() else start(batch)
+                )
             except StopIteration:  # noqa: PERF203 - at most once an epoch: it ends the loop
                 ended = True
             except Exception as error:  # re-raised below, unchanged, in its place
@@ -274,7 +330,11 @@ def _prefetched(
     prefetcher.consumer_done()
     top_up()
     while in_flight:
-        batch = prefetcher.hand_over(in_flight.popleft())
+        ticket = in_flight.popleft()
+        record.timers.append(prefetcher.timer(ticket))
+        batch = prefetcher.hand_over(ticket)
+        del ticket
+        record.read_copies()
         top_up()  # the next copies run while the consumer's step does
         yield finish(batch)
         del batch
@@ -299,6 +359,9 @@ class DeviceDataLoader(Generic[B]):
     (3, [(4, 3), (4, 3), (2, 3)])
     >>> next(iter(loader))[0].device
     device(type='meta')
+
+    Each epoch is measured (:attr:`stats`): whether the loop waits for its data, and what
+    to change if it does.
 
     Args:
         loader: What yields the batches: a :class:`~torch.utils.data.DataLoader`, a
@@ -363,6 +426,18 @@ class DeviceDataLoader(Generic[B]):
         self._one_shot: Literal["fresh", "started", "used up"] = "fresh"
         # The feeds of live epochs, while their threads run (each thread holds its feed).
         self._feeds: weakref.WeakSet[_BackgroundFeed] = weakref.WeakSet()
+        self._record: EpochRecorder | None = None  # the latest epoch's
+
+    @property
+    def stats(self) -> LoaderStats:
+        """The latest epoch's figures: the running one's so far, or the last one's.
+
+        How long the loop waited for each batch and how long each step took, the share of
+        the epoch spent waiting, on an accelerator the copies' time, and a ``verdict``:
+        input-bound or compute-bound, and what to change. Before any epoch, an empty
+        :class:`~devicekit._stats.LoaderStats` whose verdict says so.
+        """
+        return LoaderStats() if self._record is None else self._record.snapshot()
 
     # What the wrapped loader knows.
 
@@ -470,12 +545,76 @@ class DeviceDataLoader(Generic[B]):
         make_prefetcher = PREFETCHERS.get(device.type) or (
             StreamPrefetcher if streams_to(device) else None
         )
-        if self._prefetch == 0 or make_prefetcher is None:
-            return self._in_line(self._batches(), device)
+        if self._prefetch == 0:
+            make_prefetcher = None
+        record = self._record = EpochRecorder(self._setup(ahead=make_prefetcher is not None))
+        if make_prefetcher is None:
+            return self._measured(self._batches(), record, self._in_line(device))
         prefetcher = self._prefetchers.get(device)
         if prefetcher is None:
             prefetcher = self._prefetchers[device] = make_prefetcher(device, self._non_blocking)
-        return self._ahead(self._batches(), prefetcher, device)
+        return self._measured(self._ahead(self._batches(), prefetcher, device, record), record)
+
+    def _setup(self, *, ahead: bool) -> Setup:
+        loader = self.loader
+        dataloader = isinstance(loader, torch.utils.data.DataLoader)
+        return Setup(
+            source=type(loader).__name__ if isinstance(loader, Iterable) else "function",
+            num_workers=loader.num_workers if dataloader else None,  # type: ignore[union-attr]
+            persistent_workers=bool(getattr(loader, "persistent_workers", False)),
+            pinned=bool(getattr(loader, "pin_memory", False)) or (ahead and self._pins()),
+            accelerator=ahead,
+            cpus=machine_cpus(),
+        )
+
+    def _measured(
+        self,
+        batches: Iterator[Any],
+        record: EpochRecorder,
+        move: Callable[[Any], Any] | None = None,
+    ) -> Iterator[B]:
+        """What ``batches`` yields (``move``-d, in line), with the loop's wait and step.
+
+        The wait is from asking for a batch to getting it, the step from getting it to
+        asking for the next; an epoch left early keeps what it measured. Moving in line
+        here, not in a generator of its own, saves the CPU path a frame per batch: a
+        tenth of moving a small batch to the CPU (``benchmarks/bench_loader.py``).
+        """
+        clock, profiler = time.perf_counter, torch.autograd.profiler
+        waits, steps, count = record.waits, record.steps, record.count
+        asked = clock()
+        try:
+            while True:
+                if profiler._is_profiler_enabled:
+                    batch = _named("devicekit.wait", self._next_named, (batches, move))
+                else:
+                    batch = next(batches, _END)
+                    if move is not None and batch is not _END:
+                        batch = move(batch)
+                got = clock()
+                if batch is _END:
+                    record.finished = True
+                    return
+                waits.append(got - asked)
+                count(batch)
+                yield batch
+                del batch  # not held while the next one is fetched
+                asked = clock()
+                steps.append(asked - got)
+        finally:
+            record.read_copies(wait=True)
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # now, not when the collector gets to it: it stops a feed
+
+    @staticmethod
+    def _next_named(batches_and_move: tuple[Iterator[Any], Callable[[Any], Any] | None]) -> Any:
+        """The next batch, moved inside a ``devicekit.copy`` range (the profiled path)."""
+        batches, move = batches_and_move
+        batch = next(batches, _END)
+        if move is None or batch is _END:
+            return batch
+        return _named("devicekit.copy", move, batch)
 
     def _end_live_epochs(self) -> None:
         """End the live epochs' feeds, which may be inside the one iterator iter() resets.
@@ -503,19 +642,19 @@ class DeviceDataLoader(Generic[B]):
     def _finish(self, batch: Any) -> Any:
         return batch if self._transform is None else self._transform(batch)
 
-    def _in_line(self, batches: Iterator[Any], device: torch.device) -> Iterator[B]:
-        # The usual case gets a loop with nothing in it but the move: a call or a keyword
-        # argument per batch is a measurable share of moving a small batch.
+    def _in_line(self, device: torch.device) -> Callable[[Any], Any]:
+        """How a batch moves where nothing is copied ahead: to_device, then the transform."""
         if self._transform is None and self._non_blocking == "auto":
-            for batch in batches:
-                yield to_device(batch, device)
-            return
-        non_blocking = self._non_blocking
-        for batch in batches:
-            yield self._finish(to_device(batch, device, non_blocking=non_blocking))
+            return functools.partial(_to, device)
+        non_blocking, finish = self._non_blocking, self._finish
+        return lambda batch: finish(to_device(batch, device, non_blocking=non_blocking))
 
     def _ahead(
-        self, batches: Iterator[Any], prefetcher: Prefetcher, device: torch.device
+        self,
+        batches: Iterator[Any],
+        prefetcher: Prefetcher,
+        device: torch.device,
+        record: EpochRecorder,
     ) -> Iterator[B]:
         feed = None
         if self._pins():
@@ -523,7 +662,7 @@ class DeviceDataLoader(Generic[B]):
             self._feeds.add(feed)
             batches = feed
         try:
-            yield from _prefetched(batches, prefetcher, self._prefetch, self._finish)
+            yield from _prefetched(batches, prefetcher, self._prefetch, self._finish, record)
         finally:
             # The end, an error, or a loop left early: the thread stops, the prefetched go.
             if feed is not None:

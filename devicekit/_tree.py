@@ -181,6 +181,21 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
             node, container, children, count = stack.pop()
 
 
+def first_leaf(tree: Any, *, view: int = MOVE) -> Any:
+    """The first leaf of ``tree`` in walk order, found without walking the rest (or None).
+
+    >>> first_leaf({"image": [(3, "x")], "label": 1})
+    3
+    """
+    nodes, learn = _kinds._views[view], _LEARN[view]
+    for _ in range(MAX_DEPTH):
+        node = _entry(type(tree), nodes, learn)
+        if not isinstance(node, Node):
+            return tree
+        tree = next(iter(node.children(tree)), None)
+    return None
+
+
 def paths(flat: Flat) -> tuple[list[str], list[str]]:
     """The path of every leaf, and of every container in ``spec`` order.
 

@@ -73,6 +73,9 @@ class Ticket:
         self.owner.alive -= 1
 
 
+COPY_S = 0.002  # what every copy of the stand-in takes
+
+
 class StandIn:
     """A Prefetcher that copies in order on the host and checks how it is used.
 
@@ -107,6 +110,11 @@ class StandIn:
 
     def consumer_done(self) -> None:
         self.consumer_done_since_hand_over = True
+
+    def timer(self, ticket: Ticket) -> Callable[[bool], float | None]:
+        # Every copy "took" COPY_S, known at once; the timer holds no ticket, as the real
+        # one holds no batch.
+        return lambda wait: COPY_S
 
 
 class Source:
@@ -403,6 +411,7 @@ class Instant:
     def start(self, batch): return batch
     def hand_over(self, ticket): return ticket
     def consumer_done(self): pass
+    def timer(self, ticket): return lambda wait: None
 
 def stuck_forever():
     yield from range(3)  # what the first batch and the copies ahead of it need

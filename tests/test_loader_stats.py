@@ -1,0 +1,318 @@
+"""DeviceDataLoader measures each epoch and says whether the loop waits for its data.
+
+Sources and loop bodies that take a known time per batch stand for slow data and
+heavy steps; the figures must come within 5 percentage points of what they imply.
+The profiler's ranges are looked for in a real ``torch.profiler`` trace on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import devicekit as dk
+from devicekit import _loader
+from devicekit._stats import LoaderStats, Setup, verdict
+
+META = torch.device("meta")
+SOURCE_S, STEP_S = 0.030, 0.005  # input-bound: the loop waits 30 of every 35 ms
+COPY_S = 0.004
+
+
+class Sleepy(Dataset[torch.Tensor]):
+    """A dataset whose every sample takes ``seconds`` to load."""
+
+    def __init__(self, count: int, seconds: float) -> None:
+        self.count, self.seconds = count, seconds
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return torch.full((3,), float(index))
+
+
+def _run(loader: dk.DeviceDataLoader[Any], step_s: float, *, stop_after: int | None = None) -> None:
+    for index, _batch in enumerate(loader):
+        if stop_after is not None and index == stop_after:
+            break
+        time.sleep(step_s)
+
+
+@pytest.fixture
+def sixteen_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine of 16 cores, whatever this one has: the advice depends on it."""
+    monkeypatch.setattr(_loader, "machine_cpus", lambda: 16)
+
+
+@pytest.mark.usefixtures("sixteen_cores")
+def test_an_input_bound_loop_is_measured_and_told_what_to_change() -> None:
+    inner = DataLoader(Sleepy(12, SOURCE_S), batch_size=1)  # one sample a batch
+    loader = dk.DeviceDataLoader(inner, "cpu")
+    _run(loader, STEP_S)
+    stats = loader.stats
+    truth = SOURCE_S / (SOURCE_S + STEP_S)
+    assert abs(stats.wait_fraction - truth) <= 0.05, (stats.wait_fraction, truth)
+    assert stats.wait_fraction >= 0.70
+    assert (stats.batches, stats.samples, stats.finished) == (12, 12, True)
+    assert len(stats.wait_per_batch) == len(stats.step_per_batch) == 12
+    assert stats.wait_s == pytest.approx(sum(stats.wait_per_batch))
+    assert stats.elapsed_s == pytest.approx(stats.wait_s + stats.step_s)
+    assert stats.copy_s is None  # nothing is copied ahead on the CPU
+    expected = (
+        f"The loop waited for data {stats.wait_fraction:.0%} of this epoch "
+        f"({stats.wait_s * 1e3:.1f} ms of {stats.elapsed_s * 1e3:.1f} ms): it is input-bound. "
+        "The DataLoader loads every batch in the training process (num_workers=0) on a "
+        "16-core machine; try num_workers=8."
+    )
+    assert stats.verdict == expected
+
+
+def test_a_compute_bound_loop_is_told_so() -> None:
+    batches = [{"x": torch.randn(4, 3), "y": torch.arange(4)} for _ in range(10)]
+    loader = dk.DeviceDataLoader(batches, "cpu")
+    _run(loader, 0.020)
+    stats = loader.stats
+    assert stats.wait_fraction <= 0.05
+    assert (stats.batches, stats.samples) == (10, 40)  # from each batch's first tensor
+    assert stats.step_s == pytest.approx(0.200, abs=0.05)
+    assert stats.verdict.endswith(
+        ": it is compute-bound, so faster input would not make it faster."
+    ), stats.verdict
+
+
+def test_a_source_with_no_dataloader_gets_a_verdict_without_worker_advice() -> None:
+    def slow_batches() -> Iterator[torch.Tensor]:
+        for index in range(6):
+            time.sleep(SOURCE_S)
+            yield torch.full((2,), float(index))
+
+    loader = dk.DeviceDataLoader(slow_batches, "cpu")
+    _run(loader, STEP_S)
+    assert "it is input-bound. devicekit cannot see how the wrapped function makes its " in (
+        loader.stats.verdict
+    )
+    assert "num_workers=" in loader.stats.verdict  # the way out: a DataLoader with workers
+    assert not re.search(r"try num_workers=\d", loader.stats.verdict)
+
+
+def test_before_any_epoch_the_stats_are_empty_and_valid() -> None:
+    stats = dk.DeviceDataLoader([torch.zeros(1)], "cpu").stats
+    assert stats == LoaderStats()
+    assert (stats.batches, stats.wait_s, stats.wait_fraction, stats.wait_per_batch) == (
+        0,
+        0.0,
+        0.0,
+        (),
+    )
+    assert stats.verdict == "No batch has been handed over yet: nothing to judge."
+
+
+def test_an_epoch_left_early_reports_what_it_measured() -> None:
+    loader = dk.DeviceDataLoader([torch.zeros(2)] * 10, "cpu")
+    _run(loader, 0.002, stop_after=3)  # three batches used, the fourth fetched
+    stats = loader.stats
+    assert (stats.batches, stats.finished, stats.samples) == (4, False, 8)
+    assert len(stats.step_per_batch) == 3  # the fourth's step never ended
+    assert stats.verdict.startswith("The loop waited for data ")
+    assert " of this epoch so far " in stats.verdict
+
+
+def test_the_running_epoch_is_read_as_it_runs() -> None:
+    loader = dk.DeviceDataLoader([torch.zeros(1)] * 5, "cpu")
+    seen = [(loader.stats.batches, loader.stats.finished) for _batch in loader]
+    assert seen == [(1, False), (2, False), (3, False), (4, False), (5, False)]
+    assert loader.stats.finished
+    # A new epoch starts from nothing.
+    epoch = iter(loader)
+    assert loader.stats.batches == 0
+    next(epoch)
+    assert loader.stats.batches == 1
+
+
+class Timed:
+    """A stand-in for the side stream: copies in line, each copy "taking" COPY_S."""
+
+    def __init__(self, device: torch.device, non_blocking: object) -> None:
+        self.device = device
+        self.read_with_wait: list[bool] = []
+
+    def pin(self, batch: Any) -> Any:
+        return batch
+
+    def start(self, batch: Any) -> Any:
+        return dk.to_device(batch, self.device)
+
+    def hand_over(self, ticket: Any) -> Any:
+        return ticket
+
+    def consumer_done(self) -> None:
+        pass
+
+    def timer(self, ticket: Any) -> Callable[[bool], float | None]:
+        done = iter([None, COPY_S])  # unknown when first asked: read later, never waited for
+
+        def seconds(wait: bool) -> float | None:
+            self.read_with_wait.append(wait)
+            return COPY_S if wait else next(done, COPY_S)
+
+        return seconds
+
+
+def test_copy_times_come_from_the_seam_without_waiting_during_the_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[Timed] = []
+
+    def make(device: torch.device, non_blocking: object) -> Timed:
+        made.append(Timed(device, non_blocking))
+        return made[-1]
+
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", make)
+    loader = dk.DeviceDataLoader([torch.zeros(2)] * 6, META, prefetch=2, pin_memory=False)
+    reads = [len(made[0].read_with_wait) for _batch in loader]
+    stats = loader.stats
+    assert stats.copy_per_batch == (COPY_S,) * 6
+    assert stats.copy_s == pytest.approx(6 * COPY_S)
+    # During the epoch no timer was waited for; at its end, the last one was.
+    waits = made[0].read_with_wait
+    assert True not in waits[: reads[-1]]
+    assert waits[-1] is True
+
+
+def test_the_profiler_sees_the_waits_and_copies_and_nothing_is_recorded_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loader = dk.DeviceDataLoader([torch.zeros(2)] * 3, "cpu")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        _run(loader, 0.0)
+    names = [event.name for event in profile.events()]
+    assert names.count("devicekit.wait") == 4  # three batches and the end
+    assert names.count("devicekit.copy") == 3
+    assert loader.stats.finished
+
+    opened: list[str] = []
+    real = torch.profiler.record_function
+
+    def counting(name: str, *args: Any) -> Any:
+        opened.append(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(torch.profiler, "record_function", counting)
+    _run(loader, 0.0)
+    assert opened == []
+
+
+def test_the_feed_thread_pins_inside_a_named_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = pytest.importorskip("torch._C._profiler")._ExperimentalConfig
+    try:
+        all_threads = config(profile_all_threads=True)
+    except TypeError:
+        pytest.skip("this PyTorch's profiler cannot record other threads")
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Timed)
+    loader = dk.DeviceDataLoader([torch.zeros(2)] * 4, META, pin_memory=True)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=all_threads
+    ) as profile:
+        _run(loader, 0.0)
+    names = [event.name for event in profile.events()]
+    assert names.count("devicekit.pin") == 4
+    assert names.count("devicekit.copy") == 4
+
+
+@pytest.mark.usefixtures("sixteen_cores")
+def test_what_the_verdict_knows_is_read_from_the_dataloader() -> None:
+    inner = DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=2)
+    loader = dk.DeviceDataLoader(inner, "cpu")
+    assert loader.stats.verdict == LoaderStats.verdict
+    assert loader._setup(ahead=False) == Setup("DataLoader", 0, False, False, False, 16)
+
+
+# Each piece of advice, from the figures that call for it.
+
+INPUT_BOUND = LoaderStats(
+    batches=4,
+    wait_s=0.6,
+    step_s=0.4,
+    elapsed_s=1.0,
+    wait_fraction=0.6,
+    wait_per_batch=(0.15,) * 4,
+    step_per_batch=(0.1,) * 4,
+    finished=True,
+)
+HEAD = "The loop waited for data 60% of this epoch (600.0 ms of 1.0 s): it is input-bound. "
+
+
+@pytest.mark.parametrize(
+    ("stats", "setup", "advice"),
+    [
+        pytest.param(
+            INPUT_BOUND,
+            Setup("DataLoader", 2, False, True, False, 16),
+            "The DataLoader has 2 workers on a 16-core machine; try num_workers=8.",
+            id="few-workers",
+        ),
+        pytest.param(
+            INPUT_BOUND,
+            Setup("DataLoader", 16, True, True, False, 16),
+            "The DataLoader's 16 workers already have the machine's 16 cores: make each "
+            "sample cheaper to load (decoded once and cached, lighter transforms, or "
+            "augmentation on the device with transform=).",
+            id="every-core",
+        ),
+        pytest.param(
+            INPUT_BOUND,
+            Setup("list", None, False, False, False, 16),
+            "devicekit cannot see how the wrapped list makes its batches: make that "
+            "cheaper, or load them with a DataLoader and worker processes (num_workers=).",
+            id="no-dataloader",
+        ),
+        pytest.param(
+            dataclasses.replace(INPUT_BOUND, wait_per_batch=(0.5, 0.05, 0.03, 0.02)),
+            Setup("DataLoader", 4, False, True, False, 16),
+            "Most of it was the first batch, while the DataLoader's 4 workers started: "
+            "persistent_workers=True keeps them from one epoch to the next.",
+            id="workers-starting",
+        ),
+        pytest.param(
+            dataclasses.replace(INPUT_BOUND, wait_per_batch=(0.5, 0.05, 0.03, 0.02)),
+            Setup("DataLoader", 4, True, True, False, 16),
+            "Most of it was the first batch; the later ones kept up with the loop.",
+            id="first-batch",
+        ),
+        pytest.param(
+            dataclasses.replace(INPUT_BOUND, copy_per_batch=(0.2,) * 4),
+            Setup("DataLoader", 8, False, False, True, 16),
+            "Copying a batch to the device takes 200.0 ms, longer than a step (100.0 ms), "
+            "from memory that is not pinned: pin_memory=True makes the copy faster.",
+            id="copy-unpinned",
+        ),
+        pytest.param(
+            dataclasses.replace(INPUT_BOUND, copy_per_batch=(0.2,) * 4),
+            Setup("DataLoader", 8, False, True, True, 16),
+            "Copying a batch to the device takes 200.0 ms, longer than a step (100.0 ms): "
+            "send fewer bytes, for example uint8 images normalised on the device with "
+            "transform=.",
+            id="copy-pinned",
+        ),
+    ],
+)
+def test_each_advice_follows_from_the_figures(
+    stats: LoaderStats, setup: Setup, advice: str
+) -> None:
+    assert verdict(stats, setup) == HEAD + advice
+
+
+def test_copies_shorter_than_a_step_are_not_blamed() -> None:
+    stats = dataclasses.replace(INPUT_BOUND, copy_per_batch=(0.01,) * 4)
+    told = verdict(stats, Setup("DataLoader", 0, False, True, True, 16))
+    assert "Copying" not in told
+    assert told.endswith("try num_workers=8.")
