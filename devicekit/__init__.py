@@ -17,6 +17,7 @@ from devicekit._errors import (
 from devicekit._kinds import register_transfer, unregister_transfer
 from devicekit._loader import DeviceDataLoader
 from devicekit._manager import DeviceManager, current_device
+from devicekit._stats import LoaderStats
 from devicekit._transfer import to_device
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceUnavailableError",
     "GuardHandle",
+    "LoaderStats",
     "TransferError",
     "TransferEvent",
     "TransferLog",

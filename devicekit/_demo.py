@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from devicekit._checks import guard
 from devicekit._loader import DeviceDataLoader
@@ -23,6 +23,8 @@ __all__ = ["EpochReport", "SmallCNN", "synthetic_images", "train"]
 
 CLASSES = 10
 IMAGE_SIZE = 16
+SLOW_DATA_S = 0.030
+"""What ``--slow-data`` adds to making each batch: more than a step takes on most machines."""
 
 
 class SmallCNN(nn.Module):
@@ -67,6 +69,17 @@ class EpochReport:
     samples: int
     samples_per_second: float
     seconds: float
+    wait_fraction: float
+    """The share of the epoch the loop waited for data (:attr:`DeviceDataLoader.stats`)."""
+    verdict: str
+    """Whether the epoch was input- or compute-bound, and what to change."""
+
+
+def _slowly(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """PyTorch's collation after a pause: a dataset whose samples are slow to make."""
+    time.sleep(SLOW_DATA_S)
+    collated: list[torch.Tensor] = default_collate(batch)
+    return collated
 
 
 def train(
@@ -75,6 +88,7 @@ def train(
     epochs: int,
     samples: int = 4096,
     batch_size: int = 64,
+    slow_data: bool = False,
     on_batch: Callable[[int, int, int], None] | None = None,
 ) -> Iterator[EpochReport]:
     """Train :class:`SmallCNN` on :func:`synthetic_images` on ``device``.
@@ -87,15 +101,19 @@ def train(
         epochs: How many passes over the data.
         samples: How many images.
         batch_size: Images per batch.
+        slow_data: Make every batch take :data:`SLOW_DATA_S` longer to load, so that the
+            loop waits for its data and the loader's verdict says so.
         on_batch: Called as ``on_batch(epoch, batches_done, batches)``, for progress.
 
     Yields:
         A report as each epoch ends.
     """
     torch.manual_seed(0)
-    loader = DeviceDataLoader(
-        DataLoader(synthetic_images(samples), batch_size=batch_size, shuffle=True), device
+    collate = _slowly if slow_data else None
+    images = DataLoader(
+        synthetic_images(samples), batch_size=batch_size, shuffle=True, collate_fn=collate
     )
+    loader = DeviceDataLoader(images, device)
     model = to_device(SmallCNN(), device)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     with guard(model):
@@ -116,4 +134,14 @@ def train(
                     on_batch(epoch, index + 1, len(loader))
             mean, first_loss = (total / seen).item(), first.item()  # a sync per epoch
             seconds = time.perf_counter() - start
-            yield EpochReport(epoch, mean, first_loss, seen, seen / seconds, seconds)
+            stats = loader.stats
+            yield EpochReport(
+                epoch,
+                mean,
+                first_loss,
+                seen,
+                seen / seconds,
+                seconds,
+                stats.wait_fraction,
+                stats.verdict,
+            )

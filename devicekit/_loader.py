@@ -435,7 +435,7 @@ class DeviceDataLoader(Generic[B]):
         How long the loop waited for each batch and how long each step took, the share of
         the epoch spent waiting, on an accelerator the copies' time, and a ``verdict``:
         input-bound or compute-bound, and what to change. Before any epoch, an empty
-        :class:`~devicekit._stats.LoaderStats` whose verdict says so.
+        :class:`~devicekit.LoaderStats` whose verdict says so.
         """
         return LoaderStats() if self._record is None else self._record.snapshot()
 
@@ -571,9 +571,12 @@ class DeviceDataLoader(Generic[B]):
         self,
         batches: Iterator[Any],
         record: EpochRecorder,
-        move: Callable[[Any], Any] | None = None,
+        move: torch.device | Callable[[Any], Any] | None = None,
     ) -> Iterator[B]:
-        """What ``batches`` yields (``move``-d, in line), with the loop's wait and step.
+        """What ``batches`` yields (moved in line), with the loop's wait and step.
+
+        ``move`` is a device (to_device with the default options: the usual call, made
+        here without a frame of its own) or a function of a batch.
 
         The wait is from asking for a batch to getting it, the step from getting it to
         asking for the next; an epoch left early keeps what it measured. Moving in line
@@ -589,7 +592,11 @@ class DeviceDataLoader(Generic[B]):
                     batch = _named("devicekit.wait", self._next_named, (batches, move))
                 else:
                     batch = next(batches, _END)
-                    if move is not None and batch is not _END:
+                    if batch is _END or move is None:
+                        pass
+                    elif isinstance(move, torch.device):
+                        batch = to_device(batch, move)
+                    else:
                         batch = move(batch)
                 got = clock()
                 if batch is _END:
@@ -608,12 +615,16 @@ class DeviceDataLoader(Generic[B]):
                 close()  # now, not when the collector gets to it: it stops a feed
 
     @staticmethod
-    def _next_named(batches_and_move: tuple[Iterator[Any], Callable[[Any], Any] | None]) -> Any:
+    def _next_named(
+        batches_and_move: tuple[Iterator[Any], torch.device | Callable[[Any], Any] | None],
+    ) -> Any:
         """The next batch, moved inside a ``devicekit.copy`` range (the profiled path)."""
         batches, move = batches_and_move
         batch = next(batches, _END)
         if move is None or batch is _END:
             return batch
+        if isinstance(move, torch.device):
+            return _named("devicekit.copy", functools.partial(_to, move), batch)
         return _named("devicekit.copy", move, batch)
 
     def _end_live_epochs(self) -> None:
@@ -642,10 +653,10 @@ class DeviceDataLoader(Generic[B]):
     def _finish(self, batch: Any) -> Any:
         return batch if self._transform is None else self._transform(batch)
 
-    def _in_line(self, device: torch.device) -> Callable[[Any], Any]:
+    def _in_line(self, device: torch.device) -> torch.device | Callable[[Any], Any]:
         """How a batch moves where nothing is copied ahead: to_device, then the transform."""
         if self._transform is None and self._non_blocking == "auto":
-            return functools.partial(_to, device)
+            return device
         non_blocking, finish = self._non_blocking, self._finish
         return lambda batch: finish(to_device(batch, device, non_blocking=non_blocking))
 

@@ -28,6 +28,9 @@ from devicekit._tree import first_leaf
 COMPUTE_BOUND: Final = 0.10
 """Below this share of the epoch spent waiting, the loop is compute-bound: input as fast
 as can be would gain it less than a tenth."""
+INPUT_BOUND: Final = 0.5
+"""From this share of the epoch spent waiting, the loop is input-bound: its data, not its
+steps, sets its pace. Between the two, faster input would save up to that share."""
 _FIRST_BATCH: Final = 0.5  # a wait that is mostly the first batch is about starting up
 
 CopyTimer = Callable[[bool], "float | None"]
@@ -106,8 +109,9 @@ def verdict(stats: LoaderStats, setup: Setup) -> str:
     ...                     wait_fraction=0.4, wait_per_batch=(0.08,) * 10, finished=True)
     >>> print(verdict(stats, Setup("DataLoader", 2, False, True, True, cpus=16)))
     ... # doctest: +NORMALIZE_WHITESPACE
-    The loop waited for data 40% of this epoch (800.0 ms of 2.0 s): it is input-bound.
-    The DataLoader has 2 workers on a 16-core machine; try num_workers=8.
+    The loop waited for data 40% of this epoch (800.0 ms of 2.0 s): faster input could
+    save up to 40% of it. The DataLoader has 2 workers on a 16-core machine; try
+    num_workers=8.
     """
     if stats.batches == 0:
         return LoaderStats.verdict
@@ -118,7 +122,10 @@ def verdict(stats: LoaderStats, setup: Setup) -> str:
     )
     if stats.wait_fraction < COMPUTE_BOUND:
         return f"{head}: it is compute-bound, so faster input would not make it faster."
-    return f"{head}: it is input-bound. {_advice(stats, setup)}"
+    if stats.wait_fraction >= INPUT_BOUND:
+        return f"{head}: it is input-bound. {_advice(stats, setup)}"
+    gain = f"faster input could save up to {stats.wait_fraction:.0%} of it"
+    return f"{head}: {gain}. {_advice(stats, setup)}"
 
 
 def _advice(stats: LoaderStats, setup: Setup) -> str:

@@ -61,7 +61,7 @@ class _Run:
     epochs_done: int = 0
 
 
-def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, run: _Run) -> int:
+def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, slow_data: bool, run: _Run) -> int:
     if manager.device.type == "meta":
         msg = (
             "Expected a device with memory for the demo to train on, got meta, whose "
@@ -75,14 +75,14 @@ def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, run: _Run) -> i
     reports = []
     # Over a progress line, the epoch's line goes back to the start and covers it.
     start, pad = ("\r", " " * 20) if progress is not None else ("", "")
-    for report in train(manager.device, epochs=epochs, on_batch=progress):
+    for report in train(manager.device, epochs=epochs, slow_data=slow_data, on_batch=progress):
         reports.append(report)
         run.epochs_done = report.epoch
         if not as_json:
             print(
                 f"{start}epoch {report.epoch}/{epochs}  loss {report.first_loss:.3f} -> "
                 f"{report.loss:.3f}  {report.samples_per_second:,.0f} samples/s  "
-                f"{report.seconds:.1f} s{pad}",
+                f"{report.seconds:.1f} s  waiting for data {report.wait_fraction:.0%}{pad}",
                 flush=True,
             )
     if as_json:
@@ -100,6 +100,7 @@ def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, run: _Run) -> i
             f"{reports[0].first_loss:.3f} (first batch) -> {reports[-1].loss:.3f} (last epoch), "
             f"{samples / seconds:,.0f} samples/s over {seconds:.1f} s."
         )
+        print(f"Last epoch: {reports[-1].verdict}")
     return 0
 
 
@@ -268,6 +269,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     demo.add_argument("--epochs", type=_epochs, default=3, help="passes over the data (default 3)")
     demo.add_argument("--device", help="a device such as cuda:1 (default: devicekit's choice)")
     demo.add_argument("--json", action="store_true", help="print a JSON report at the end only")
+    demo.add_argument(
+        "--slow-data",
+        action="store_true",
+        help="make each batch slow to load, to see an input-bound loop and its verdict",
+    )
     return parser, commands
 
 
@@ -277,7 +283,13 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
         print(json.dumps(measured, indent=2) if args.json else "\n".join(_bench.report(measured)))
         return 0
     if args.command == "demo":
-        return _demo(_manager(args.device), args.epochs, as_json=args.json, run=run)
+        return _demo(
+            _manager(args.device),
+            args.epochs,
+            as_json=args.json,
+            slow_data=args.slow_data,
+            run=run,
+        )
     manager = _manager()
     if args.command == "info":
         print(_info_json(manager) if args.json else _info_table(manager))
