@@ -430,7 +430,7 @@ class DeviceDataLoader(Generic[B]):
 
     @property
     def stats(self) -> LoaderStats:
-        """The latest epoch's figures: the running one's so far, or the last one's.
+        """The latest epoch's figures, the running one's so far, else the last one's.
 
         How long the loop waited for each batch and how long each step took, the share of
         the epoch spent waiting, on an accelerator the copies' time, and a ``verdict``:

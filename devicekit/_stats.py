@@ -71,8 +71,8 @@ class LoaderStats:
     batches are not copied ahead on an accelerator."""
     wait_per_batch: tuple[float, ...] = ()
     step_per_batch: tuple[float, ...] = ()
-    """One step per batch whose next batch was asked for: an epoch left early lacks its
-    last step."""
+    """One step per batch whose next batch was asked for, so an epoch left early lacks
+    its last step."""
     copy_per_batch: tuple[float, ...] | None = None
     """The copies whose time is known, in order; None as ``copy_s``."""
     finished: bool = False
@@ -116,16 +116,17 @@ def verdict(stats: LoaderStats, setup: Setup) -> str:
     if stats.batches == 0:
         return LoaderStats.verdict
     so_far = "" if stats.finished else " so far"
+    # Judged on the share as it is written: 9.6% reads "10%", and is no longer compute-bound.
+    share = round(stats.wait_fraction, 2)
     head = (
-        f"The loop waited for data {stats.wait_fraction:.0%} of this epoch{so_far} "
+        f"The loop waited for data {share:.0%} of this epoch{so_far} "
         f"({_ms(stats.wait_s)} of {_ms(stats.elapsed_s)})"
     )
-    if stats.wait_fraction < COMPUTE_BOUND:
+    if share < COMPUTE_BOUND:
         return f"{head}: it is compute-bound, so faster input would not make it faster."
-    if stats.wait_fraction >= INPUT_BOUND:
+    if share >= INPUT_BOUND:
         return f"{head}: it is input-bound. {_advice(stats, setup)}"
-    gain = f"faster input could save up to {stats.wait_fraction:.0%} of it"
-    return f"{head}: {gain}. {_advice(stats, setup)}"
+    return f"{head}: faster input could save up to {share:.0%} of it. {_advice(stats, setup)}"
 
 
 def _advice(stats: LoaderStats, setup: Setup) -> str:

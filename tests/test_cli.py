@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -277,3 +278,23 @@ def test_each_command_s_help_says_what_it_does(
 def test_one_epoch_is_counted_in_the_singular(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--epochs", "1", "--device", "cpu"]) == 0
     assert "Trained 1 epoch on cpu" in capsys.readouterr().out
+
+
+def test_the_demo_says_whether_it_waited_for_data(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--epochs", "1", "--device", "cpu", "--slow-data"]) == 0
+    out = capsys.readouterr().out
+    share = re.search(r"epoch 1/1 .* waiting for data (\d+)%\n", out)
+    assert share is not None, out
+    # Each batch takes 30 ms more to load: 80% of this epoch on a quiet 2-core machine,
+    # where a step takes 8 ms; a busy one still waits well over a tenth of it.
+    assert int(share[1]) >= 10
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith(f"Last epoch: The loop waited for data {share[1]}% of this epoch")
+    assert "The DataLoader loads every batch in the training process (num_workers=0)" in verdict
+
+
+def test_the_demo_s_json_has_each_epoch_s_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--epochs", "1", "--device", "cpu", "--json"]) == 0
+    (epoch,) = json.loads(capsys.readouterr().out)["epochs"]
+    assert 0 <= epoch["wait_fraction"] <= 1
+    assert epoch["verdict"].startswith("The loop waited for data ")

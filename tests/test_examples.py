@@ -82,7 +82,8 @@ def test_the_demo_trains_for_one_epoch() -> None:
     lines = out.splitlines()
     assert lines[1] == "device: cpu (asked for cpu)"
     assert lines[2].startswith("epoch 1/1  loss ")
-    assert lines[-1].startswith("Trained 1 epoch on cpu: loss ")
+    assert lines[-2].startswith("Trained 1 epoch on cpu: loss ")
+    assert lines[-1].startswith("Last epoch: The loop waited for data ")
 
 
 def test_the_demo_reports_json() -> None:

@@ -316,3 +316,24 @@ def test_copies_shorter_than_a_step_are_not_blamed() -> None:
     told = verdict(stats, Setup("DataLoader", 0, False, True, True, 16))
     assert "Copying" not in told
     assert told.endswith("try num_workers=8.")
+
+
+@pytest.mark.parametrize(
+    ("fraction", "judged"),
+    [
+        (0.094, "9% of this epoch (94.0 ms of 1.0 s): it is compute-bound"),
+        (0.096, "10% of this epoch (96.0 ms of 1.0 s): faster input could save up to 10% of it."),
+        (0.496, "50% of this epoch (496.0 ms of 1.0 s): it is input-bound."),
+    ],
+)
+def test_the_share_is_judged_as_it_is_written(fraction: float, judged: str) -> None:
+    stats = LoaderStats(
+        batches=10,
+        wait_s=fraction,
+        step_s=1 - fraction,
+        elapsed_s=1.0,
+        wait_fraction=fraction,
+        wait_per_batch=(fraction / 10,) * 10,
+        finished=True,
+    )
+    assert judged in verdict(stats, Setup("list", None, False, False, False, 2))
