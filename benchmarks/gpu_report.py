@@ -679,6 +679,7 @@ def training_loops(setting: Setting) -> list[str]:
     device = setting.device
     rows = []
     columns: list[str] = []
+    verdicts: list[str] = []
     for name, (make_model, full_size, dtype, full_batch) in loops.items():
         size, batch_size = (16, 8) if setting.smoke else (full_size, full_batch)
         dataset = _Images((WARM_STEPS + timed_steps) * batch_size, size, dtype)
@@ -705,14 +706,14 @@ def training_loops(setting: Setting) -> list[str]:
                 (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                 for x, y in pinning
             ),
-            "DeviceDataLoader": lambda plain=plain: iter(dk.DeviceDataLoader(plain, device)),
-            "DeviceDataLoader(pinning loader)": lambda pinning=pinning: iter(
-                dk.DeviceDataLoader(pinning, device)
-            ),
-            "DeviceDataLoader(prefetch=0)": lambda plain=plain: iter(
-                dk.DeviceDataLoader(plain, device, prefetch=0)
-            ),
         }
+        # Kept, to read what each measured of its last epoch.
+        wrapped = {
+            "DeviceDataLoader": dk.DeviceDataLoader(plain, device),
+            "DeviceDataLoader(pinning loader)": dk.DeviceDataLoader(pinning, device),
+            "DeviceDataLoader(prefetch=0)": dk.DeviceDataLoader(plain, device, prefetch=0),
+        }
+        variants.update({key: (lambda w=w: iter(w)) for key, w in wrapped.items()})
         rates: dict[str, list[float]] = {variant: [] for variant in ["loader alone", *variants]}
         for _ in range(rounds):  # best of the rounds, variants interleaved
             timed, seconds = _loader_alone(plain)
@@ -724,6 +725,16 @@ def training_loops(setting: Setting) -> list[str]:
                 rates[variant].append(timed * batch_size / seconds)
         rows.append([name] + [f"{max(rate):,.0f}" for rate in rates.values()])
         columns = ["loop", *rates]
+        for variant, measured in wrapped.items():
+            stats = measured.stats
+            copies = stats.copy_per_batch
+            copy = f"{1e3 * sum(copies) / len(copies):.2f} ms" if copies else "not measured"
+            steps = stats.step_per_batch
+            step = f"{1e3 * sum(steps) / len(steps):.2f} ms" if steps else "-"
+            verdicts.append(
+                f"- {name}, {variant}: waited {stats.wait_fraction:.0%}; a copy {copy}, a "
+                f"step {step} (host); verdict: {stats.verdict}"
+            )
     lines = [
         "## Real training loops",
         "",
@@ -735,7 +746,12 @@ def training_loops(setting: Setting) -> list[str]:
         ),
         "",
     ]
-    return lines + table(columns, rows)
+    measured = [
+        "",
+        "What DeviceDataLoader measured of each variant's last epoch (warm-up included):",
+        "",
+    ]
+    return lines + table(columns, rows) + measured + verdicts
 
 
 # The report.

@@ -99,6 +99,9 @@ def test_the_gpu_report_runs_every_section_through_the_accelerator_path(
     assert "FAILED" not in report
     assert "| dict of 8 x 16 KiB |" in report
     assert "| small CNN, 64 px float32, batch 512 |" in report
+    # Each DeviceDataLoader variant's own figures and verdict follow the table.
+    assert "small CNN, 64 px float32, batch 512, DeviceDataLoader: waited " in report
+    assert "verdict: The loop waited for data " in report
     assert "- commit: " in report
     assert all(count > 0 for count in seen.values()), seen
     assert "meta" not in _loader.PREFETCHERS  # the stand-in is gone after the run
