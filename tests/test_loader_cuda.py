@@ -98,3 +98,19 @@ def test_a_dataset_error_surfaces_through_the_feed_thread(cuda: torch.device) ->
         for _batch in dk.DeviceDataLoader(batches, cuda, prefetch=2):
             seen += 1
     assert seen == 5
+
+
+def test_every_copy_is_timed_on_the_side_stream(cuda: torch.device) -> None:
+    # 4 MiB a batch: a copy of tens of microseconds, timed by events on the side stream.
+    data = TensorDataset(torch.randn(64, 1 << 14), torch.arange(64))
+    loader = dk.DeviceDataLoader(DataLoader(data, batch_size=8), cuda)
+    for images, _labels in loader:
+        torch.cuda._sleep(100_000)  # a step the copies hide behind
+        assert images.is_cuda
+    stats = loader.stats
+    assert stats.finished
+    assert stats.copy_per_batch is not None
+    assert len(stats.copy_per_batch) == stats.batches == 8
+    assert all(seconds > 0 for seconds in stats.copy_per_batch)
+    assert stats.copy_s == pytest.approx(sum(stats.copy_per_batch))
+    assert stats.samples == 64
