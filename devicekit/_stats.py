@@ -68,7 +68,7 @@ class LoaderStats:
     """``wait_s / elapsed_s``: the share of the epoch the loop waited for data."""
     copy_s: float | None = None
     """Time the device spent copying batches in (events on the side stream); None where
-    batches are not copied ahead on an accelerator."""
+    batches are not copied ahead on an accelerator, or no copy's time is known yet."""
     wait_per_batch: tuple[float, ...] = ()
     step_per_batch: tuple[float, ...] = ()
     """One step per batch whose next batch was asked for, so an epoch left early lacks
@@ -223,7 +223,8 @@ class EpochRecorder:
         """The figures so far, with their verdict."""
         wait_s, step_s = sum(self.waits), sum(self.steps)
         elapsed = wait_s + step_s
-        copies = None if self.copies is None else tuple(self.copies)
+        # No copy time known (none finished yet, or a seam that cannot time) is None, never 0.
+        copies = tuple(self.copies) if self.copies else None
         stats = LoaderStats(
             batches=len(self.waits),
             samples=self.samples,

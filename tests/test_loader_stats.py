@@ -337,3 +337,16 @@ def test_the_share_is_judged_as_it_is_written(fraction: float, judged: str) -> N
         finished=True,
     )
     assert judged in verdict(stats, Setup("list", None, False, False, False, 2))
+
+
+def test_copies_that_cannot_be_timed_are_unknown_not_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Untimed(Timed):
+        def timer(self, ticket: Any) -> Callable[[bool], float | None]:
+            return lambda wait: None  # a seam without events
+
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Untimed)
+    loader = dk.DeviceDataLoader([torch.zeros(2)] * 3, META, pin_memory=False)
+    for _batch in loader:
+        pass
+    assert (loader.stats.copy_s, loader.stats.copy_per_batch) == (None, None)
+    assert loader.stats.batches == 3
