@@ -44,7 +44,6 @@ the live ones first, waiting at most :data:`HANDOFF_S` for their feeds to leave 
 from __future__ import annotations
 
 import collections
-import functools
 import queue
 import threading
 import time
@@ -111,8 +110,9 @@ def profiling() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
-def _to(device: torch.device, batch: Any) -> Any:
-    return to_device(batch, device)
+def _move(batch: Any, move: torch.device | Callable[[Any], Any]) -> Any:
+    """A batch moved in line: to_device with the default options to a device, or ``move``."""
+    return to_device(batch, move) if isinstance(move, torch.device) else move(batch)
 
 
 def _named(name: str, work: Callable[[Any], Any], item: Any) -> Any:
@@ -293,6 +293,15 @@ class _BackgroundFeed:
         return self._thread.is_alive()
 
 
+def _started(prefetcher: Prefetcher, batch: Any) -> Any:
+    """``prefetcher.start(batch)``, in a ``devicekit.copy`` range while a profiler runs."""
+    return (
+        _named("devicekit.copy", prefetcher.start, batch)
+        if profiling()
+        else prefetcher.start(batch)
+    )
+
+
 def _prefetched(
     batches: Iterator[Any],
     prefetcher: Prefetcher,
@@ -314,11 +323,9 @@ def _prefetched(
         nonlocal ended
         while not ended and len(in_flight) < depth:
             try:
-                batch = next(batches)
-                start = prefetcher.start
-                in_flight.append(
-                    _named("devicekit.copy", start, batch) if profiling() else start(batch)
-                )
+                # No local holds the batch or its ticket: the source's exception, kept
+                # until raised (and maybe by the caller after), would keep them alive.
+                in_flight.append(_started(prefetcher, next(batches)))
             except StopIteration:  # noqa: PERF203 - at most once an epoch: it ends the loop
                 ended = True
             except Exception as error:  # re-raised below, unchanged, in its place
@@ -575,29 +582,28 @@ class DeviceDataLoader(Generic[B]):
     ) -> Iterator[B]:
         """What ``batches`` yields (moved in line), with the loop's wait and step.
 
-        ``move`` is a device (to_device with the default options: the usual call, made
-        here without a frame of its own) or a function of a batch.
-
-        The wait is from asking for a batch to getting it, the step from getting it to
-        asking for the next; an epoch left early keeps what it measured. Moving in line
-        here, not in a generator of its own, saves the CPU path a frame per batch: a
-        tenth of moving a small batch to the CPU (``benchmarks/bench_loader.py``).
+        ``move`` is what ``_move`` takes. The wait is from asking for a batch to getting
+        it, the step from getting it to asking for the next; an epoch left early keeps what
+        it measured. Moving in line here, not in a generator of its own, saves the CPU path
+        a frame per batch: a tenth of moving a small batch to the CPU
+        (``benchmarks/bench_loader.py``).
         """
         clock, profiler = time.perf_counter, torch.autograd.profiler
         waits, steps, count = record.waits, record.steps, record.count
+        batch: Any
         asked = clock()
         try:
             while True:
-                if profiler._is_profiler_enabled:
-                    batch = _named("devicekit.wait", self._next_named, (batches, move))
+                if profiler._is_profiler_enabled:  # profiling(), without a call per batch
+                    with torch.profiler.record_function("devicekit.wait"):
+                        batch = next(batches, _END)
+                        if batch is not _END and move is not None:
+                            with torch.profiler.record_function("devicekit.copy"):
+                                batch = _move(batch, move)
                 else:
                     batch = next(batches, _END)
-                    if batch is _END or move is None:
-                        pass
-                    elif isinstance(move, torch.device):
-                        batch = to_device(batch, move)
-                    else:
-                        batch = move(batch)
+                    if batch is not _END and move is not None:
+                        batch = _move(batch, move)
                 got = clock()
                 if batch is _END:
                     record.finished = True
@@ -613,19 +619,6 @@ class DeviceDataLoader(Generic[B]):
             close = getattr(batches, "close", None)
             if close is not None:
                 close()  # now, not when the collector gets to it: it stops a feed
-
-    @staticmethod
-    def _next_named(
-        batches_and_move: tuple[Iterator[Any], torch.device | Callable[[Any], Any] | None],
-    ) -> Any:
-        """The next batch, moved inside a ``devicekit.copy`` range (the profiled path)."""
-        batches, move = batches_and_move
-        batch = next(batches, _END)
-        if move is None or batch is _END:
-            return batch
-        if isinstance(move, torch.device):
-            return _named("devicekit.copy", functools.partial(_to, move), batch)
-        return _named("devicekit.copy", move, batch)
 
     def _end_live_epochs(self) -> None:
         """End the live epochs' feeds, which may be inside the one iterator iter() resets.

@@ -23,6 +23,8 @@ from typing import Any, Final, NamedTuple
 
 import torch
 
+from devicekit import _kinds
+from devicekit._kinds import DICT, LIST, MOVE, TUPLE
 from devicekit._tree import first_leaf
 
 COMPUTE_BOUND: Final = 0.10
@@ -175,9 +177,6 @@ def _advice(stats: LoaderStats, setup: Setup) -> str:
     )
 
 
-_Tensor = torch.Tensor
-
-
 class EpochRecorder:
     """The figures of one epoch as it runs; the training thread alone writes them."""
 
@@ -196,18 +195,20 @@ class EpochRecorder:
         """Count the samples of a batch: the first dimension of its first leaf, a tensor."""
         if self.samples is None:
             return
-        # A tensor, a (tensors, labels) pair or a dict of tensors are looked into here:
-        # first_leaf alone costs 0.7 us a batch, a fifth of moving a small one to the CPU.
-        kind = type(batch)
-        if kind is tuple or kind is list:
+        # The batch's own first child is looked up here, as the table has its type: a
+        # (images, labels) pair or a dict of tensors then needs no first_leaf, whose
+        # walk would make counting cost 1.0 us a batch instead of 0.6 (an eighth of
+        # moving a small batch to the CPU).
+        node = _kinds._views[MOVE].get(type(batch))  # as _tree reads it: no call
+        if node is LIST or node is TUPLE:
             leaf = batch[0] if batch else None
-        elif kind is dict:
+        elif node is DICT:
             leaf = next(iter(batch.values()), None)
         else:
             leaf = batch
-        if type(leaf) is not _Tensor:
-            leaf = first_leaf(batch)
-        shape = leaf.shape if isinstance(leaf, _Tensor) else None
+        if type(leaf) is not torch.Tensor:
+            leaf = first_leaf(leaf)
+        shape = leaf.shape if isinstance(leaf, torch.Tensor) else None
         self.samples = self.samples + shape[0] if shape else None
 
     def read_copies(self, *, wait: bool = False) -> None:

@@ -248,6 +248,8 @@ INPUT_BOUND = LoaderStats(
     step_per_batch=(0.1,) * 4,
     finished=True,
 )
+SLOW_FIRST = dataclasses.replace(INPUT_BOUND, wait_per_batch=(0.5, 0.05, 0.03, 0.02))
+SLOW_COPIES = dataclasses.replace(INPUT_BOUND, copy_per_batch=(0.2,) * 4)
 HEAD = "The loop waited for data 60% of this epoch (600.0 ms of 1.0 s): it is input-bound. "
 
 
@@ -276,27 +278,27 @@ HEAD = "The loop waited for data 60% of this epoch (600.0 ms of 1.0 s): it is in
             id="no-dataloader",
         ),
         pytest.param(
-            dataclasses.replace(INPUT_BOUND, wait_per_batch=(0.5, 0.05, 0.03, 0.02)),
+            SLOW_FIRST,
             Setup("DataLoader", 4, False, True, False, 16),
             "Most of it was the first batch, while the DataLoader's 4 workers started: "
             "persistent_workers=True keeps them from one epoch to the next.",
             id="workers-starting",
         ),
         pytest.param(
-            dataclasses.replace(INPUT_BOUND, wait_per_batch=(0.5, 0.05, 0.03, 0.02)),
+            SLOW_FIRST,
             Setup("DataLoader", 4, True, True, False, 16),
             "Most of it was the first batch; the later ones kept up with the loop.",
             id="first-batch",
         ),
         pytest.param(
-            dataclasses.replace(INPUT_BOUND, copy_per_batch=(0.2,) * 4),
+            SLOW_COPIES,
             Setup("DataLoader", 8, False, False, True, 16),
             "Copying a batch to the device takes 200.0 ms, longer than a step (100.0 ms), "
             "from memory that is not pinned: pin_memory=True makes the copy faster.",
             id="copy-unpinned",
         ),
         pytest.param(
-            dataclasses.replace(INPUT_BOUND, copy_per_batch=(0.2,) * 4),
+            SLOW_COPIES,
             Setup("DataLoader", 8, False, True, True, 16),
             "Copying a batch to the device takes 200.0 ms, longer than a step (100.0 ms): "
             "send fewer bytes, for example uint8 images normalised on the device with "
@@ -350,3 +352,23 @@ def test_copies_that_cannot_be_timed_are_unknown_not_free(monkeypatch: pytest.Mo
         pass
     assert (loader.stats.copy_s, loader.stats.copy_per_batch) == (None, None)
     assert loader.stats.batches == 3
+
+
+def test_samples_are_counted_as_the_type_table_sees_a_batch() -> None:
+    # With a rule for list, a list is a leaf: it has no first tensor to count, whatever
+    # it holds, as find_devices and to_device see it.
+    @dk.register_transfer(list)
+    def move_list(batch: list[Any], device: torch.device, **options: Any) -> list[Any]:
+        return batch
+
+    try:
+        loader = dk.DeviceDataLoader([[torch.zeros(4)]] * 2, "cpu")
+        for _batch in loader:
+            pass
+    finally:
+        dk.unregister_transfer(list)
+    assert (loader.stats.batches, loader.stats.samples) == (2, None)
+    again = dk.DeviceDataLoader([[torch.zeros(4)]] * 2, "cpu")
+    for _batch in again:
+        pass
+    assert again.stats.samples == 8
