@@ -57,7 +57,7 @@ from devicekit._devices import DeviceLike, resolve_device, streams_to
 from devicekit._manager import current_device
 from devicekit._packing import PACK_MAX_BYTES
 from devicekit._stats import CopyTimer, EpochRecorder, LoaderStats, Setup, machine_cpus
-from devicekit._transfer import NonBlocking, to_device
+from devicekit._transfer import NonBlocking, in_line_mover, to_device
 from devicekit._tree import map_leaves
 
 __all__ = ["DeviceDataLoader", "Prefetcher", "StreamPrefetcher", "profiling"]
@@ -108,11 +108,6 @@ def profiling() -> bool:
     (``profile_all_threads``) records the feed's pinning too, but says False there.
     """
     return torch.autograd.profiler._is_profiler_enabled
-
-
-def _move(batch: Any, move: torch.device | Callable[[Any], Any]) -> Any:
-    """A batch moved in line: to_device with the default options to a device, or ``move``."""
-    return to_device(batch, move) if isinstance(move, torch.device) else move(batch)
 
 
 def _named(name: str, work: Callable[[Any], Any], item: Any) -> Any:
@@ -578,14 +573,15 @@ class DeviceDataLoader(Generic[B]):
         self,
         batches: Iterator[Any],
         record: EpochRecorder,
-        move: torch.device | Callable[[Any], Any] | None = None,
+        move: Callable[[Any], Any] | None = None,
     ) -> Iterator[B]:
         """What ``batches`` yields (moved in line), with the loop's wait and step.
 
-        ``move`` is what ``_move`` takes. The wait is from asking for a batch to getting
-        it, the step from getting it to asking for the next; an epoch left early keeps what
-        it measured. Moving in line here, not in a generator of its own, saves the CPU path
-        a frame per batch: a tenth of moving a small batch to the CPU
+        ``move`` moves a batch in line (None: they come moved). The wait is from asking
+        for a batch to getting it, the step from getting it to asking for the next; an
+        epoch left early keeps what it measured. Moving in line here, not in a generator
+        of its own, saves the CPU path a frame per batch: a tenth of moving a small batch
+        to the CPU
         (``benchmarks/bench_loader.py``).
         """
         clock, profiler = time.perf_counter, torch.autograd.profiler
@@ -599,16 +595,11 @@ class DeviceDataLoader(Generic[B]):
                         batch = next(batches, _END)
                         if batch is not _END and move is not None:
                             with torch.profiler.record_function("devicekit.copy"):
-                                batch = _move(batch, move)
+                                batch = move(batch)
                 else:
                     batch = next(batches, _END)
                     if batch is not _END and move is not None:
-                        # _move, inline: its call is 0.07 us, 2% of a small batch to the CPU.
-                        batch = (
-                            to_device(batch, move)
-                            if isinstance(move, torch.device)
-                            else move(batch)
-                        )
+                        batch = move(batch)
                 got = clock()
                 if batch is _END:
                     record.finished = True
@@ -651,10 +642,10 @@ class DeviceDataLoader(Generic[B]):
     def _finish(self, batch: Any) -> Any:
         return batch if self._transform is None else self._transform(batch)
 
-    def _in_line(self, device: torch.device) -> torch.device | Callable[[Any], Any]:
+    def _in_line(self, device: torch.device) -> Callable[[Any], Any]:
         """How a batch moves where nothing is copied ahead: to_device, then the transform."""
         if self._transform is None and self._non_blocking == "auto":
-            return device
+            return in_line_mover(device)
         non_blocking, finish = self._non_blocking, self._finish
         return lambda batch: finish(to_device(batch, device, non_blocking=non_blocking))
 

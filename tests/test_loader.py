@@ -86,6 +86,15 @@ def test_the_loader_yields_exactly_to_device_of_each_batch(items: list[Any]) -> 
         assert all(t.device == META for t in tensor_leaves(got))
 
 
+def test_a_tensor_twice_in_a_batch_arrives_as_one() -> None:
+    # In line, the loader moves through the plan it found at the epoch's start: the
+    # repeat is still seen and the retry that keeps it one tensor still runs.
+    shared = torch.zeros(3)
+    (moved,) = dk.DeviceDataLoader([{"a": shared, "b": [shared, torch.ones(2)]}], META)
+    assert moved["a"] is moved["b"][0]
+    assert moved["a"].device == META
+
+
 # What the wrapped loader knows.
 
 
