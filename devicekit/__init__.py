@@ -5,7 +5,7 @@ arbitrarily nested batches), and explain device problems in the user's own terms
 """
 
 from devicekit._audit import TransferEvent, TransferLog, track_transfers
-from devicekit._backends import Backend, DeviceInfo
+from devicekit._backends import Backend, DeviceInfo, GpuProcess
 from devicekit._checkpoint import load, save
 from devicekit._checks import GuardHandle, check_same_device, find_devices, guard
 from devicekit._errors import (
@@ -30,6 +30,7 @@ __all__ = [
     "DeviceManager",
     "DeviceMismatchError",
     "DeviceUnavailableError",
+    "GpuProcess",
     "GuardHandle",
     "LoaderStats",
     "TransferError",

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import platform
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -25,10 +25,12 @@ __all__ = [
     "CpuBackend",
     "CudaBackend",
     "DeviceInfo",
+    "GpuProcess",
     "MpsBackend",
     "XpuBackend",
     "builtin_backends",
     "cuda_started",
+    "make_current",
 ]
 
 
@@ -58,6 +60,25 @@ class DeviceInfo:
     """The CUDA compute capability, such as ``(9, 0)``."""
     uuid: str | None = None
     """The device's UUID, such as ``"GPU-5f1c…"``."""
+    utilization: float | None = None
+    """How busy it was when devicekit looked, 0-1: the share of NVML's last sample period
+    in which a kernel ran, other processes' included."""
+    processes: tuple[GpuProcess, ...] | None = None
+    """The processes using it, this one included, as NVML lists them; empty for none."""
+
+
+class GpuProcess(NamedTuple):
+    """A process using a GPU, as :attr:`DeviceInfo.processes` lists it.
+
+    >>> import devicekit as dk
+    >>> dk.GpuProcess(pid=4242, used_memory=31 << 30).used_memory / 2**30
+    31.0
+    """
+
+    pid: int
+    """Its process id (in the GPU driver's PID namespace: another container's may differ)."""
+    used_memory: int | None
+    """Bytes of GPU memory it uses; None where the driver does not say (in containers)."""
 
 
 @runtime_checkable
@@ -67,7 +88,9 @@ class Backend(Protocol):
     Implement it for a family devicekit does not know, or as a fake in tests, and pass
     instances in ``DeviceManager(backends=[...])``. A backend may also carry a ``note``
     attribute: a sentence that :meth:`DeviceManager.explain` shows, such as why it
-    found nothing.
+    found nothing; and a ``make_current(device)`` method, which a manager following
+    torchrun's ``LOCAL_RANK`` calls on the device it chose (PyTorch's
+    ``set_device`` for the family otherwise).
 
     >>> import torch, devicekit as dk
     >>> class TwoFakeGpus:
@@ -95,6 +118,20 @@ class Backend(Protocol):
         are merely listed.
         """
         ...
+
+
+def make_current(device: torch.device) -> None:
+    """Make ``device`` the current device of this process, as ``torch.cuda.set_device`` does.
+
+    Its family's own call (``torch.cuda``, ``torch.xpu``), else PyTorch's generic one; a
+    family of one device (MPS) has nothing to set. A backend may carry a ``make_current``
+    of its own, which :class:`~devicekit.DeviceManager` calls instead (test fakes do).
+    """
+    set_device = getattr(getattr(torch, device.type, None), "set_device", None)
+    if callable(set_device):
+        set_device(device)
+    elif device.type == accelerator_type() and device.index is not None:
+        torch.accelerator.set_device_index(device.index)
 
 
 def cuda_started() -> bool:
@@ -157,6 +194,10 @@ class CudaBackend:
                 gpu.free_memory,
                 gpu.capability,
                 gpu.uuid,
+                gpu.utilization,
+                None
+                if gpu.processes is None
+                else tuple(GpuProcess(pid, used) for pid, used in gpu.processes),
             )
             for index, gpu in enumerate(visible)
         ]

@@ -9,22 +9,35 @@ so threads and asyncio tasks each see their own.
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from contextvars import ContextVar
 from types import TracebackType
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, NoReturn, TypeAlias, cast
 
 import torch
 
-from devicekit._backends import Backend, DeviceInfo, builtin_backends, cuda_started
+from devicekit import _claims
+from devicekit._backends import Backend, DeviceInfo, builtin_backends, cuda_started, make_current
 from devicekit._devices import DeviceLike, has_backend, parse_device, shown
 from devicekit._errors import DeviceUnavailableError
 from devicekit._warnings import warn
 
-__all__ = ["DeviceManager", "Fallback", "Policy", "current_device", "parse_bytes"]
+__all__ = [
+    "DeviceManager",
+    "Fallback",
+    "Policy",
+    "claim_holders",
+    "current_device",
+    "parse_bytes",
+    "parse_seconds",
+    "who_uses",
+]
 
 Policy: TypeAlias = Literal["auto", "most-free-memory", "local-rank"]
 Fallback: TypeAlias = Literal["cpu", "error"]
@@ -44,6 +57,17 @@ _active: ContextVar[tuple[tuple[object, torch.device], ...]] = ContextVar(
     "devicekit_active", default=()
 )
 _fallback_warned = threading.Event()  # the CPU fallback warns once per process
+_logger = logging.getLogger("devicekit")
+
+# Waiting for a device: NVML is read again after 1 s, then twice as long each time up to
+# 30 s, so a queue of jobs polls a busy server a few times a minute, not in a loop.
+_FIRST_POLL_S = 1.0
+_LONGEST_POLL_S = 30.0
+_clock = time.monotonic  # the tests' fake clock replaces these two
+_sleep = time.sleep
+# Claims taken by managers not yet closed: held for the process, not for the manager
+# object, so `DeviceManager(claim=True).device` keeps its GPU after the manager goes.
+_held: set[_claims.Claim] = set()
 
 _MOST_BYTES = 1e24  # a yottabyte: no device comes near
 _UNITS = {
@@ -91,8 +115,76 @@ def parse_bytes(size: int | str) -> int:
     return int(nbytes)
 
 
+_DURATION = re.compile(
+    r"(\d+(?:\.\d+)?)\s*(s|secs?|seconds?|m|mins?|minutes?|h|hrs?|hours?)?", re.IGNORECASE
+)
+_SECONDS_PER = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_seconds(duration: float | str) -> float:
+    """Read a duration: seconds as a number, or a string such as ``"90s"``, ``"10m"``, ``"1.5h"``.
+
+    >>> parse_seconds("10m"), parse_seconds("1.5 hours"), parse_seconds(30)
+    (600.0, 5400.0, 30.0)
+
+    Raises:
+        ValueError: The duration is negative, not finite, or not in one of these forms.
+    """
+    if (
+        isinstance(duration, int | float)
+        and not isinstance(duration, bool)
+        and math.isfinite(duration)
+        and duration >= 0
+    ):
+        return float(duration)
+    match = _DURATION.fullmatch(duration.strip()) if isinstance(duration, str) else None
+    if match is None:
+        msg = (
+            "Expected wait as a number of seconds of 0 or more, or a duration such as '90s', "
+            f"'10m' or '1.5h', got {shown(duration)}."
+        )
+        raise ValueError(msg)
+    unit = (match.group(2) or "s")[0].lower()
+    return float(match.group(1)) * _SECONDS_PER[unit]
+
+
+def _duration(seconds: float) -> str:
+    """``45 s``, ``10 min``, ``1.5 h``: a wait as a person says it."""
+    if seconds < 120:
+        return f"{seconds:g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _claim_key(info: DeviceInfo) -> str:
+    """What names a device's claim: its UUID, else its family and index as this process has them."""
+    return info.uuid or f"{info.backend}-{info.index}"
+
+
+def claim_holders(devices: Sequence[DeviceInfo]) -> dict[torch.device, int | None]:
+    """The accelerators among ``devices`` that a job claims, with its pid (None: unknown)."""
+    keys = {_claim_key(info): info.device for info in devices if info.device.type != "cpu"}
+    return {keys[key]: pid for key, pid in _claims.holders(list(keys)).items()}
+
+
+def who_uses(info: DeviceInfo) -> str:
+    """Who uses a GPU, as NVML lists them: ``31.0 GiB used by pid 4242, pid 77``."""
+    if not info.processes:
+        return ""
+    ordered = sorted(info.processes, key=lambda process: -(process.used_memory or 0))
+    named = [
+        f"{_size(process.used_memory)} used by pid {process.pid}"
+        if process.used_memory is not None
+        else f"used by pid {process.pid}"
+        for process in ordered[:3]
+    ]
+    more = len(ordered) - len(named)
+    return ", ".join(named) + (f" and {more} more" if more else "")
 
 
 def describe(info: DeviceInfo) -> str:
@@ -104,6 +196,8 @@ def describe(info: DeviceInfo) -> str:
         parts.append(f"{_size(info.total_memory)}, free memory unknown")
     if info.capability is not None:
         parts.append(f"compute capability {info.capability[0]}.{info.capability[1]}")
+    if info.utilization is not None:
+        parts.append(f"{info.utilization:.0%} busy")
     return f"{parts[0]} {', '.join(parts[1:])}"
 
 
@@ -166,6 +260,26 @@ def _listed(backend: Backend) -> list[DeviceInfo]:
     return found
 
 
+def _share(value: object) -> float | None:
+    """``max_utilization``, checked: None, or a share between 0 and 1."""
+    if value is None:
+        return None
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if number is None or not 0 <= number <= 1:
+        hint = " (a share: 0.5 is 50%)" if number is not None and 1 < number <= 100 else ""
+        msg = f"Expected max_utilization between 0 and 1{hint}, got {shown(value)}."
+        raise ValueError(msg)
+    return float(number)
+
+
+def _percent(share: float) -> str:
+    return f"{share * 100:.3g}%"
+
+
+class _NotYet(Exception):  # noqa: N818 - a signal inside selection, never raised to users
+    """Nothing qualifies now, and the manager may still wait for a device that does."""
+
+
 class DeviceManager:
     """Detect the devices of this machine, select one, and explain the choice.
 
@@ -193,6 +307,18 @@ class DeviceManager:
             ``"local-rank"``.
         min_free_memory: Skip accelerators with less free memory than this: bytes, or a
             size such as ``"8GiB"``. Devices whose free memory is unknown are kept.
+        max_utilization: Skip accelerators busier than this share of the time (0-1, as
+            NVML measures it); with ``min_free_memory``, both must hold. Devices whose
+            utilization is unknown are kept.
+        wait: Where no accelerator qualifies yet, wait up to this long for one: seconds,
+            or a duration such as ``"10m"``. The devices are read again with a growing
+            pause (1 s, doubling to 30 s), the wait is logged once, and on timeout
+            ``fallback`` applies, with the reason.
+        claim: Claim the chosen accelerator for this process: an OS file lock keyed by
+            its UUID in ``DEVICEKIT_CLAIM_DIR`` (default: ``devicekit-claims`` in the
+            temporary directory), which other managers with ``claim=True`` pass over.
+            Held until :meth:`close` or the process ends in any way, ``kill -9``
+            included.
         fallback: With no usable accelerator, ``"cpu"`` uses the CPU and warns once;
             ``"error"`` raises :class:`~devicekit.DeviceUnavailableError`.
         backends: The device families to look at; None for the built-in ones. Tests
@@ -202,6 +328,7 @@ class DeviceManager:
         DeviceUnavailableError: ``device`` does not parse or is not on this machine, or
             nothing usable was found with ``fallback="error"``.
         ValueError: An option has a value outside those listed above.
+        OSError: ``claim=True`` where the claim directory cannot be made.
     """
 
     def __init__(
@@ -211,6 +338,9 @@ class DeviceManager:
         prefer: Sequence[str] = ("cuda", "xpu", "mps", "cpu"),
         policy: Policy = "auto",
         min_free_memory: int | str | None = None,
+        max_utilization: float | None = None,
+        wait: float | str | None = None,
+        claim: bool = False,
         fallback: Fallback = "cpu",
         backends: Sequence[Backend] | None = None,
     ) -> None:
@@ -238,11 +368,15 @@ class DeviceManager:
             raise ValueError(msg)
         self._prefer = tuple(prefer)
         self._min_free = None if min_free_memory is None else parse_bytes(min_free_memory)
+        self._max_busy = _share(max_utilization)
+        self._wait = None if wait is None else parse_seconds(wait)
+        if claim is not True and claim is not False:
+            msg = f"Expected claim to be True or False, got {shown(claim)}."  # type: ignore[unreachable]
+            raise TypeError(msg)
+        self._claiming = claim
         self._fallback = fallback
-        self._found = {id(backend): _listed(backend) for backend in self._backends}
-        self._devices = tuple(info for infos in self._found.values() for info in infos)
-        self._skipped: list[str] = []
-        self._device, self._reason = self._select(device, policy)
+        self._claim: _claims.Claim | None = None
+        self._device, self._reason = self._settle(device, policy)
 
     @classmethod
     def from_env(cls, **options: Any) -> DeviceManager:
@@ -311,10 +445,22 @@ class DeviceManager:
         name = f" ({chosen.name})" if chosen is not None and chosen.name else ""
         lines = [f"Selected {self._device}{name}: {self._reason}."]
         lines += [f"Skipped {skipped}." for skipped in self._skipped]
+        if self._claim is not None:
+            lines.append(f"Claimed with {self._claim.path}, until close() or the process ends.")
         lines.append("Devices seen:")
         lines += [f"  {describe(info)}" for info in self._devices]
         lines += [f"  no {name}: {note}" for name, note in self.notes().items()]
         return "\n".join(lines)
+
+    def close(self) -> None:
+        """Give back the claim this manager holds (``claim=True``); nothing else changes.
+
+        The process ending gives it back too, however it ends. A second call does nothing.
+        """
+        if self._claim is not None:
+            self._claim.release()
+            _held.discard(self._claim)
+            self._claim = None
 
     def __repr__(self) -> str:
         return f"DeviceManager(device={self._device!r})"
@@ -336,6 +482,60 @@ class DeviceManager:
                 return
 
     # Selection.
+
+    def _look(self) -> None:
+        """List the devices (again), and the claims on them where this manager claims."""
+        self._found = {id(backend): _listed(backend) for backend in self._backends}
+        self._devices = tuple(info for infos in self._found.values() for info in infos)
+        self._claimed = claim_holders(self._devices) if self._claiming else {}
+        self._skipped: list[str] = []
+
+    def _settle(self, device: DeviceLike | None, policy: Policy) -> tuple[torch.device, str]:
+        """Select as ``_select`` does, waiting and claiming as asked: the device, and why."""
+        started, pause = _clock(), _FIRST_POLL_S
+        self._waiting = bool(self._wait)  # while True, finding nothing raises _NotYet
+        self._waited: float | None = None
+        lost: dict[torch.device, int | None] = {}  # claims lost to another job in a race
+        while True:
+            self._look()
+            self._claimed = {**lost, **self._claimed}
+            try:
+                chosen, reason = self._select(device, policy)
+            except _NotYet as not_yet:
+                waited = _clock() - started
+                left = (self._wait or 0) - waited
+                if left <= 0:  # one more look, which falls back (or fails) with the reason
+                    self._waiting, self._waited = False, waited
+                    continue
+                if pause == _FIRST_POLL_S:
+                    details = " ".join(self._passed_over())
+                    _logger.warning(
+                        "devicekit waits up to %s for a device: %s. %s",
+                        _duration(self._wait or 0),
+                        not_yet,
+                        details,
+                    )
+                _sleep(min(pause, left))
+                pause = min(pause * 2, _LONGEST_POLL_S)
+                continue
+            if not self._claiming or chosen.type in _HOST_TYPES:
+                return chosen, reason
+            info = next((info for info in self._devices if info.device == chosen), None)
+            claim = _claims.take(str(chosen) if info is None else _claim_key(info))
+            if claim is None:  # taken since the look: look again, knowing it is
+                lost[chosen] = None
+                continue
+            self._claim = claim
+            _held.add(claim)
+            return chosen, f"{reason}; claimed for this process"
+
+    def _unusable(self, msg: str) -> NoReturn:
+        """Fail selection: wait and look again where ``wait`` allows, else raise ``msg``."""
+        if self._waiting:
+            raise _NotYet(msg)
+        if self._waited is not None:
+            msg += f" (after waiting {_duration(self._waited)})"
+        raise DeviceUnavailableError(msg + ".")
 
     def _family(self, name: str) -> list[DeviceInfo]:
         return [
@@ -375,7 +575,7 @@ class DeviceManager:
                     return torch.device("cpu"), "prefer puts the CPU first"
                 return self._fall_back()
             found = self._family(name)
-            usable = [info for info in found if self._has_room(info)]
+            usable = [info for info in found if self._qualifies(info)]
             if usable:
                 return self._by_memory(usable, strict=policy == "most-free-memory")
         return self._fall_back()
@@ -414,6 +614,12 @@ class DeviceManager:
                 f"{self._why_none(device.type, found)}."
             )
             raise DeviceUnavailableError(msg)
+        if match.device in self._claimed:
+            holder = self._claimed[match.device]
+            self._unusable(
+                f"Cannot claim {match.device}, asked for as {shown(str(spec))}: "
+                f"{'another job' if holder is None else f'pid {holder}'} claims it"
+            )
         return match.device, f"asked for {spec}"
 
     def _why_none(self, device_type: str, found: list[DeviceInfo]) -> str:
@@ -428,16 +634,28 @@ class DeviceManager:
         ]
         return f"no {device_type} device is visible" + (f" ({notes[0]})" if notes else "")
 
-    def _has_room(self, info: DeviceInfo) -> bool:
-        if self._min_free is None or info.free_memory is None:
+    def _qualifies(self, info: DeviceInfo) -> bool:
+        """Whether an accelerator may be chosen; where not, why is noted for explain()."""
+        why = []
+        free, busy = info.free_memory, info.utilization
+        if self._min_free is not None and free is not None and free < self._min_free:
+            of = f" of {_size(info.total_memory)}" if info.total_memory is not None else ""
+            why.append(
+                f"{_size(free)} free{of}, less than the {_size(self._min_free)} "
+                "min_free_memory asks"
+            )
+        if self._max_busy is not None and busy is not None and busy > self._max_busy:
+            why.append(
+                f"{_percent(busy)} busy, more than the {_percent(self._max_busy)} "
+                "max_utilization allows"
+            )
+        if info.device in self._claimed:
+            holder = self._claimed[info.device]
+            why.append(f"claimed by {'another job' if holder is None else f'pid {holder}'}")
+        if not why:
             return True
-        if info.free_memory >= self._min_free:
-            return True
-        of = f" of {_size(info.total_memory)}" if info.total_memory is not None else ""
-        self._skipped.append(
-            f"{info.device}: {_size(info.free_memory)} free{of}, less than the "
-            f"{_size(self._min_free)} min_free_memory asks"
-        )
+        used = who_uses(info)
+        self._skipped.append(f"{info.device}: {'; '.join(why)}" + (f" ({used})" if used else ""))
         return False
 
     def _passed_over(self) -> list[str]:
@@ -497,7 +715,8 @@ class DeviceManager:
             raise DeviceUnavailableError(msg)
         if len(found) == 1 and (split or rank == 0):
             # One visible device per process: the launcher already split them.
-            return found[0].device, f"LOCAL_RANK={rank}, and this process sees one {name} device"
+            chosen = self._current(found[0], rank)
+            return chosen, f"LOCAL_RANK={rank}, and this process sees one {name} device"
         if rank >= len(found):
             msg = (
                 f"Expected LOCAL_RANK to be below the number of {name} devices this process "
@@ -507,11 +726,19 @@ class DeviceManager:
                 f"{_VISIBILITY_VARIABLES.get(device_type, ('CUDA_VISIBLE_DEVICES',))[0]}."
             )
             raise DeviceUnavailableError(msg)
-        chosen = found[rank]
-        if not self._has_room(chosen):
-            msg = f"LOCAL_RANK={rank} selects {chosen.device}, but {self._skipped[-1]}."
-            raise DeviceUnavailableError(msg)
-        return chosen.device, f"LOCAL_RANK={rank} (torchrun) selects it"
+        return self._current(found[rank], rank), f"LOCAL_RANK={rank} (torchrun) selects it"
+
+    def _current(self, info: DeviceInfo, rank: int) -> torch.device:
+        """The device of ``rank``, made the current device of the process.
+
+        Before NCCL's first call, so that every rank works on its own GPU rather than
+        all of them on ``cuda:0`` (PyTorch warns that a barrier would "guess" otherwise).
+        """
+        if not self._qualifies(info):
+            self._unusable(f"LOCAL_RANK={rank} selects {info.device}, but {self._skipped[-1]}")
+        backend = next(b for b in self._backends if info in self._found[id(b)])
+        getattr(backend, "make_current", make_current)(info.device)
+        return info.device
 
     def _fall_back(self, why: str | None = None) -> tuple[torch.device, str]:
         wanted = [name for name in self._prefer if name != "cpu"]
@@ -519,6 +746,10 @@ class DeviceManager:
             return torch.device("cpu"), "prefer asks for the CPU"
         looked = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
         why = why or f"no {looked} device is usable"
+        if self._waiting:
+            raise _NotYet(why)
+        if self._waited is not None:
+            why += f" after waiting {_duration(self._waited)}"
         reasons = " ".join(self._passed_over())
         if self._fallback == "error":
             msg = f"Expected a usable {looked} device, but {why}. {reasons}".rstrip()

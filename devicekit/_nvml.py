@@ -29,6 +29,10 @@ class NvmlGpu:
     capability: tuple[int, int] | None = None
     mig: tuple[NvmlGpu, ...] = ()
     """The GPU's MIG instances, when MIG mode is on."""
+    utilization: float | None = None
+    """The share of the last sample period a kernel ran, 0-1; None where NVML cannot tell."""
+    processes: tuple[tuple[int, int | None], ...] | None = None
+    """(pid, bytes used) of each process using it; None where NVML cannot tell."""
 
 
 def _text(value: str | bytes) -> str:
@@ -54,7 +58,32 @@ def _read_gpu(nvml: Any, handle: Any) -> NvmlGpu:
         free_memory=int(memory.free),
         pci_bus_id=pci_bus_id,
         capability=capability,
+        utilization=_utilization(nvml, handle),
+        processes=_processes(nvml, handle),
     )
+
+
+def _utilization(nvml: Any, handle: Any) -> float | None:
+    try:
+        return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100
+    except nvml.NVMLError:  # not supported (a MIG instance, some vGPUs)
+        return None
+
+
+def _processes(nvml: Any, handle: Any) -> tuple[tuple[int, int | None], ...] | None:
+    """Compute and graphics processes on a GPU, once each, with the memory NVML reports."""
+    found: dict[int, int | None] = {}
+    try:
+        for reader in (
+            nvml.nvmlDeviceGetComputeRunningProcesses,
+            nvml.nvmlDeviceGetGraphicsRunningProcesses,
+        ):
+            for process in reader(handle):
+                used = process.usedGpuMemory  # None where the driver hides it (containers)
+                found.setdefault(int(process.pid), None if used is None else int(used))
+    except nvml.NVMLError:
+        return None
+    return tuple(found.items())
 
 
 def _read_mig(nvml: Any, handle: Any, parent: NvmlGpu) -> tuple[NvmlGpu, ...]:
@@ -77,6 +106,8 @@ def _read_mig(nvml: Any, handle: Any, parent: NvmlGpu) -> tuple[NvmlGpu, ...]:
                 uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
                 total_memory=int(memory.total),
                 free_memory=int(memory.free),
+                utilization=None,  # the whole GPU's would say nothing of this slice
+                processes=_processes(nvml, mig),
             )
         )
     return tuple(instances)

@@ -129,8 +129,9 @@ class _Plan:
             and (_packing.packs_to(device) or (simulated and _packing.can_pack))
         )
         auto = options.non_blocking == "auto"
-        self.told = (
-            bool(options.non_blocking) if not auto else to_accelerator and device.type != "mps"
+        # Asynchronous copies to MPS can corrupt data silently (pytorch#139550, #189690).
+        self.told = device.type != "mps" and (
+            bool(options.non_blocking) if not auto else to_accelerator
         )
         self.move, self.move_all = _mover(self, is_meta=device.type == "meta" and not simulated)
 
@@ -292,17 +293,21 @@ class _Call:
     def non_blocking(self, tensor: torch.Tensor, device: torch.device) -> bool:
         """Whether a copy is asynchronous: the one rule for ``non_blocking``.
 
-        Under ``"auto"``: to an accelerator, yes; to the host, and to MPS, yes and waited
-        for once before to_device returns.
+        Under ``"auto"``: to an accelerator, yes; to the host, yes and waited for once
+        before to_device returns. Copies to MPS, and from it under ``"auto"``, block
+        whatever is asked, as Lightning's and Ultralytics' do: PyTorch's asynchronous
+        MPS copies can corrupt data silently (pytorch#139550, #189690).
         """
+        if device.type == "mps":
+            return False
         if self.plan.options.non_blocking != "auto":
             return bool(self.plan.options.non_blocking)
         if device.type in _HOST and device.type not in _simulated:
             if tensor.is_cpu or tensor.is_meta:
                 return False  # host to host: nothing to overlap
             source = tensor.device
-        elif device.type == "mps":
-            source = device
+            if source.type == "mps":
+                return False
         else:
             return True
         if _is_compiling():

@@ -24,7 +24,7 @@ import devicekit
 from devicekit import _bench
 from devicekit._demo import train
 from devicekit._errors import DeviceKitError
-from devicekit._manager import DeviceManager
+from devicekit._manager import DeviceManager, claim_holders, who_uses
 
 
 class UserError(Exception):
@@ -109,7 +109,8 @@ def _gib(nbytes: int | None) -> str:
 
 
 def _info_table(manager: DeviceManager) -> str:
-    header = ("", "device", "backend", "name", "total", "free", "capability")
+    claims = claim_holders(manager.devices)
+    header = ("", "device", "backend", "name", "total", "free", "busy", "capability", "claimed by")
     rows = [header]
     for info in manager.devices:
         capability = "-" if info.capability is None else "{}.{}".format(*info.capability)
@@ -121,7 +122,9 @@ def _info_table(manager: DeviceManager) -> str:
                 info.name or "-",
                 _gib(info.total_memory),
                 _gib(info.free_memory),
+                "-" if info.utilization is None else f"{info.utilization:.0%}",
                 capability,
+                _holder(claims, info.device),
             )
         )
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
@@ -130,15 +133,25 @@ def _info_table(manager: DeviceManager) -> str:
         for row in rows
     ]
     lines.append("")
+    lines += [f"{info.device}: {used}" for info in manager.devices if (used := who_uses(info))]
     lines.append(f"selected: {manager.device} ({manager.reason})")
     lines += [f"no {name}: {note}" for name, note in manager.notes().items()]
     return "\n".join(lines)
+
+
+def _holder(claims: dict[torch.device, int | None], device: torch.device) -> str:
+    if device not in claims:
+        return "-"
+    pid = claims[device]
+    return "a job" if pid is None else f"pid {pid}"
 
 
 def _info_json(manager: DeviceManager) -> str:
     def record(info: devicekit.DeviceInfo) -> dict[str, Any]:
         fields = dataclasses.asdict(info)
         fields["device"] = str(info.device)
+        if info.processes is not None:
+            fields["processes"] = [process._asdict() for process in info.processes]
         return fields
 
     report = {
@@ -147,6 +160,7 @@ def _info_json(manager: DeviceManager) -> str:
         "selected": str(manager.device),
         "reason": manager.reason,
         "devices": [record(info) for info in manager.devices],
+        "claims": {str(device): pid for device, pid in claim_holders(manager.devices).items()},
         "notes": manager.notes(),
     }
     return json.dumps(report, indent=2)

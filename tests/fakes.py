@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from devicekit import DeviceInfo
+from devicekit import DeviceInfo, GpuProcess
 from devicekit._backends import CpuBackend
 
 if TYPE_CHECKING:
@@ -25,6 +25,14 @@ class FakeGpus:
     device_type: str = "cuda"
     total: float = 80
     note: str | None = None
+    busy: Sequence[float | None] = ()
+    """Utilization of each GPU, 0-1 (missing: unknown)."""
+    processes: dict[int, tuple[GpuProcess, ...]] = dataclasses.field(default_factory=dict)
+    made_current: list[torch.device] = dataclasses.field(default_factory=list)
+    """What the manager made the current device, as torch.cuda.set_device would."""
+
+    def make_current(self, device: torch.device) -> None:
+        self.made_current.append(device)
 
     def devices(self) -> list[DeviceInfo]:
         return [
@@ -37,6 +45,8 @@ class FakeGpus:
                 None if free is None else int(free * GiB),
                 (9, 0),
                 f"GPU-{index:04d}",
+                self.busy[index] if index < len(self.busy) else None,
+                self.processes.get(index),
             )
             for index, free in enumerate(self.free)
         ]

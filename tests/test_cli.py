@@ -37,7 +37,9 @@ def test_devicekit_alone_reports_versions_and_device() -> None:
 
 def test_info_prints_a_table_the_selection_and_why() -> None:
     lines = _run("info", DEVICEKIT_DEVICE="cpu").splitlines()
-    assert lines[0].split() == ["device", "backend", "name", "total", "free", "capability"]
+    assert lines[0].split() == [
+        "device", "backend", "name", "total", "free", "busy", "capability", "claimed", "by"
+    ]  # fmt: skip
     cpu_row = next(line for line in lines if line.split()[:3] == ["*", "cpu", "cpu"])
     assert cpu_row
     assert "selected: cpu (DEVICEKIT_DEVICE asks for it)" in lines
@@ -58,7 +60,10 @@ def test_info_json_is_machine_readable() -> None:
         "free_memory",
         "capability",
         "uuid",
+        "utilization",
+        "processes",
     }
+    assert report["claims"] == {}
 
 
 def test_version_flag() -> None:

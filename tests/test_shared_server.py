@@ -1,0 +1,476 @@
+"""A GPU server shared with other jobs: busy GPUs, waiting for one, claims, torchrun ranks.
+
+GPUs are fakes (tests/fakes.py), and waiting runs on a fake clock; the claims are real
+file locks in a directory of the test's own, taken by real processes where it matters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _claims, _manager, _nvml, _transfer
+from devicekit._backends import CpuBackend
+from devicekit.cli import _info_json, _info_table
+
+from .fakes import FakeGpus, GiB
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+def cuda(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+@pytest.fixture(autouse=True)
+def own_claims(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A claim directory for this test alone, and managers' claims given back after it."""
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "DEVICEKIT_DEVICE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    directory = tmp_path / "claims"
+    monkeypatch.setenv("DEVICEKIT_CLAIM_DIR", str(directory))
+    _manager._fallback_warned.set()  # the fallback's one warning is test_manager.py's
+    yield directory
+    for claim in list(_manager._held):
+        claim.release()
+    _manager._held.clear()
+    _manager._fallback_warned.clear()
+
+
+class FakeClock:
+    """time.monotonic and time.sleep for a manager that waits: sleeping moves time on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+        self.on_sleep: list[Any] = []  # called after each sleep, with the sleep's number
+        monkeypatch.setattr(_manager, "_clock", lambda: self.now)
+        monkeypatch.setattr(_manager, "_sleep", self.sleep)
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        for action in self.on_sleep:
+            action(len(self.sleeps))
+
+
+def server(
+    free: tuple[float, ...] = (70, 70), busy: tuple[float | None, ...] = ()
+) -> tuple[FakeGpus, list[object]]:
+    gpus = FakeGpus(free, busy=busy)
+    return gpus, [gpus, CpuBackend()]
+
+
+# Busy GPUs.
+
+
+def test_max_utilization_passes_over_busy_gpus() -> None:
+    _, backends = server(busy=(0.97, 0.10))
+    manager = dk.DeviceManager(max_utilization=0.5, backends=backends)
+    assert manager.device == cuda(1)
+    assert "Skipped cuda:0: 97% busy, more than the 50% max_utilization allows." in (
+        manager.explain()
+    )
+
+
+def test_utilization_unknown_is_kept_as_free_memory_unknown_is() -> None:
+    _, backends = server(busy=(None, 0.9))
+    assert dk.DeviceManager(max_utilization=0.5, backends=backends).device == cuda(0)
+
+
+def test_max_utilization_and_min_free_memory_must_both_hold() -> None:
+    # cuda:0 is idle but full, cuda:1 has room but is busy, cuda:2 has both.
+    gpus = FakeGpus((2, 70, 40), busy=(0.0, 0.9, 0.2))
+    manager = dk.DeviceManager(
+        min_free_memory="8GiB", max_utilization=0.5, backends=[gpus, CpuBackend()]
+    )
+    assert manager.device == cuda(2)
+    explained = manager.explain()
+    assert "Skipped cuda:0: 2.0 GiB free of 80.0 GiB, less than the 8.0 GiB" in explained
+    assert "Skipped cuda:1: 90% busy, more than the 50% max_utilization allows." in explained
+    # With neither qualifying, the fallback names both reasons.
+    gpus.free = (2, 70, 40)
+    gpus.busy = (0.0, 0.9, 0.6)
+    fallen = dk.DeviceManager(
+        min_free_memory="8GiB", max_utilization=0.5, backends=[gpus, CpuBackend()]
+    )
+    assert fallen.device == CPU
+    assert "Skipped cuda:2: 60% busy, more than the 50% max_utilization allows." in (
+        fallen.explain()
+    )
+
+
+def test_explain_names_the_processes_on_a_gpu_it_passed_over() -> None:
+    gpus = FakeGpus(
+        (1, 70),
+        processes={0: (dk.GpuProcess(4242, 31 * GiB), dk.GpuProcess(77, None))},
+    )
+    manager = dk.DeviceManager(min_free_memory="8GiB", backends=[gpus, CpuBackend()])
+    assert manager.device == cuda(1)
+    assert (
+        "Skipped cuda:0: 1.0 GiB free of 80.0 GiB, less than the 8.0 GiB min_free_memory asks "
+        "(31.0 GiB used by pid 4242, used by pid 77)."
+    ) in manager.explain()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"max_utilization": -0.1}, ValueError, "Expected max_utilization between 0 and 1, got"),
+        (
+            {"max_utilization": 50},
+            ValueError,
+            "Expected max_utilization between 0 and 1 (a share: 0.5 is 50%), got 50.",
+        ),
+        ({"max_utilization": "50%"}, ValueError, "Expected max_utilization between 0 and 1, got"),
+        ({"max_utilization": True}, ValueError, "Expected max_utilization between 0 and 1, got"),
+        ({"wait": -5}, ValueError, "Expected wait as a number of seconds of 0 or more"),
+        ({"wait": "10 parsecs"}, ValueError, "such as '90s', '10m' or '1.5h', got '10 parsecs'."),
+        ({"wait": float("inf")}, ValueError, "Expected wait as a number of seconds"),
+        ({"wait": float("nan")}, ValueError, "Expected wait as a number of seconds"),
+        ({"wait": True}, ValueError, "Expected wait as a number of seconds"),
+        ({"claim": "yes"}, TypeError, "Expected claim to be True or False, got 'yes'."),
+    ],
+)
+def test_bad_values_are_clear_errors(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as raised:
+        dk.DeviceManager(backends=server()[1], **options)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        (0, 0.0),
+        (90, 90.0),
+        (2.5, 2.5),
+        ("45", 45.0),
+        ("90s", 90.0),
+        ("10m", 600.0),
+        ("10 min", 600.0),
+        ("1.5h", 5400.0),
+        ("2 hours", 7200.0),
+        (" 3 Minutes ", 180.0),
+    ],
+)
+def test_durations_read_as_people_write_them(text: float | str, seconds: float) -> None:
+    assert _manager.parse_seconds(text) == seconds
+
+
+# Waiting.
+
+
+def test_wait_returns_as_soon_as_a_gpu_qualifies(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock(monkeypatch)
+    gpus, backends = server(busy=(0.95, 0.99))
+
+    def frees_after_the_second_poll(sleeps: int) -> None:
+        if sleeps == 2:
+            gpus.busy = (0.95, 0.05)
+
+    clock.on_sleep.append(frees_after_the_second_poll)
+    with caplog.at_level(logging.WARNING, logger="devicekit"):
+        manager = dk.DeviceManager(max_utilization=0.5, wait="10m", backends=backends)
+    assert manager.device == cuda(1)
+    assert clock.sleeps == [1.0, 2.0]  # the backoff, and not one poll more
+    waits = [record.getMessage() for record in caplog.records]
+    assert len(waits) == 1, waits  # said once, not once a poll
+    assert waits[0].startswith("devicekit waits up to 10 min for a device: no cuda, xpu or mps")
+    assert "cuda:0: 95% busy" in waits[0]
+    assert "cuda:1: 99% busy" in waits[0]
+
+
+def test_a_wait_that_times_out_falls_back_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock(monkeypatch)
+    _, backends = server(busy=(0.9, 0.9))
+    manager = dk.DeviceManager(max_utilization=0.5, wait=100, backends=backends)
+    assert manager.device == CPU
+    assert sum(clock.sleeps) == 100  # the last pause is cut to the time left
+    assert clock.sleeps[:3] == [1.0, 2.0, 4.0]
+    assert max(clock.sleeps) == 30.0
+    assert manager.reason == (
+        "no cuda, xpu or mps device is usable after waiting 100 s, so the CPU is the fallback"
+    )
+    with pytest.raises(dk.DeviceUnavailableError) as raised:
+        dk.DeviceManager(max_utilization=0.5, wait="1m", fallback="error", backends=backends)
+    assert "no cuda, xpu or mps device is usable after waiting 60 s." in str(raised.value)
+    assert "Passed over cuda:0: 90% busy, more than the 50% max_utilization allows." in str(
+        raised.value
+    )
+
+
+def test_no_wait_when_a_gpu_qualifies_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(monkeypatch)
+    manager = dk.DeviceManager(wait="1h", backends=server()[1])
+    assert manager.device == cuda(0)
+    assert clock.sleeps == []
+
+
+# Claims.
+
+
+def test_claiming_managers_end_on_different_gpus_and_close_gives_back(own_claims: Path) -> None:
+    _, backends = server()
+    first = dk.DeviceManager(claim=True, backends=backends)
+    second = dk.DeviceManager(claim=True, backends=backends)
+    assert {first.device, second.device} == {cuda(0), cuda(1)}
+    assert first.reason.endswith("; claimed for this process")
+    assert sorted(path.name for path in own_claims.iterdir()) == [
+        "GPU-0000.lock",
+        "GPU-0001.lock",
+    ]
+    third = dk.DeviceManager(claim=True, fallback="cpu", backends=backends)
+    assert third.device == CPU
+    explained = third.explain()
+    assert f"Skipped cuda:0: claimed by pid {os.getpid()}." in explained
+    assert f"Skipped cuda:1: claimed by pid {os.getpid()}." in explained
+    # A manager that does not claim ignores claims: they are advisory.
+    assert dk.DeviceManager(backends=backends).device == cuda(0)
+    first.close()
+    first.close()  # a second close does nothing
+    assert dk.DeviceManager(claim=True, backends=backends).device == first.device
+
+
+def test_a_claim_outlives_its_manager_object() -> None:
+    _, backends = server(free=(70,))
+    device = dk.DeviceManager(claim=True, backends=backends).device  # the manager is gone
+    assert device == cuda(0)
+    assert dk.DeviceManager(claim=True, backends=backends).device == CPU
+
+
+def test_an_explicit_device_that_another_job_claims_is_refused() -> None:
+    _, backends = server()
+    dk.DeviceManager("cuda:1", claim=True, backends=backends)
+    with pytest.raises(dk.DeviceUnavailableError) as raised:
+        dk.DeviceManager("cuda:1", claim=True, backends=backends)
+    assert str(raised.value) == (
+        f"Cannot claim cuda:1, asked for as 'cuda:1': pid {os.getpid()} claims it."
+    )
+
+
+def test_a_claim_lost_in_a_race_is_looked_at_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Between the look and the claim another job takes cuda:0: the manager takes cuda:1.
+    _, backends = server()
+    take = _claims.take
+    taken_by_another: list[_claims.Claim | None] = []
+
+    def another_job_first(key: str) -> _claims.Claim | None:
+        if not taken_by_another:
+            taken_by_another.append(take(key))
+        return take(key)
+
+    monkeypatch.setattr(_claims, "take", another_job_first)
+    assert dk.DeviceManager(claim=True, backends=backends).device == cuda(1)
+    assert taken_by_another[0] is not None
+    taken_by_another[0].release()
+
+
+def test_claims_with_no_writable_directory_say_where(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DEVICEKIT_CLAIM_DIR", str(blocker / "claims"))
+    with pytest.raises(OSError, match="Set DEVICEKIT_CLAIM_DIR to a directory every job"):
+        dk.DeviceManager(claim=True, backends=server()[1])
+
+
+_CLAIMING_JOB = """
+import sys, time
+sys.path.insert(0, {root!r})
+import devicekit as dk
+from devicekit._backends import CpuBackend
+from tests.fakes import FakeGpus
+manager = dk.DeviceManager(
+    claim=True, wait={wait!r}, fallback="error", backends=[FakeGpus((70, 70)), CpuBackend()]
+)
+with open({out!r}, "w") as out:
+    out.write(str(manager.device))
+time.sleep(120)  # holds the claim until killed
+"""
+
+
+def _start_job(tmp_path: Path, name: str, wait: str | None) -> tuple[subprocess.Popen[str], Path]:
+    out = tmp_path / f"{name}.device"
+    code = _CLAIMING_JOB.format(root=str(ROOT), wait=wait, out=str(out))
+    with (tmp_path / f"{name}.log").open("w") as log:  # the job writes to its own copy
+        job = subprocess.Popen([sys.executable, "-c", code], stderr=log, text=True)
+    return job, out
+
+
+def _until(condition: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout} s for {what}")
+        time.sleep(0.05)
+
+
+def test_jobs_claim_different_gpus_and_a_killed_job_s_gpu_goes_to_the_next(
+    tmp_path: Path,
+) -> None:
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        first, first_out = _start_job(tmp_path, "first", None)
+        second, second_out = _start_job(tmp_path, "second", None)
+        jobs += [first, second]
+        _until(lambda: first_out.exists() and second_out.exists(), "the first two jobs' GPUs")
+        devices = {first_out.read_text(), second_out.read_text()}
+        assert devices == {"cuda:0", "cuda:1"}
+        third, third_out = _start_job(tmp_path, "third", "60s")
+        jobs.append(third)
+        log = tmp_path / "third.log"
+        _until(lambda: "devicekit waits up to 60 s" in log.read_text(), "the third to wait")
+        assert not third_out.exists()
+        first.send_signal(signal.SIGKILL)  # no close(), no atexit: only the OS lets go
+        first.wait(timeout=10)
+        _until(third_out.exists, "the third job to get the killed job's GPU")
+        time.sleep(0.05)  # the write after the file appears
+        assert third_out.read_text() == first_out.read_text()
+    finally:
+        for job in jobs:
+            job.kill()
+            job.wait(timeout=10)
+
+
+# torchrun.
+
+
+def test_the_torchrun_path_makes_its_gpu_the_current_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    gpus, backends = server()
+    manager = dk.DeviceManager.from_env(backends=backends)
+    assert manager.device == cuda(1)
+    assert gpus.made_current == [cuda(1)]
+    # Chosen any other way, the current device is left alone.
+    monkeypatch.delenv("LOCAL_RANK")
+    dk.DeviceManager(backends=backends)
+    dk.DeviceManager("cuda:0", backends=backends)
+    assert gpus.made_current == [cuda(1)]
+
+
+def test_one_gpu_per_rank_is_made_current_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    gpus, backends = server(free=(70,))
+    assert dk.DeviceManager.from_env(backends=backends).device == cuda(0)
+    assert gpus.made_current == [cuda(0)]
+
+
+def test_more_ranks_than_gpus_stays_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    gpus, backends = server()
+    with pytest.raises(dk.DeviceUnavailableError, match="Expected LOCAL_RANK to be below"):
+        dk.DeviceManager.from_env(backends=backends)
+    assert gpus.made_current == []
+
+
+# What NVML reports, read through a stand-in for pynvml.
+
+
+class _NvmlError(Exception):
+    pass
+
+
+def _fake_nvml(*, utilization: bool = True, processes: bool = True) -> SimpleNamespace:
+    def unsupported(*_: object) -> Any:
+        raise _NvmlError
+
+    def running(pid_memory: list[tuple[int, int | None]]) -> Any:
+        def read(handle: object) -> list[SimpleNamespace]:
+            return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in pid_memory]
+
+        return read if processes else unsupported
+
+    return SimpleNamespace(
+        NVMLError=_NvmlError,
+        nvmlDeviceGetMemoryInfo=lambda handle: SimpleNamespace(total=80 * GiB, free=40 * GiB),
+        nvmlDeviceGetCudaComputeCapability=lambda handle: (9, 0),
+        nvmlDeviceGetPciInfo=lambda handle: SimpleNamespace(busId=b"00000000:01:00.0"),
+        nvmlDeviceGetUUID=lambda handle: b"GPU-abc",
+        nvmlDeviceGetName=lambda handle: b"NVIDIA H100 80GB HBM3",
+        nvmlDeviceGetUtilizationRates=(
+            (lambda handle: SimpleNamespace(gpu=93, memory=40)) if utilization else unsupported
+        ),
+        nvmlDeviceGetComputeRunningProcesses=running([(4242, 31 * GiB), (77, None)]),
+        nvmlDeviceGetGraphicsRunningProcesses=running([(4242, 31 * GiB), (9, 1 * GiB)]),
+    )
+
+
+def test_nvml_gives_utilization_and_each_process_once() -> None:
+    gpu = _nvml._read_gpu(_fake_nvml(), handle=object())
+    assert gpu.utilization == 0.93
+    assert gpu.processes == ((4242, 31 * GiB), (77, None), (9, 1 * GiB))
+
+
+def test_what_nvml_cannot_tell_is_none() -> None:
+    gpu = _nvml._read_gpu(_fake_nvml(utilization=False, processes=False), handle=object())
+    assert gpu.utilization is None
+    assert gpu.processes is None
+
+
+# The command line.
+
+
+def test_devicekit_info_shows_utilization_processes_and_claims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpus = FakeGpus((70, 70), busy=(0.93, None), processes={0: (dk.GpuProcess(4242, 31 * GiB),)})
+    holder = dk.DeviceManager(claim=True, backends=[gpus, CpuBackend()])
+    manager = dk.DeviceManager(backends=[gpus, CpuBackend()])
+    table = _info_table(manager)
+    header, first, second = table.splitlines()[:3]
+    assert header.split() == [
+        "device", "backend", "name", "total", "free", "busy", "capability", "claimed", "by"
+    ]  # fmt: skip
+    assert "93%" in first
+    assert f"pid {os.getpid()}" in first
+    assert second.split()[-3:] == ["-", "9.0", "-"]  # busy unknown, no claim
+    assert f"{holder.device}: 31.0 GiB used by pid 4242" in table
+    report = _info_json(manager)
+    assert '"utilization": 0.93' in report
+    assert '"pid": 4242' in report
+    assert f'"cuda:0": {os.getpid()}' in report
+
+
+# MPS.
+
+
+@pytest.mark.parametrize("non_blocking", ["auto", True, False])
+def test_copies_to_and_from_mps_are_blocking(non_blocking: bool | str) -> None:
+    mps = torch.device("mps")
+    plan = _transfer._Plan(mps, _transfer.Options(non_blocking=non_blocking))  # type: ignore[arg-type]
+    assert plan.told is False  # what objects moving themselves are told
+    call = _transfer._Call(plan, [])
+    assert call.non_blocking(torch.zeros(2), mps) is False
+
+
+def test_copies_from_mps_block_under_auto() -> None:
+    from_mps = SimpleNamespace(device=torch.device("mps"), is_cpu=False, is_meta=False)
+    to_host = _transfer._Call(_transfer._Plan(CPU, _transfer.Options()), [])
+    assert to_host.non_blocking(from_mps, CPU) is False  # type: ignore[arg-type]
+    assert to_host.waits is None  # nothing to wait for at the end
