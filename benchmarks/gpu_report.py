@@ -57,6 +57,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -784,6 +785,13 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _devices_seen() -> list[str]:
+    """What a manager sees of this machine: each GPU's memory, utilization and processes."""
+    with warnings.catch_warnings():  # a smoke run's CPU fallback is no news
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return dk.DeviceManager().explain().splitlines()
+
+
 def header(setting: Setting) -> list[str]:
     gpu = torch.cuda.get_device_name(setting.device) if setting.gpu else "none (smoke run)"
     driver = "n/a"
@@ -809,6 +817,10 @@ def header(setting: Setting) -> list[str]:
         ),
         f"- peers: {peers}",
         f"- host: {_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads",
+        "",
+        "```",
+        *_devices_seen(),
+        "```",
         "",
     ]
 

@@ -30,7 +30,6 @@ __all__ = [
     "XpuBackend",
     "builtin_backends",
     "cuda_started",
-    "make_current",
 ]
 
 
@@ -61,8 +60,8 @@ class DeviceInfo:
     uuid: str | None = None
     """The device's UUID, such as ``"GPU-5f1c…"``."""
     utilization: float | None = None
-    """How busy it was when devicekit looked, 0-1: the share of NVML's last sample period
-    in which a kernel ran, other processes' included."""
+    """How busy it was when devicekit looked, from 0 to 1, as NVML measures it. That is
+    the share of NVML's last sample period in which a kernel ran, any process's."""
     processes: tuple[GpuProcess, ...] | None = None
     """The processes using it, this one included, as NVML lists them; empty for none."""
 
@@ -76,7 +75,7 @@ class GpuProcess(NamedTuple):
     """
 
     pid: int
-    """Its process id (in the GPU driver's PID namespace: another container's may differ)."""
+    """Its process id, as the GPU driver sees it. Inside a container it may differ."""
     used_memory: int | None
     """Bytes of GPU memory it uses; None where the driver does not say (in containers)."""
 
@@ -89,8 +88,8 @@ class Backend(Protocol):
     instances in ``DeviceManager(backends=[...])``. A backend may also carry a ``note``
     attribute: a sentence that :meth:`DeviceManager.explain` shows, such as why it
     found nothing; and a ``make_current(device)`` method, which a manager following
-    torchrun's ``LOCAL_RANK`` calls on the device it chose (PyTorch's
-    ``set_device`` for the family otherwise).
+    torchrun's ``LOCAL_RANK`` calls on the device it chose, as the built-in CUDA, XPU
+    and other accelerator backends call ``set_device``.
 
     >>> import torch, devicekit as dk
     >>> class TwoFakeGpus:
@@ -118,20 +117,6 @@ class Backend(Protocol):
         are merely listed.
         """
         ...
-
-
-def make_current(device: torch.device) -> None:
-    """Make ``device`` the current device of this process, as ``torch.cuda.set_device`` does.
-
-    Its family's own call (``torch.cuda``, ``torch.xpu``), else PyTorch's generic one; a
-    family of one device (MPS) has nothing to set. A backend may carry a ``make_current``
-    of its own, which :class:`~devicekit.DeviceManager` calls instead (test fakes do).
-    """
-    set_device = getattr(getattr(torch, device.type, None), "set_device", None)
-    if callable(set_device):
-        set_device(device)
-    elif device.type == accelerator_type() and device.index is not None:
-        torch.accelerator.set_device_index(device.index)
 
 
 def cuda_started() -> bool:
@@ -202,6 +187,10 @@ class CudaBackend:
             for index, gpu in enumerate(visible)
         ]
 
+    def make_current(self, device: torch.device) -> None:
+        """Make ``device`` the current device of this process (``torch.cuda.set_device``)."""
+        torch.cuda.set_device(device)
+
     @staticmethod
     def _in_cuda_order(gpus: Sequence[NvmlGpu]) -> list[NvmlGpu] | None:
         """CUDA's own order, read from a CUDA this process already started, matched by UUID.
@@ -265,6 +254,10 @@ class XpuBackend:
     def __init__(self) -> None:
         self.note: str | None = None
 
+    def make_current(self, device: torch.device) -> None:
+        """Make ``device`` the current device of this process (``torch.xpu.set_device``)."""
+        torch.xpu.set_device(device)
+
     def devices(self) -> list[DeviceInfo]:
         """The XPU devices PyTorch sees."""
         xpu = getattr(torch, "xpu", None)
@@ -315,6 +308,10 @@ class AcceleratorBackend:
 
     def __init__(self, device_type: str) -> None:
         self.name = self.device_type = device_type
+
+    def make_current(self, device: torch.device) -> None:
+        """Make ``device`` the current device of this process, through ``torch.accelerator``."""
+        torch.accelerator.set_device_index(device.index)
 
     def devices(self) -> list[DeviceInfo]:
         """One record per device ``torch.accelerator`` counts."""

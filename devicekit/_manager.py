@@ -23,7 +23,7 @@ from typing import Any, Literal, NoReturn, TypeAlias, cast
 import torch
 
 from devicekit import _claims
-from devicekit._backends import Backend, DeviceInfo, builtin_backends, cuda_started, make_current
+from devicekit._backends import Backend, DeviceInfo, builtin_backends, cuda_started
 from devicekit._devices import DeviceLike, has_backend, parse_device, shown
 from devicekit._errors import DeviceUnavailableError
 from devicekit._warnings import warn
@@ -151,7 +151,7 @@ def parse_seconds(duration: float | str) -> float:
 def _duration(seconds: float) -> str:
     """``45 s``, ``10 min``, ``1.5 h``: a wait as a person says it."""
     if seconds < 120:
-        return f"{seconds:g} s"
+        return f"{seconds:.3g} s"
     if seconds < 7200:
         return f"{seconds / 60:.3g} min"
     return f"{seconds / 3600:.3g} h"
@@ -385,7 +385,8 @@ class DeviceManager:
         ``DEVICEKIT_DEVICE`` (``"cuda:1"``, ``"cpu"``, an index) when set, as in the
         constructor given no device, and here over a ``device`` given as a default;
         else torchrun's ``LOCAL_RANK`` selects ``cuda:LOCAL_RANK`` among the visible
-        devices; else ``options`` decide, as in the constructor.
+        devices, and makes it the current device of the process (``set_device``) before
+        returning; else ``options`` decide, as in the constructor.
 
         >>> import devicekit as dk, os
         >>> os.environ["DEVICEKIT_DEVICE"] = "cpu"
@@ -737,7 +738,9 @@ class DeviceManager:
         if not self._qualifies(info):
             self._unusable(f"LOCAL_RANK={rank} selects {info.device}, but {self._skipped[-1]}")
         backend = next(b for b in self._backends if info in self._found[id(b)])
-        getattr(backend, "make_current", make_current)(info.device)
+        make_current = getattr(backend, "make_current", None)
+        if make_current is not None:  # a family of one device (MPS) has nothing to set
+            make_current(info.device)
         return info.device
 
     def _fall_back(self, why: str | None = None) -> tuple[torch.device, str]:

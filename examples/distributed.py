@@ -25,9 +25,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
 
-    manager = dk.DeviceManager.from_env()  # cuda:LOCAL_RANK under torchrun
-    if manager.device.type == "cuda":
-        torch.cuda.set_device(manager.device)  # for code that says "cuda"
+    # cuda:LOCAL_RANK under torchrun, made the process's current device: "cuda" means it
+    manager = dk.DeviceManager.from_env()
     backend = "nccl" if manager.device.type == "cuda" else "gloo"
     if "RANK" in os.environ:  # torchrun's rendezvous, from the variables it sets
         dist.init_process_group(backend)

@@ -210,6 +210,13 @@ def test_free_memory_and_most_free_memory_see_another_process() -> None:
         assert first.free_memory is not None
         assert before[first.uuid] is not None
         assert before[first.uuid] - first.free_memory >= 7 * GiB  # the other process's 8 GiB
+        # NVML lists the other process on its GPU, and measures how busy the GPU is.
+        assert first.processes, "NVML listed no process on the GPU another one fills"
+        assert first.utilization is not None
+        assert 0 <= first.utilization <= 1
+        assert hog.pid in {process.pid for process in first.processes} or any(
+            (process.used_memory or 0) >= 7 * GiB for process in first.processes
+        )  # in a container NVML may give the host's pid; the 8 GiB it cannot hide
         if len(infos) >= 2:
             manager = dk.DeviceManager(policy="most-free-memory")
             assert manager.device != torch.device("cuda", 0)

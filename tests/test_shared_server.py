@@ -25,6 +25,7 @@ from devicekit._backends import CpuBackend
 from devicekit.cli import _info_json, _info_table
 
 from .fakes import FakeGpus, GiB
+from .programs import run_program
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -387,6 +388,20 @@ def test_more_ranks_than_gpus_stays_a_clear_error(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(dk.DeviceUnavailableError, match="Expected LOCAL_RANK to be below"):
         dk.DeviceManager.from_env(backends=backends)
     assert gpus.made_current == []
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_last_rank_s_gpu_becomes_current() -> None:
+    count = torch.cuda.device_count()
+    program = (
+        "import torch, devicekit as dk; manager = dk.DeviceManager.from_env(); "
+        "print(manager.device, torch.cuda.current_device())"
+    )
+    environ = {**os.environ, "LOCAL_RANK": str(count - 1), "LOCAL_WORLD_SIZE": str(count)}
+    environ.pop("CUDA_VISIBLE_DEVICES", None)
+    result = run_program([sys.executable, "-c", program], timeout=120, env=environ)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [f"cuda:{count - 1}", str(count - 1)]
 
 
 # What NVML reports, read through a stand-in for pynvml.
