@@ -89,8 +89,15 @@ def take(key: str) -> Claim | None:
     path = _directory() / _file_name(key)
     try:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except PermissionError:  # another user's file: a lock needs no write access
-        descriptor = os.open(path, os.O_RDONLY)
+    except PermissionError as refused:
+        try:  # another user's claim file: a lock needs no write access
+            descriptor = os.open(path, os.O_RDONLY)
+        except OSError:
+            msg = (
+                f"Cannot claim a GPU: {path} cannot be made ({refused.strerror}). Set "
+                "DEVICEKIT_CLAIM_DIR to a directory every job on this machine can write."
+            )
+            raise OSError(refused.errno, msg) from None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -297,6 +297,26 @@ def test_claims_with_no_writable_directory_say_where(
         dk.DeviceManager(claim=True, backends=server()[1])
 
 
+def test_a_claim_directory_this_user_cannot_write_is_named(
+    own_claims: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another user's directory without the sticky bit's openness, and no claim file yet
+    # (as root, which may write anywhere, by a stand-in for the refusal).
+    real_open = os.open
+
+    def refused_in_the_claims(path: Any, flags: int, mode: int = 0o777) -> int:
+        if str(path).startswith(str(own_claims)):
+            if flags & os.O_CREAT:
+                raise PermissionError(13, "Permission denied")
+            raise FileNotFoundError(2, "No such file or directory")
+        return real_open(path, flags, mode)
+
+    own_claims.mkdir()
+    monkeypatch.setattr(os, "open", refused_in_the_claims)
+    with pytest.raises(OSError, match=r"GPU-0000.lock cannot be made \(Permission denied\)"):
+        dk.DeviceManager(claim=True, backends=server()[1])
+
+
 _CLAIMING_JOB = """
 import sys, time
 sys.path.insert(0, {root!r})
