@@ -508,7 +508,7 @@ class DeviceManager:
                 if left <= 0:  # one more look, which falls back (or fails) with the reason
                     self._waiting, self._waited = False, waited
                     continue
-                if pause == _FIRST_POLL_S:
+                if pause == _FIRST_POLL_S:  # before the first pause only: said once
                     details = " ".join(self._passed_over())
                     _logger.warning(
                         "devicekit waits up to %s for a device: %s. %s",
