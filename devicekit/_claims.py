@@ -59,11 +59,6 @@ class Claim:
             os.close(self._descriptor)  # closing drops the lock
             self._descriptor = None
 
-    @property
-    def held(self) -> bool:
-        """Whether the claim is still held."""
-        return self._descriptor is not None
-
 
 def _directory() -> Path:
     """The claim directory, made where missing: open to every user's jobs, as /tmp is."""

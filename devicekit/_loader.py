@@ -581,8 +581,7 @@ class DeviceDataLoader(Generic[B]):
         for a batch to getting it, the step from getting it to asking for the next; an
         epoch left early keeps what it measured. Moving in line here, not in a generator
         of its own, saves the CPU path a frame per batch: a tenth of moving a small batch
-        to the CPU
-        (``benchmarks/bench_loader.py``).
+        to the CPU (``benchmarks/bench_loader.py``).
         """
         clock, profiler = time.perf_counter, torch.autograd.profiler
         waits, steps, count = record.waits, record.steps, record.count

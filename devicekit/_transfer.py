@@ -611,7 +611,8 @@ def in_line_mover(device: torch.device) -> Callable[[Any], Any]:
     """``to_device(data, device)`` with the default options, its plan found once.
 
     DeviceDataLoader's move where batches move in line: a call skips the options and the
-    plan's lookup, 0.9 us of a small batch's 4-6 on the CPU (benchmarks/bench_loader.py).
+    plan's lookup, 0.7 to 0.9 us of a small batch's 3 to 5 on the CPU
+    (benchmarks/bench_loader.py).
     """
     return functools.partial(_run, _plan(device, _DEFAULTS))
 
