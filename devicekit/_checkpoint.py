@@ -1,18 +1,54 @@
-"""save and load: checkpoints written atomically, read onto the selected device safely."""
+"""save and load: ``torch.save`` made atomic, and ``torch.load`` onto the selected device.
+
+:func:`save` writes on the process that calls it, to the path it is given, and never
+talks to other ranks: who saves is the caller's ``if rank == 0:``, as with torch.save.
+What a path names decides how it is written:
+
+====================  ===============================================================
+the path names        save
+====================  ===============================================================
+nothing, or a file    a temporary beside it, flushed to disk, renamed over it: the old
+                      checkpoint or the new one, never a torn one; the mode and owner
+                      of the file replaced are kept (a new file: ``0o666 & ~umask``)
+a symbolic link       the file it points to, replaced in the same way; the link stays
+a device or a FIFO    written in place, as torch.save writes (``/dev/null`` stays one)
+a read-only file,     refused, naming the path
+a directory, socket
+====================  ===============================================================
+
+The temporary is removed on every exit the process sees: an exception, Ctrl-C, and
+SIGTERM or SIGHUP (a preemption), which are then delivered again as they would have
+been. Before a byte is written, the pickle's globals are checked against those a
+weights-only :func:`load` allows, so what save writes load reads by default: both
+allow the plain data of training scripts that PyTorch's weights-only load refuses
+(numpy scalars and arrays, ``argparse.Namespace``, ``pathlib`` paths), and save
+refuses the rest, naming where it is.
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import errno
+import functools
 import io
 import os
+import pathlib
 import pickle
-import tempfile
-from pathlib import Path
-from typing import IO, Any
+import re
+import secrets
+import signal
+import stat
+import threading
+import types
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import IO, Any, cast
 
 import torch
 
 from devicekit._checks import find_devices
+from devicekit._compat import weights_only_refusal
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import TransferError
 from devicekit._manager import current_device
@@ -23,6 +59,94 @@ __all__ = ["load", "save"]
 # pickle (protocol 2) whose first object is this magic number.
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[2:-1]
+# A zip ends with its directory's last record: 22 bytes and a comment of at most 64 KiB.
+_ZIP_END = b"PK\x05\x06"
+_ZIP_END_SIZE = 22
+_ZIP_TAIL = _ZIP_END_SIZE + 0xFFFF
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")  # PyTorch's messages colour their words
+
+
+@functools.cache
+def _safe_types() -> tuple[Any, ...]:
+    """Plain data of training scripts that build without running a checkpoint's code.
+
+    numpy's scalars and arrays (``np.float64(loss)``, ``np.random.get_state()``) under
+    the module names numpy 2 and numpy 1 write, with the dtype classes their state
+    builds; ``argparse.Namespace`` (``args``) and ``pathlib`` paths in it.
+    """
+    allowed: list[Any] = [
+        argparse.Namespace,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+        type(pathlib.Path()),
+    ]
+    try:
+        import numpy  # noqa: PLC0415 - optional; PyTorch imports it where installed
+    except ImportError:
+        return tuple(allowed)
+    core = getattr(numpy, "_core", None) or numpy.core
+    allowed += [
+        (getattr(core.multiarray, name), f"{module}.{name}")
+        for module in ("numpy._core.multiarray", "numpy.core.multiarray")
+        for name in ("scalar", "_reconstruct")
+    ]
+    dtypes = getattr(numpy, "dtypes", None)
+    allowed += [numpy.dtype, numpy.ndarray]
+    allowed += [getattr(dtypes, name) for name in getattr(dtypes, "__all__", ())]
+    return tuple(allowed)
+
+
+class _Allowing:
+    """The safe types added to PyTorch's weights-only allowlist while a save or load runs.
+
+    PyTorch's list is the process's; a save or load in another thread shares the
+    additions, and the last to finish takes away only what devicekit added.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._added: Any = None  # a torch.serialization.safe_globals, entered
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                present = set(torch.serialization.get_safe_globals())
+                missing = [each for each in _safe_types() if each not in present]
+                self._added = torch.serialization.safe_globals(missing)
+                self._added.__enter__()
+            self._users += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._added is not None:
+                self._added.__exit__(None, None, None)
+                self._added = None
+
+
+_allowing = _Allowing()
+
+
+class _Unloadable(Exception):  # noqa: N818 - carries the refusal out of torch.save
+    """What a weights-only load would refuse in the pickle about to be written."""
+
+
+class _CheckedPickler(pickle.Pickler):
+    """torch.save's pickler, checking its pickle as a weights-only load would, before writing."""
+
+    def __init__(self, file: io.BytesIO, protocol: int | None = None) -> None:
+        super().__init__(file, protocol)
+        self._written = file
+
+    def dump(self, obj: Any) -> None:
+        super().dump(obj)
+        refusal = weights_only_refusal(self._written.getvalue())
+        if refusal is not None:
+            raise _Unloadable(refusal)
+
+
+_CHECKED_PICKLE = types.SimpleNamespace(__name__="pickle", Pickler=_CheckedPickler)
 
 
 def save(obj: Any, f: str | os.PathLike[str] | IO[bytes]) -> None:
@@ -30,10 +154,10 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes]) -> None:
 
     To a path, the checkpoint is written to a temporary file beside it, flushed to disk,
     then renamed over the target, so a full disk, a preemption or Ctrl-C leaves either
-    the previous file or the new one, never a torn one, and no temporary. Under
-    torchrun, only global rank 0 writes; where a process group is initialised, every
-    rank returns once the file is complete (and raises if rank 0 could not write it).
-    Tensors are saved as they are, on their devices: :func:`load` maps them.
+    the previous file or the new one, never a torn one, and no temporary. It writes on
+    the process that calls it, whatever its rank: under torchrun, save on rank 0 with
+    ``if rank == 0:``, or on every rank to a path of its own (a shard). Tensors are
+    saved as they are, on their devices: :func:`load` maps them.
 
     >>> import io, torch, devicekit as dk
     >>> buffer = io.BytesIO()
@@ -43,67 +167,292 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes]) -> None:
     tensor([1., 1.])
 
     Args:
-        obj: What to save, as ``torch.save`` takes it.
+        obj: What to save, as ``torch.save`` takes it, made of what :func:`load` reads
+            by default: tensors, containers, plain Python values, numpy scalars and
+            arrays, ``argparse.Namespace`` and ``pathlib`` paths, and types allowed with
+            ``torch.serialization.add_safe_globals``.
         f: A path, or a binary file object (written in place: a file object cannot be
-            replaced atomically).
+            replaced atomically). A symbolic link's target is replaced, the link kept;
+            a device or FIFO (``/dev/null``) is written in place.
 
     Raises:
-        TypeError: ``f`` is a file opened in text mode.
-        RuntimeError: On a rank other than 0, when rank 0 failed to write the file.
+        TypeError: ``f`` is a file opened in text mode, bytes, or a file descriptor.
+        ValueError: ``obj`` holds something a weights-only load would refuse to build
+            (a module, a class of the program's): the message names where it is, and
+            nothing was written.
+        OSError: The path is a directory, read-only, in a folder that is missing or not
+            writable, or the disk is full: the message names the path, never the
+            temporary, and the file that was there is unchanged.
     """
     _check_binary(f, "save to")
-    rank, grouped = _rank()
-    if rank == 0:
-        try:
-            _write(obj, f)
-        except Exception as err:
-            if grouped:  # the other ranks wait for the outcome: they raise too
-                _agree(f"{type(err).__name__}: {err}")
-            raise
-    if grouped and (failure := _agree(None)) is not None:
-        msg = f"Cannot save the checkpoint: rank 0 failed to write it ({failure})."
-        raise RuntimeError(msg)
+    if isinstance(f, str | os.PathLike):
+        _save_to_path(obj, _path_of(f, "save to"))
+    elif callable(getattr(f, "write", None)):
+        _torch_save(obj, f, "the file object")
+    else:
+        raise TypeError(_not_a_file(f, "save to"))
 
 
-def _rank() -> tuple[int, bool]:
-    """This process's global rank, and whether a process group is there to wait on."""
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank(), True
-    return int(os.environ.get("RANK", "0") or 0), False
+def _path_of(f: str | os.PathLike[str], doing: str) -> str:
+    path = os.fspath(f)
+    if not isinstance(path, str):  # a PathLike whose path is bytes
+        raise TypeError(_not_a_file(path, doing))
+    return path
 
 
-def _agree(failure: str | None) -> str | None:
-    """Rank 0's outcome (``failure``, given there) on every rank; waiting for it is the barrier."""
-    outcome = [failure]
-    torch.distributed.broadcast_object_list(outcome, src=0)
-    return outcome[0]
+def _not_a_file(f: object, doing: str) -> str:
+    mode = "rb" if doing == "load from" else "wb"
+    if isinstance(f, bytes):
+        hint = f": give the path as a str, os.fsdecode({shown(f, limit=60)})"
+    elif isinstance(f, int) and not isinstance(f, bool):
+        hint = f": a file descriptor is opened as a file with os.fdopen({f}, {mode!r})"
+    else:
+        hint = ""
+    return (
+        f"Expected a path (str or os.PathLike) or a binary file object to {doing}, got "
+        f"{type(f).__name__} {shown(f, limit=60)}{hint}."
+    )
 
 
-def _write(obj: Any, f: str | os.PathLike[str] | IO[bytes]) -> None:
-    if not isinstance(f, str | os.PathLike):
-        torch.save(obj, f)
-        return
-    target = Path(f)
-    handle, temporary = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
+def _torch_save(obj: Any, out: IO[bytes] | _Sink, where: str) -> None:
+    """torch.save, refusing what a weights-only load would refuse before a byte is written."""
+    try:
+        with _allowing:
+            torch.save(obj, cast("IO[bytes]", out), pickle_module=_CHECKED_PICKLE)
+    except _Unloadable as refused:
+        raise ValueError(_unloadable(obj, str(refused), where)) from None
+
+
+def _save_to_path(obj: Any, given: str) -> None:
+    target = os.path.realpath(given)  # a link's target is what gets replaced
+    shown_path = (
+        repr(given) if target == os.path.abspath(given) else f"{given!r} (a link to {target!r})"
     )
     try:
-        with os.fdopen(handle, "wb") as out:
-            torch.save(obj, out)
-            out.flush()
-            os.fsync(out.fileno())
+        found: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        found = None
+    except OSError as err:
+        raise OSError(err.errno, f"Cannot save to {shown_path}: {err.strerror}.") from None
+    if found is not None:
+        kind = found.st_mode
+        if stat.S_ISDIR(kind):
+            example = os.path.join(given, "model.pt")
+            msg = f"Cannot save to {shown_path}: it is a directory. Name a file in it: {example!r}."
+            raise IsADirectoryError(errno.EISDIR, msg)
+        if stat.S_ISSOCK(kind):
+            msg = f"Cannot save to {shown_path}: it is a socket, which holds no file."
+            raise OSError(errno.ENXIO, msg)
+        if not stat.S_ISREG(kind):  # a device or a FIFO: nothing to replace, as torch.save
+            with open(target, "wb") as out:
+                _torch_save(obj, out, shown_path)
+            return
+        if not kind & 0o222 or not os.access(target, os.W_OK):
+            msg = (
+                f"Cannot save to {shown_path}: it is read-only (mode {stat.S_IMODE(kind):o}). "
+                "Make it writable (chmod u+w) to replace it, or save to another path."
+            )
+            raise PermissionError(errno.EACCES, msg)
+    folder = os.path.dirname(target) or "."
+    temporary, descriptor = _temporary(folder, os.path.basename(target), found, shown_path)
+    with _removed_on_any_exit(temporary):
+        sink = _Sink(os.fdopen(descriptor, "wb"))
+        try:
+            with sink.file:
+                _torch_save(obj, sink, shown_path)
+                sink.file.flush()
+                os.fsync(sink.file.fileno())
+        except (OSError, RuntimeError) as err:
+            refusal = sink.refusal or (err if isinstance(err, OSError) else None)
+            if refusal is None:
+                raise
+            raise _cannot_write(shown_path, folder, refusal, found is not None) from None
         os.replace(temporary, target)  # atomic on POSIX and Windows
-    except BaseException:  # Ctrl-C included: nothing half-written stays behind
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
     if hasattr(os, "O_DIRECTORY"):  # the rename itself, on disk (POSIX)
-        directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+        directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
+
+
+class _Sink:
+    """The file torch.save writes to, keeping the operating system's refusal of a write.
+
+    PyTorch's zip writer turns a failed write into "enforce fail ... unexpected pos";
+    the refusal kept here (a full disk, a quota) is what the user is told instead.
+    """
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self.refusal: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.refusal = self.refusal or err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _temporary(
+    folder: str, name: str, replaced: os.stat_result | None, shown_path: str
+) -> tuple[str, int]:
+    """A new file beside the target, with the mode (and owner) the saved file is to have."""
+    # A new checkpoint gets 0o666 less the umask, as torch.save's open() gives it; one
+    # that replaces a file starts private and then takes that file's mode and owner.
+    mode = 0o666 if replaced is None else 0o600
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+        try:
+            descriptor = os.open(temporary, flags, mode)
+            break
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise _cannot_write(shown_path, folder, err, replaced is not None) from None
+    if replaced is not None:
+        try:
+            if (replaced.st_uid, replaced.st_gid) != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(PermissionError):  # only root may give files away
+                    os.fchown(descriptor, replaced.st_uid, replaced.st_gid)
+            os.fchmod(descriptor, stat.S_IMODE(replaced.st_mode))
+        except BaseException:
+            os.close(descriptor)
+            os.unlink(temporary)
+            raise
+    return temporary, descriptor
+
+
+def _cannot_write(shown_path: str, folder: str, err: OSError, replacing: bool) -> OSError:
+    why = {
+        errno.ENOENT: f"the folder {folder!r} does not exist",
+        errno.EACCES: f"the folder {folder!r} is not writable",
+        errno.EPERM: f"the folder {folder!r} is not writable",
+        errno.EROFS: f"the folder {folder!r} is on a read-only file system",
+        errno.ENOSPC: f"the disk holding {folder!r} is full",
+        errno.EDQUOT: f"this user's disk quota on {folder!r} is used up",
+        errno.EFBIG: f"the checkpoint is larger than the file system of {folder!r} allows",
+    }.get(err.errno or 0, f"writing in {folder!r} failed")
+    kept = "the file there is unchanged" if replacing else "nothing was written there"
+    msg = f"Cannot save to {shown_path}: {why} ({err.strerror}); {kept}."
+    return OSError(err.errno, msg)
+
+
+# Signals that end a process unless handled: a save removes its temporary first.
+_ENDING_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+@contextlib.contextmanager
+def _removed_on_any_exit(temporary: str) -> Iterator[None]:
+    """Remove ``temporary`` however the block is left, SIGTERM and SIGHUP included.
+
+    Where such a signal would end the process (its default action, in the main thread,
+    where Python runs handlers), it is caught for the block's length: the temporary is
+    removed, and the signal delivered again as it would have been. A program's own
+    handler (a preemption hook that saves) is left alone.
+    """
+
+    def remove_and_end(signum: int, frame: object) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    caught = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _ENDING_SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                caught[signum] = signal.signal(signum, remove_and_end)
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    finally:
+        for signum, previous in caught.items():
+            signal.signal(signum, previous)
+
+
+def _unloadable(obj: Any, refusal: str, where: str) -> str:
+    """Why save refuses ``obj``: what a weights-only load would not build, where, and the fix."""
+    refusal = _ESCAPES.sub("", refusal)
+    match = re.search(r"GLOBAL (\S+)|<class '([^']+)'>", refusal)
+    name = (match.group(1) or match.group(2)) if match else None
+    found = None if name is None else _find(obj, name)
+    if found is None:
+        said = _first_sentence(refusal)
+        return (
+            f"Cannot save to {where}: a weights-only load, dk.load's default, would refuse "
+            f"it ({said}). Save tensors and plain data, or allow the class where you save "
+            "and where you load with torch.serialization.add_safe_globals([...])."
+        )
+    path, value = found
+    short = name.rsplit(".", 1)[-1] if name else "..."
+    at = f"{path} is" if path else "the object is"
+    if isinstance(value, torch.nn.Module | torch.optim.Optimizer):
+        fix = "save its state_dict() instead"
+    elif isinstance(value, type | types.FunctionType | types.BuiltinFunctionType):
+        fix = "save its name as a str instead"
+    elif isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+        fix = "save its state_dict() instead"
+    else:
+        fix = "save its fields as a dict instead (vars(...) or dataclasses.asdict(...))"
+    return (
+        f"Cannot save to {where}: {at} {name}, which a weights-only load, dk.load's "
+        "default, refuses to build (building it could run code the file names). "
+        f"{fix[0].upper()}{fix[1:]}; or, where the class is yours and safe to build, "
+        "allow it before saving and before loading: "
+        f"torch.serialization.add_safe_globals([{short}])."
+    )
+
+
+def _first_sentence(text: str) -> str:
+    text = text.rsplit("WeightsUnpickler error:", maxsplit=1)[-1].strip()
+    return shown(text.split(". ")[0].strip(" ."), limit=160)
+
+
+def _qualified(value: object) -> str | None:
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    return f"{module}.{qualname}" if module and qualname else None
+
+
+def _find(root: Any, name: str) -> tuple[str, Any] | None:
+    """The first path (breadth first) to a value of the global ``name`` (its class, or itself).
+
+    A search on the error path only, through what pickle goes through (mappings,
+    sequences, sets, an object's attributes), not the type table's view of a batch.
+    """
+    seen: set[int] = set()
+    queue: deque[tuple[str, Any]] = deque([("", root)])
+    while queue and len(seen) < 100_000:
+        path, value = queue.popleft()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if name in (
+            _qualified(type(value)),
+            _qualified(value) if isinstance(value, type | types.FunctionType) else None,
+        ):
+            return path, value
+        if isinstance(value, torch.Tensor | str | bytes | type):
+            continue
+        if isinstance(value, Mapping):
+            queue.extend((f"{path}[{key!r}]", item) for key, item in value.items())
+        elif isinstance(value, list | tuple):
+            queue.extend((f"{path}[{index}]", item) for index, item in enumerate(value))
+        elif isinstance(value, set | frozenset):
+            queue.extend((f"{path}{{...}}", item) for item in value)
+        elif isinstance(getattr(value, "__dict__", None), dict):
+            queue.extend((f"{path}.{key}", item) for key, item in vars(value).items())
+    return None
 
 
 def _check_binary(f: object, doing: str) -> None:
@@ -116,36 +465,21 @@ def _check_binary(f: object, doing: str) -> None:
         raise TypeError(msg)
 
 
-def _format_of(f: str | os.PathLike[str] | IO[bytes]) -> str:
-    """``"zip"``, ``"legacy"``, ``"unread"`` or what the file begins with; put back after."""
-    if isinstance(f, str | os.PathLike):
-        with open(f, "rb") as file:
-            start = file.read(len(_LEGACY_MAGIC) + 2)
-    elif f.seekable():
-        position = f.tell()
-        start = f.read(len(_LEGACY_MAGIC) + 2)
-        f.seek(position)
-    else:
-        return "unread"  # an unseekable stream: torch.load says what it finds
-    if start.startswith(_ZIP_MAGIC):
-        return "zip"
-    if start[2:].startswith(_LEGACY_MAGIC):
-        return "legacy"
-    return "empty" if not start else f"begins with {start[:8]!r}"
-
-
 def load(
     f: str | os.PathLike[str] | IO[bytes],
     device: DeviceLike | None = None,
     *,
     weights_only: bool = True,
     mmap: bool | None = None,
+    map_location: DeviceLike | None = None,
 ) -> Any:
     """``torch.load`` with every tensor mapped to the device, wherever it was saved.
 
     A checkpoint saved on ``cuda:3`` of another machine loads onto this process's
     device; under torchrun that is ``cuda:LOCAL_RANK``, so eight ranks do not all land
-    on ``cuda:0``. ``weights_only=True`` refuses pickles that would run code.
+    on ``cuda:0``. ``weights_only=True`` refuses pickles that would run code, and reads
+    what :func:`save` writes: tensors, containers, plain Python values, numpy scalars
+    and arrays, ``argparse.Namespace`` and ``pathlib`` paths.
 
     >>> import io, torch, devicekit as dk
     >>> buffer = io.BytesIO()
@@ -155,20 +489,27 @@ def load(
     device(type='meta')
 
     Args:
-        f: A path or a binary file object, as ``torch.load`` takes.
+        f: A path or a binary file object, as ``torch.load`` takes. A pipe
+            (``<(aws s3 cp ... -)``) or an unseekable stream is read once into memory.
         device: Where the tensors go; None for :func:`~devicekit.current_device`.
         weights_only: Load tensors, containers and plain data only (PyTorch's safe
             mode). Pass False only for checkpoints you trust.
         mmap: Map the file instead of reading it into memory, as ``torch.load`` does
-            (a path, zip format only).
+            (a path to a regular file, zip format only).
+        map_location: ``device`` by the name ``torch.load`` gives it (a device, not a
+            dict or function: devicekit maps every tensor to one device).
 
     Returns:
         What was saved, its tensors on ``device``.
 
     Raises:
         TypeError: ``weights_only`` is not True or False: anything else could be read as
-            permission to run the pickle's code; or ``f`` was opened in text mode.
-        ValueError: The file is empty, not one written by ``torch.save``, or cut short.
+            permission to run the pickle's code; ``f`` was opened in text mode, or is
+            bytes or a file descriptor; ``device`` and ``map_location`` disagree.
+        ValueError: The file is empty, not one written by ``torch.save``, cut short or
+            damaged, or a device; or ``mmap=True`` for what is no regular file.
+        pickle.UnpicklingError: The checkpoint holds an object a weights-only load does
+            not build; the message names it and how to allow it.
         TransferError: The checkpoint holds tensors on the meta device (a shape and no
             data), which no map_location can give data to; the message names them.
     """
@@ -179,32 +520,26 @@ def load(
         )
         raise TypeError(msg)
     _check_binary(f, "load from")
-    target = current_device() if device is None else resolve_device(device)
-    name = shown(str(f if isinstance(f, str | os.PathLike) else getattr(f, "name", f)), limit=300)
-    found = _format_of(f)
-    if found not in ("zip", "legacy", "unread"):
-        # Never handed to torch.load: its refusal would advise weights_only=False, that
-        # is running a pickle's code, for a file that is no checkpoint at all.
-        why = "is empty" if found == "empty" else f"is not one (it {found})"
-        msg = f"Expected a file written by torch.save, but {name} {why}."
-        raise ValueError(msg)
+    target = _load_device(device, map_location)
+    source, name = _source(f, mmap)
+    _check_format(source, name)
     try:
-        loaded = torch.load(f, map_location=target, weights_only=weights_only, mmap=mmap)
-    except (EOFError, pickle.UnpicklingError, KeyError, UnicodeDecodeError, RuntimeError) as err:
-        # A checkpoint's refusal under weights_only names what it holds and how to allow
-        # it (torch.serialization.add_safe_globals): kept. Anything else here is a file
-        # cut short or an archive that is not a checkpoint.
-        if "Weights only load failed" in str(err) and "GLOBAL" in str(err):
-            raise
+        with _allowing:
+            loaded = torch.load(source, map_location=target, weights_only=weights_only, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        text = _ESCAPES.sub("", str(err))
+        refused = _refused_on_load(text, name) if weights_only else None
+        if refused is not None:
+            raise pickle.UnpicklingError(refused) from None
+        raise ValueError(_damaged(name, _first_sentence(text))) from None
+    except (EOFError, KeyError, UnicodeDecodeError, RuntimeError, OSError) as err:
+        # Past the format check, these are an archive cut or damaged inside, or one that
+        # is no checkpoint (PyTorch's reader names a record it cannot find).
         if isinstance(err, RuntimeError) and not _unreadable(err):
             raise
-        said = str(err).split(". ")[0].strip(" .")
-        why = (
-            "is cut short, damaged, or a zip archive that is not a checkpoint (PyTorch: "
-            f"{shown(said, limit=120)})"
-        )
-        msg = f"Expected a file written by torch.save, but {name} {why}."
-        raise ValueError(msg) from None
+        if isinstance(err, OSError) and err.errno not in (errno.EINVAL, None):
+            raise
+        raise ValueError(_damaged(name, _ESCAPES.sub("", str(err)))) from None
     if target.type != "meta":
         without_data = find_devices(loaded).get(torch.device("meta"))
         if without_data:
@@ -219,6 +554,131 @@ def load(
             )
             raise TransferError(msg)
     return loaded
+
+
+def _load_device(device: DeviceLike | None, map_location: object) -> torch.device:
+    if map_location is not None:
+        if isinstance(map_location, dict) or callable(map_location):
+            msg = (
+                f"Expected map_location to be a device such as 'cpu' or 'cuda:0', got "
+                f"{type(map_location).__name__} {shown(map_location, limit=60)}: dk.load puts "
+                "every tensor on one device. For a mapping per device, call torch.load."
+            )
+            raise TypeError(msg)
+        mapped = resolve_device(map_location)  # type: ignore[arg-type]
+        if device is not None and resolve_device(device) != mapped:
+            msg = (
+                f"Expected one device to load onto, got device={shown(device)} and "
+                f"map_location={shown(map_location)}: give one of them."
+            )
+            raise TypeError(msg)
+        return mapped
+    return current_device() if device is None else resolve_device(device)
+
+
+def _source(f: object, mmap: bool | None) -> tuple[str | IO[bytes], str]:
+    """What torch.load reads, and its name for messages: a path, or a seekable file object.
+
+    A pipe, a FIFO or an unseekable stream is read once into memory here: torch.load
+    needs to seek, and opening a pipe twice loses what its writer wrote.
+    """
+    if isinstance(f, str | os.PathLike):
+        path = _path_of(f, "load from")
+        name = shown(path, limit=300)
+        kind = os.stat(path).st_mode  # FileNotFoundError as open() raises it
+        if stat.S_ISREG(kind):
+            return path, name
+        if stat.S_ISDIR(kind):
+            msg = f"Expected a checkpoint file to load, but {name} is a directory."
+            raise IsADirectoryError(errno.EISDIR, msg)
+        if stat.S_ISCHR(kind) or stat.S_ISBLK(kind):
+            msg = f"Expected a file written by torch.save, but {name} is a device, not a file."
+            raise ValueError(msg)
+        if mmap:
+            msg = f"Expected a regular file to map with mmap=True, but {name} is a pipe: omit mmap."
+            raise ValueError(msg)
+        with open(path, "rb") as stream:  # a FIFO: its writer's bytes, read once
+            return io.BytesIO(stream.read()), name
+    if not callable(getattr(f, "read", None)):
+        raise TypeError(_not_a_file(f, "load from"))
+    file = cast("IO[bytes]", f)
+    given = getattr(file, "name", None)
+    name = "the file object" if given is None else shown(str(given), limit=300)
+    if mmap:
+        msg = f"Expected a path to map with mmap=True, got a file object ({name}): pass its path."
+        raise ValueError(msg)
+    if _seekable(file):
+        return file, name
+    return io.BytesIO(file.read()), name
+
+
+def _seekable(stream: Any) -> bool:
+    try:
+        return bool(stream.seekable()) and stream.tell() >= 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _check_format(source: str | IO[bytes], name: str) -> None:
+    """Refuse what is no whole checkpoint before torch.load reads it, saying what it is."""
+    head_size = len(_LEGACY_MAGIC) + 2
+    with open(source, "rb") if isinstance(source, str) else contextlib.nullcontext(source) as file:
+        start = file.tell()
+        head = file.read(head_size)
+        tail = b""
+        if head.startswith(_ZIP_MAGIC):
+            end = file.seek(0, os.SEEK_END)
+            file.seek(max(start, end - _ZIP_TAIL))
+            tail = file.read()
+        file.seek(start)
+    if head.startswith(_ZIP_MAGIC):
+        last = tail.rfind(_ZIP_END)
+        if last < 0 or last + _ZIP_END_SIZE + int.from_bytes(
+            tail[last + 20 : last + 22], "little"
+        ) != len(tail):
+            msg = (
+                f"Expected a whole checkpoint, but {name} is cut short or damaged: it lacks "
+                "the zip directory that torch.save writes at its end (a copy or a save "
+                "that stopped early?)."
+            )
+            raise ValueError(msg)
+        return
+    if head[2:].startswith(_LEGACY_MAGIC):
+        return
+    # Never handed to torch.load: its refusal would advise weights_only=False, that is
+    # running a pickle's code, for a file that is no checkpoint at all.
+    why = "is empty" if not head else f"is not one (it begins with {head[:8]!r})"
+    msg = f"Expected a file written by torch.save, but {name} {why}."
+    raise ValueError(msg)
+
+
+def _damaged(name: str, said: str) -> str:
+    said = shown(said.split(". ", maxsplit=1)[0].strip(" ."), limit=120)
+    return (
+        f"Expected a file written by torch.save, but {name} is cut short or damaged, or a "
+        f"zip archive that is not a checkpoint (PyTorch: {said})."
+    )
+
+
+def _refused_on_load(text: str, name: str) -> str | None:
+    """The words for a weights-only refusal: what the file holds, how to allow it."""
+    blocked = re.search(r"GLOBAL (\S+) whose module (\S+) is blocked", text)
+    if blocked:
+        return (
+            f"Refusing to load {name}: it calls {blocked.group(1)}, which runs commands on "
+            "this machine. The file is unsafe: do not load it."
+        )
+    match = re.search(r"GLOBAL (\S+)|<class '([^']+)'>", text)
+    if match is None:  # an operand no pickle of torch.save's has: damaged, as load says
+        return None
+    qualified = match.group(1) or match.group(2)
+    return (
+        f"Cannot load {name} as weights and plain data: it holds {qualified}, which a "
+        "weights-only load does not build or call, since that could run code the file "
+        f"chooses. If you trust the file and know {qualified} to be a class of yours that "
+        "is safe to build, allow it first: "
+        f"torch.serialization.add_safe_globals([{qualified.rsplit('.', 1)[-1]}])."
+    )
 
 
 def _unreadable(err: RuntimeError) -> bool:

@@ -65,9 +65,6 @@ _FIRST_POLL_S = 1.0
 _LONGEST_POLL_S = 30.0
 _clock = time.monotonic  # the tests' fake clock replaces these two
 _sleep = time.sleep
-# Claims taken by managers not yet closed: held for the process, not for the manager
-# object, so `DeviceManager(claim=True).device` keeps its GPU after the manager goes.
-_held: set[_claims.Claim] = set()
 
 _MOST_BYTES = 1e24  # a yottabyte: no device comes near
 _UNITS = {
@@ -317,8 +314,11 @@ class DeviceManager:
         claim: Claim the chosen accelerator for this process: an OS file lock keyed by
             its UUID in ``DEVICEKIT_CLAIM_DIR`` (default: ``devicekit-claims`` in the
             temporary directory), which other managers with ``claim=True`` pass over.
-            Held until :meth:`close` or the process ends in any way, ``kill -9``
-            included.
+            Held until :meth:`close`, the end of a ``with manager:`` block, or the
+            process ending in any way, ``kill -9`` included; never by a forked child.
+            Claims are per process: managers of one process that select the same GPU
+            share its claim (a notebook cell run twice keeps one GPU), so name the
+            devices where one process claims several.
         fallback: With no usable accelerator, ``"cpu"`` uses the CPU and warns once;
             ``"error"`` raises :class:`~devicekit.DeviceUnavailableError`.
         backends: The device families to look at; None for the built-in ones. Tests
@@ -328,7 +328,9 @@ class DeviceManager:
         DeviceUnavailableError: ``device`` does not parse or is not on this machine, or
             nothing usable was found with ``fallback="error"``.
         ValueError: An option has a value outside those listed above.
-        OSError: ``claim=True`` where the claim directory cannot be made.
+        OSError: ``claim=True`` where the claim directory cannot be made or used
+            (``DEVICEKIT_CLAIM_DIR`` relative, not a directory, a link another user made,
+            or a claim file there that is no plain file of its own).
     """
 
     def __init__(
@@ -376,6 +378,7 @@ class DeviceManager:
         self._claiming = claim
         self._fallback = fallback
         self._claim: _claims.Claim | None = None
+        self._claim_name: str | None = None  # what names the claim, to take it again
         self._device, self._reason = self._settle(device, policy)
 
     @classmethod
@@ -456,17 +459,20 @@ class DeviceManager:
     def close(self) -> None:
         """Give back the claim this manager holds (``claim=True``); nothing else changes.
 
-        The process ending gives it back too, however it ends. A second call does nothing.
+        Where other managers of this process share the claim, the GPU stays claimed until
+        the last of them closes. The process ending gives it back too, however it ends.
+        Leaving ``with manager:`` closes the manager; a second call does nothing.
         """
         if self._claim is not None:
             self._claim.release()
-            _held.discard(self._claim)
             self._claim = None
 
     def __repr__(self) -> str:
         return f"DeviceManager(device={self._device!r})"
 
     def __enter__(self) -> DeviceManager:
+        if self._claiming and self._claim is None and self._claim_name is not None:
+            self._claim_again()
         _active.set((*_active.get(), (self, self._device)))
         return self
 
@@ -479,8 +485,25 @@ class DeviceManager:
         active = _active.get()
         for position in range(len(active) - 1, -1, -1):
             if active[position][0] is self:
-                _active.set(active[:position] + active[position + 1 :])
-                return
+                active = active[:position] + active[position + 1 :]
+                _active.set(active)
+                break
+        if all(entry[0] is not self for entry in active):  # its outermost block: claim given back
+            self.close()
+
+    def _claim_again(self) -> None:
+        """Claim the device once more, entering ``with manager:`` after leaving one."""
+        claim = _claims.take(self._claim_name or "")
+        if claim is None:
+            holder = claim_holders(self._devices).get(self._device)
+            msg = (
+                f"Cannot claim {self._device} again on entering `with manager:`: "
+                f"{'another job' if holder is None else f'pid {holder}'} claimed it after "
+                "this manager gave it back at the end of its last block. Keep one block "
+                "around the whole run to hold the GPU throughout."
+            )
+            raise DeviceUnavailableError(msg)
+        self._claim = claim
 
     # Selection.
 
@@ -522,12 +545,12 @@ class DeviceManager:
             if not self._claiming or chosen.type in _HOST_TYPES:
                 return chosen, reason
             info = next((info for info in self._devices if info.device == chosen), None)
-            claim = _claims.take(str(chosen) if info is None else _claim_key(info))
+            name = str(chosen) if info is None else _claim_key(info)
+            claim = _claims.take(name)
             if claim is None:  # taken since the look: look again, knowing it is
                 lost[chosen] = None
                 continue
-            self._claim = claim
-            _held.add(claim)
+            self._claim, self._claim_name = claim, name
             return chosen, f"{reason}; claimed for this process"
 
     def _unusable(self, msg: str) -> NoReturn:

@@ -18,6 +18,8 @@ PYTHON = {
     "TypeError": ("py:exception", "library/exceptions.html#TypeError"),
     "ValueError": ("py:exception", "library/exceptions.html#ValueError"),
     "RecursionError": ("py:exception", "library/exceptions.html#RecursionError"),
+    "OSError": ("py:exception", "library/exceptions.html#OSError"),
+    "pickle.UnpicklingError": ("py:exception", "library/pickle.html#pickle.UnpicklingError"),
     "str": ("py:class", "library/stdtypes.html#str"),
     "int": ("py:class", "library/functions.html#int"),
     "bool": ("py:class", "library/functions.html#bool"),

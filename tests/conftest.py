@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from typing import TYPE_CHECKING
 
 import pytest
@@ -46,3 +47,27 @@ def swap_module_params() -> Iterator[None]:
     torch.__future__.set_swap_module_params_on_conversion(True)
     yield
     torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+WATCHDOG_S = 10
+
+
+class Hang(Exception):  # noqa: N818 - what it reports is a hang
+    """Raised in the test's thread when the watchdog fires."""
+
+
+@pytest.fixture
+def watchdog() -> Iterator[None]:
+    """Fail, instead of stalling CI, when a test blocks for WATCHDOG_S seconds."""
+
+    def fire(signum: int, frame: object) -> None:
+        msg = f"the test did not finish within {WATCHDOG_S} s: it hangs where this was raised"
+        raise Hang(msg)
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, WATCHDOG_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

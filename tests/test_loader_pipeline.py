@@ -27,29 +27,12 @@ import devicekit as dk
 from devicekit import _loader
 from devicekit._packing import PACK_MAX_BYTES
 
+from .conftest import WATCHDOG_S, Hang
+
 META = torch.device("meta")
-WATCHDOG_S = 10
 
 
-class Hang(Exception):  # noqa: N818 - what it reports is a hang
-    """Raised in the test's thread when the watchdog fires."""
-
-
-@pytest.fixture(autouse=True)
-def watchdog() -> Iterator[None]:
-    """Fail, instead of stalling CI, when a test blocks for WATCHDOG_S seconds."""
-
-    def fire(signum: int, frame: object) -> None:
-        msg = f"the test did not finish within {WATCHDOG_S} s: it hangs where this was raised"
-        raise Hang(msg)
-
-    previous = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, WATCHDOG_S)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+pytestmark = pytest.mark.usefixtures("watchdog")
 
 
 def _feed_threads() -> list[threading.Thread]:
