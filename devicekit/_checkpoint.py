@@ -315,7 +315,7 @@ def _temporary(
             continue
         except OSError as err:
             raise _cannot_write(shown_path, folder, err, replaced is not None) from None
-    if replaced is not None:
+    if replaced is not None and hasattr(os, "fchown"):  # POSIX owners and modes
         try:
             if (replaced.st_uid, replaced.st_gid) != (os.geteuid(), os.getegid()):
                 with contextlib.suppress(PermissionError):  # only root may give files away
