@@ -44,7 +44,10 @@ the live ones first, waiting at most :data:`HANDOFF_S` for their feeds to leave 
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
+import random
+import sys
 import threading
 import time
 import weakref
@@ -69,6 +72,9 @@ PinMemory: TypeAlias = bool | Literal["auto"]
 # was told to stop.
 _STOP_POLL_S: Final = 0.1
 _END: Final = object()
+_READS_CHECKED: Final = 2
+"""An epoch's reads watched for random draws before it reads ahead (see ``_ahead``): the
+first read of a shuffled DataLoader draws the sampler's seed, however plain its data."""
 HANDOFF_S = 30.0
 """How long a new epoch of a DataLoader with persistent workers waits for a live epoch's
 feed to leave the DataLoader's one iterator (its next batch, being read), before it
@@ -114,6 +120,31 @@ def _named(name: str, work: Callable[[Any], Any], item: Any) -> Any:
     """``work(item)``, as a range called ``name`` in the profiler's trace."""
     with torch.profiler.record_function(name):
         return work(item)
+
+
+def random_state() -> tuple[Any, ...]:
+    """Where the process's global random generators stand: torch's (CPU), Python's, numpy's.
+
+    About 100 us (numpy's copy of its state is most of it): taken twice an epoch at most.
+    """
+    numpy = sys.modules.get("numpy")
+    legacy = None if numpy is None else numpy.random.get_state(legacy=False)
+    return torch.default_generator.get_state(), random.getstate(), legacy
+
+
+def drew_since(before: tuple[Any, ...]) -> bool:
+    """Whether anything drew from those generators since ``before`` was taken."""
+    after = random_state()
+    if not torch.equal(before[0], after[0]) or before[1] != after[1]:
+        return True
+    numpy_before, numpy_after = before[2], after[2]
+    if numpy_before is None or numpy_after is None:
+        return numpy_before is not numpy_after
+    return bool(
+        numpy_before["state"]["pos"] != numpy_after["state"]["pos"]
+        or numpy_before["has_gauss"] != numpy_after["has_gauss"]
+        or (numpy_before["state"]["key"] != numpy_after["state"]["key"]).any()
+    )
 
 
 def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
@@ -655,13 +686,35 @@ class DeviceDataLoader(Generic[B]):
         device: torch.device,
         record: EpochRecorder,
     ) -> Iterator[B]:
+        # Reads that draw from the global random generators (augmentation in a dataset
+        # read without workers, a sampler's shuffle, graph sampling) happen in this
+        # thread, between the loop's steps, as in a plain loop: a thread reading ahead
+        # would interleave its draws with the loop's by timing, and a seeded run would
+        # not repeat. So an epoch's first read is always made here, and its second where
+        # the first drew; where the second draws too, every read is made here, batch by
+        # batch as the loop asks. Otherwise the rest is read ahead (by the feed).
+        checks = _READS_CHECKED
+        while True:
+            before = random_state() if checks else None
+            batch = next(batches, _END)
+            if batch is _END:
+                return
+            if before is not None:
+                if not drew_since(before):
+                    break  # reading draws nothing: from this batch on, read ahead
+                checks -= 1
+            yield from _prefetched(iter((batch,)), prefetcher, 1, self._finish, record)
+            del batch
+        rest = batches
         feed = None
         if self._pins():
             feed = _BackgroundFeed(batches, prefetcher.pin, self._prefetch, device)
             self._feeds.add(feed)
-            batches = feed
+            rest = feed
+        ahead = itertools.chain((batch,), rest)  # drops the batch once it is taken
+        del batch
         try:
-            yield from _prefetched(batches, prefetcher, self._prefetch, self._finish, record)
+            yield from _prefetched(ahead, prefetcher, self._prefetch, self._finish, record)
         finally:
             # The end, an error, or a loop left early: the thread stops, the prefetched go.
             if feed is not None:

@@ -11,14 +11,16 @@ and each must leave no thread behind.
 
 from __future__ import annotations
 
+import random
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -163,7 +165,8 @@ def test_full_epochs_and_the_next_ones(
     if prefetch:
         assert len(made) == 1  # one prefetcher (one side stream) for the loader's life
         assert made[0].handed == made[0].started == list(range(length)) * 3
-        assert made[0].pinned_in == ({"devicekit-feed"} if pin and length else set())
+        # The first batch is read in this thread (it might draw random numbers), unpinned.
+        assert made[0].pinned_in == ({"devicekit-feed"} if pin and length > 1 else set())
 
 
 @pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
@@ -488,7 +491,7 @@ def test_the_feed_thread_pins_on_one_core_and_leaves_the_training_thread_s(
     monkeypatch.setattr(StandIn, "pin", pin)
     before = torch.get_num_threads()
     assert list(loader) == _expected(3, 1)
-    assert threads_seen == [1, 1, 1]
+    assert threads_seen == [1, 1]  # the first batch is read (and not pinned) in this thread
     assert torch.get_num_threads() == before
     _no_thread_left()
 
@@ -533,3 +536,60 @@ def test_pinning_by_default_keeps_pinned_tensors_and_pins_the_others() -> None:
     already = tensor.as_subclass(Pinned)
     assert _loader._page_locked(already) is already
     assert calls == ["is_pinned"]
+
+
+# Seeded runs: reading that draws random numbers never runs beside the loop's draws.
+
+
+class Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """Items that draw from a global generator as they are read, as augmentation does."""
+
+    def __init__(self, draw: Callable[[], float] | None) -> None:
+        self.draw = draw
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.0005)  # reading takes a while, as decoding does
+        noise = 0.0 if self.draw is None else self.draw()
+        return torch.full((3,), float(index)) + noise
+
+
+def _seeded_run(loader: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, float]]:
+    """Every batch of a run seeded as a script seeds it, with the loop's own draw after it."""
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    seen = []
+    for batch in loader:
+        step = torch.rand(1).item()  # the loop's draws: dropout, noise
+        time.sleep(0.0005)
+        seen.append((batch.clone(), step))
+    return seen
+
+
+DRAWS = {
+    "torch": lambda: torch.rand(1).item(),
+    "python": random.random,
+    "numpy": lambda: float(np.random.rand()),
+    "none": None,
+}
+
+
+@pytest.mark.parametrize("draw", DRAWS)
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
+@pytest.mark.parametrize("prefetch", [1, 2, 4])
+def test_a_seeded_run_repeats_and_matches_the_plain_loop(
+    prefetch: int, shuffle: bool, draw: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = DataLoader(Augmented(DRAWS[draw]), batch_size=4, shuffle=shuffle)
+    plain = _seeded_run(data)
+    loader, made = _loader_for(data, prefetch, True, monkeypatch)
+    monkeypatch.setattr(StandIn, "hand_over", lambda self, ticket: ticket.batch)
+    for _ in range(5):
+        run = _seeded_run(loader)
+        assert [step for _, step in run] == [step for _, step in plain]
+        assert all(torch.equal(got, want) for (got, _), (want, _) in zip(run, plain, strict=True))
+    # Reading that draws nothing past a shuffle's seed is read ahead by the feed.
+    assert ("devicekit-feed" in made[0].pinned_in) == (draw == "none")
