@@ -502,6 +502,13 @@ _decision_names: Callable[[type], tuple[str, str, str, Leaf | None]] = (
 
 
 def _traced_decision(cls: type) -> Decision:
+    if issubclass(cls, collections.deque):
+        msg = (
+            "Cannot move {path} inside torch.compile: it is a deque, and the compiler reads "
+            "a deque's maxlen as None, so its copy would not be the same deque. Make it a "
+            "list, or move it before the compiled region."
+        )
+        raise LeafError(msg)
     move, cast, read, leaf = _decision_names(cls)
     if move and cast and read:
         return Decision(_NAMED[move], _NAMED[cast], _NAMED[read], leaf)

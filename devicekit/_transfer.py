@@ -16,9 +16,9 @@ from typing import Any, Final, Literal, NamedTuple, TypeAlias, TypeVar
 
 import torch
 
-from devicekit import _packing, _tree
+from devicekit import _compat, _packing, _tree
 from devicekit._devices import DeviceLike, resolve_device
-from devicekit._errors import LeafError, TransferError
+from devicekit._errors import DeviceKitError, DeviceUnavailableError, LeafError, TransferError
 from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how
 from devicekit._manager import current_device
 
@@ -115,12 +115,22 @@ class _Plan:
     only where reading the result is ordered after the copy anyway.
     """
 
-    __slots__ = ("device", "move", "move_all", "options", "packs", "pins", "plain", "told")
+    __slots__ = (
+        "device",
+        "move",
+        "move_all",
+        "options",
+        "packs",
+        "pins",
+        "plain",
+        "told",
+        "traced",
+    )
 
     def __init__(self, device: torch.device, options: Options, *, traced: bool = False) -> None:
         simulated = device.type in _simulated
         to_accelerator = device.type not in _HOST or simulated
-        self.device, self.options, self.pins = device, options, not simulated
+        self.device, self.options, self.pins, self.traced = device, options, not simulated, traced
         self.plain = options.dtype is None and not options.copy and options.memory_format is None
         self.packs = (  # not in a compiled graph: its copies are the compiler's to plan
             not traced
@@ -133,21 +143,17 @@ class _Plan:
         self.told = device.type != "mps" and (
             bool(options.non_blocking) if not auto else to_accelerator
         )
-        self.move, self.move_all = _mover(self, is_meta=device.type == "meta" and not simulated)
+        self.move, self.move_all = (
+            _traced_mover(self)
+            if traced
+            else _mover(self, is_meta=device.type == "meta" and not simulated)
+        )
 
 
 _plans: dict[object, _Plan] = {}
 
 
 def _plan(device: DeviceLike | None, options: Options) -> _Plan:
-    if _is_compiling():  # a device given explicitly is taken as given
-        if device is None:
-            msg = (
-                "Cannot move data inside torch.compile to the current device: devicekit reads it "
-                "from a context the compiler cannot follow. Pass it, as to_device(x, 'cuda:0')."
-            )
-            raise TransferError(msg)
-        return _Plan(torch.device(device), _check(options), traced=True)
     defaults = options is _DEFAULTS
     # The usual call is keyed by the device alone. A torch.device found there was
     # resolved already; one without an index ("cuda": the current one) is resolved anew.
@@ -238,6 +244,28 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
     return move, move_all
 
 
+def _traced_mover(plan: _Plan) -> tuple[Mover, MoveAll]:
+    """The mover of a compiled region: every tensor through the call's memo, keyed by itself.
+
+    The host path's notes of ``id(tensor)`` would make the compiler guard on each input
+    tensor's identity, and compile again for every fresh batch; a memo keyed by the
+    tensors themselves keeps repeats one tensor without that. Nothing is packed there.
+    """
+    device = plan.device
+
+    def move(obj: Any, call: _Call) -> Any:
+        return call.tensor(obj, device) if type(obj) is _Tensor else call.leaf(obj)
+
+    def move_all(leaves: list[Any], active: Sequence[int], call: _Call) -> list[Any]:
+        return [move(leaf, call) if index in active else leaf for index, leaf in enumerate(leaves)]
+
+    return move, move_all
+
+
+def _itself(obj: Any) -> Any:
+    return obj
+
+
 _FORMAT_DIMS: Final = {torch.channels_last: 4, torch.channels_last_3d: 5}
 _MIN: Final = _packing.MIN_TENSORS
 
@@ -251,16 +279,20 @@ class _Call:
     options, and objects moved by rules, ``.to()`` or in place, always use the memo.
     """
 
-    __slots__ = ("memo", "notes", "plan", "waits")
+    __slots__ = ("key", "memo", "notes", "plan", "waits")
 
-    def __init__(self, plan: _Plan, notes: list[int], memo: dict[int, Any] | None = None) -> None:
+    def __init__(self, plan: _Plan, notes: list[int], memo: dict[Any, Any] | None = None) -> None:
         self.plan, self.notes = plan, notes
-        self.memo: dict[int, Any] = {} if memo is None else memo  # id -> what it became
+        self.memo: dict[Any, Any] = {} if memo is None else memo  # key -> what it became
+        # By id, which any object has; in a compiled region by the tensor itself (see
+        # _traced_mover), where only tensors reach the memo.
+        self.key: Callable[[Any], Any] = _itself if plan.traced else id
         self.waits: set[torch.device] | None = None
 
     def tensor(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """One tensor to ``device`` with the call's options, or as it is if nothing changes."""
-        moved: torch.Tensor | None = self.memo.get(id(tensor))
+        key = self.key(tensor)
+        moved: torch.Tensor | None = self.memo.get(key)
         if moved is not None:
             return moved
         if tensor.is_meta and device.type != "meta":
@@ -281,7 +313,7 @@ class _Call:
             and (memory_format is None or tensor.is_contiguous(memory_format=memory_format))
         ):
             return tensor
-        moved = self.memo[id(tensor)] = tensor.to(
+        moved = self.memo[key] = tensor.to(
             device,
             dtype=dtype,
             non_blocking=self.non_blocking(tensor, device),
@@ -325,16 +357,23 @@ class _Call:
         if how is Leaf.OTHER or how is Leaf.ARRAY:
             return _keep(obj, self.plan.options.strict, array=how is Leaf.ARRAY)
         if _is_compiling() and how is not Leaf.PARAMETER:
-            what = {Leaf.RULE: "with the rule registered for it", Leaf.TO_METHOD: "with its .to()"}
+            # Branches, not a dict by Leaf: the compiler cannot guard on such a lookup.
+            if how is Leaf.RULE:
+                what = "with the rule registered for it"
+            elif how is Leaf.TO_METHOD:
+                what = "with its .to()"
+            else:
+                what = "in place, as nn.Module.to moves it"
             msg = (
                 f"Cannot move {{path}} inside torch.compile: a {type(obj).__name__} moves "
-                f"{what.get(how, 'in place, as nn.Module.to moves it')}, which a compiled graph "
-                "cannot repeat as devicekit does. Move it before the compiled region."
+                f"{what}, which a compiled graph cannot repeat as devicekit does. Move it "
+                "before the compiled region."
             )
             raise LeafError(msg)
-        moved = self.memo.get(id(obj), _UNSEEN)
+        key = self.key(obj)
+        moved = self.memo.get(key, _UNSEEN)
         if moved is _UNSEEN:  # user code, or in-place moves: once per object
-            moved = self.memo[id(obj)] = _MOVES[how](obj, self, detail)
+            moved = self.memo[key] = _MOVES[how](obj, self, detail)
         return moved
 
     def meta_error(self) -> LeafError:
@@ -604,7 +643,57 @@ def to_device(
         else Options(non_blocking, dtype, copy, memory_format, strict)
     )
     skip = None if type(skip_keys) is tuple and not skip_keys else _skip_set(skip_keys)
+    if _is_compiling():
+        return _traced(device, options, data, skip)  # type: ignore[no-any-return]
     return _run(_plan(device, options), data, skip)  # type: ignore[no-any-return]
+
+
+def _traced(
+    device: DeviceLike | None, options: Options, data: Any, skip: frozenset[Hashable] | None
+) -> Any:
+    """to_device in a region torch.compile traces: the same result, or devicekit's refusal.
+
+    The device and options are checked in Python while the compiler traces (their
+    results are constants of the graph). A refusal in a region that must be one graph
+    (``fullgraph=True``) is handed to the compiler from outside the graph, so that the
+    user reads devicekit's own error, not "Observed exception" around it; elsewhere it
+    breaks the graph, and the call runs eagerly, as it would without the compiler.
+    """
+    try:
+        if device is None:
+            msg = (
+                "Cannot move data inside torch.compile to the current device: devicekit reads "
+                "it from a context the compiler cannot follow. Pass it, as "
+                "to_device(x, 'cuda:0')."
+            )
+            raise TransferError(msg)
+        refused, target, *checked = _traced_settings(device, *options)
+        if refused >= 0:
+            raise _REFUSALS[refused](target)
+        return _run(_Plan(target, Options(*checked), traced=True), data, skip)
+    except (DeviceKitError, ValueError, TypeError) as refusal:
+        if _compat.one_graph():
+            _compat.raise_past_the_compiler(type(refusal), str(refusal))
+        raise
+
+
+@_compat.run_while_tracing
+def _traced_settings(device: DeviceLike, *options: Any) -> tuple[Any, ...]:
+    """The device and options a compiled region asks for, checked as a call outside one does.
+
+    ``(-1, device, *options)``, or ``(where its class is in _REFUSALS, message, ...)`` for
+    a refusal, which the caller raises in traced code. Plain values in and out, not an
+    Options, an error or its class: what the compiler takes back as constants.
+    """
+    try:
+        return (-1, resolve_device(device), *_check(Options(*options)))
+    except (DeviceKitError, ValueError, TypeError) as refused:
+        kind = next(i for i, kind in enumerate(_REFUSALS) if isinstance(refused, kind))
+        return (kind, str(refused), *options)
+
+
+# Most specific first: what a refusal of the device or the options is raised as.
+_REFUSALS: Final = (DeviceUnavailableError, TransferError, DeviceKitError, ValueError, TypeError)
 
 
 def in_line_mover(device: torch.device) -> Callable[[Any], Any]:
@@ -623,6 +712,10 @@ def _run(plan: _Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any
     while True:
         if plan.packs:
             moved = _tree.map_flat(plan.move_all, data, call, skip=skip)
+        elif plan.traced:
+            moved = _tree.map_leaves(
+                plan.move, data, call, skip=skip, max_depth=_tree.TRACED_MAX_DEPTH
+            )
         else:
             moved = _tree.map_leaves(plan.move, data, call, skip=skip)
         notes = call.notes

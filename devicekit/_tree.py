@@ -18,14 +18,15 @@ import functools
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Final, NamedTuple, TypeAlias
 
-import torch
-
 from devicekit import _kinds
 from devicekit._errors import LeafError, TransferError
 from devicekit._kinds import DICT, INERT, LIST, MOVE, TUPLE, Node, mapping_items
 
 MAX_DEPTH: Final = 10_000
 """Containers nested deeper than this are refused: no real batch comes near it."""
+TRACED_MAX_DEPTH: Final = 64
+"""The same inside torch.compile, which rebuilds a nested result recursively, several
+Python frames a level: about 90 levels exhaust Python's recursion limit there."""
 _SCAN_FROM = 64  # lists at least this long are checked in one pass for leaves only
 _PATH_SHOWN = 16  # path fragments a message shows before eliding the middle
 _rebuild_namedtuple = _kinds.rebuild_namedtuple
@@ -324,6 +325,7 @@ def map_leaves(  # noqa: PLR0912 - one loop, as in flatten
     view: int = MOVE,
     skip: frozenset[Hashable] | None = None,
     root: str | None = "data",
+    max_depth: int = MAX_DEPTH,
 ) -> Any:
     """``tree`` rebuilt with ``fn(leaf, state)`` applied to each leaf that is not inert.
 
@@ -336,7 +338,7 @@ def map_leaves(  # noqa: PLR0912 - one loop, as in flatten
             walk inside a leaf the caller names) errors pass through as they are.
     """
     nodes, learn = (_kinds._views[view], _LEARN[view]) if skip is None else _lookup(view, skip)
-    node = _entry(type(tree), nodes, learn)
+    node = _root_entry(tree, nodes, learn, root)
     if (
         (node is LIST or node is TUPLE)
         and len(tree) >= _SCAN_FROM
@@ -370,8 +372,10 @@ def map_leaves(  # noqa: PLR0912 - one loop, as in flatten
                 results.append(list(child) if child_node is LIST else child)
             else:
                 stack.append((node, container, children, results))
-                if len(stack) > MAX_DEPTH:
-                    flatten(tree, view=view, skip=skip)  # raises, with the path
+                if len(stack) > max_depth:
+                    if max_depth == MAX_DEPTH:
+                        flatten(tree, view=view, skip=skip)  # raises, with the path
+                    raise _too_deep_to_trace(max_depth)
                 node, container, results = child_node, child, []
                 children = iter(node.children(child))
                 break
@@ -398,6 +402,13 @@ def map_leaves(  # noqa: PLR0912 - one loop, as in flatten
             results.append(result)
 
 
+def _root_entry(tree: Any, nodes: dict[type, Any], learn: Any, root: str | None) -> Any:
+    try:
+        return _entry(type(tree), nodes, learn)
+    except LeafError as err:  # a type first met in a compiled region
+        raise _with_path(err, root or "data", tree) from None
+
+
 def _located(  # noqa: PLR0917 - map_leaves' own arguments
     err: Exception,
     tree: Any,
@@ -408,12 +419,10 @@ def _located(  # noqa: PLR0917 - map_leaves' own arguments
 ) -> Exception:
     """``err``, raised for ``where`` (the first leaf or container that is it), with its path.
 
-    A walk with no root, or in a compiled graph, does not walk again.
+    A walk with no root does not walk again.
     """
     if root is None:
         return err
-    if torch.compiler.is_compiling():
-        return _with_path(err, root, where)
     flat = flatten(tree, view=view, skip=skip)
     leaf_paths, container_paths = paths(flat)
     found = [path for leaf, path in zip(flat.leaves, leaf_paths, strict=True) if leaf is where]
@@ -433,6 +442,15 @@ def _with_path(err: Exception, path: str, where: Any) -> Exception:
         # stay one); a note says where in the data they happened.
         err.add_note(f"devicekit: raised while handling {path} ({type(where).__name__}).")
     return err
+
+
+def _too_deep_to_trace(limit: int) -> TransferError:
+    msg = (
+        f"Cannot move data inside torch.compile: it nests more than {limit} containers "
+        "deep, deeper than the compiler can rebuild (it recurses once per level). Move it "
+        "before the compiled region."
+    )
+    return TransferError(msg)
 
 
 def _too_deep(stack: list[tuple[Node, Any, Iterator[Any], int]]) -> TransferError:
