@@ -64,6 +64,7 @@ class Leaf(enum.Enum):
     PARAMETER = enum.auto()  # moved as a tensor and wrapped again, as nn.Module.to does
     MODULE = enum.auto()  # moved in place and returned, nn.Module.to semantics
     OPTIMIZER = enum.auto()  # its state follows its parameters
+    CACHE = enum.auto()  # a transformers cache: in place, through its layers' own prefetch()
     RULE = enum.auto()  # registered with register_transfer; detail: the rule
     TO_METHOD = enum.auto()  # its own .to(), on a copy; detail: takes non_blocking
     ARRAY = enum.auto()  # a numpy array: kept, unless it holds tensors
@@ -358,14 +359,33 @@ _MODULE = _entries_node(
     writes=False,
 )
 _OPTIMIZER = _entries_node(_optimizer_entries, writes=False)
+# A PackedSequence's batch_sizes stays on the host by PyTorch's design (its .to() leaves
+# it there, and the RNNs read it there): what the checks see leaves it out.
+_PACKED_SEQUENCE = _entries_node(
+    lambda packed: [
+        (f".{name}", getattr(packed, name), None, None)
+        for name in ("data", "sorted_indices", "unsorted_indices")
+    ],
+    writes=False,
+)
+
+
+def _lineage(cls: type) -> set[str]:
+    """The qualified names of a class and its bases.
+
+    A library's types are known by name, so that the library is never imported to ask.
+    """
+    return {f"{k.__module__}.{k.__name__}" for k in cls.__mro__}
+
+
+_CACHE = "transformers.cache_utils.Cache"
+_CACHE_LAYER = "transformers.cache_utils.CacheLayerMixin"
 
 
 def _contents(cls: type) -> Node | None:
     """How to see and set what an object that moves itself holds."""
-    if "torch_geometric.data.data.BaseData" in {
-        f"{k.__module__}.{k.__name__}" for k in cls.__mro__
-    }:
-        return _GRAPH  # known by name: torch_geometric is never imported to ask
+    if "torch_geometric.data.data.BaseData" in _lineage(cls):
+        return _GRAPH
     if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
         return _NAMEDTUPLE  # PackedSequence
     if dataclasses.is_dataclass(cls):
@@ -426,6 +446,11 @@ def _decide(cls: type) -> Decision:
         return Decision(LEAF, LEAF, _OPTIMIZER, Leaf.OPTIMIZER)
     if cls in INERT_TYPES or cls is type(_UNSET):
         return Decision(INERT, INERT, INERT, None)
+    # transformers' caches (past_key_values) hold their tensors in layer objects' attributes.
+    if _CACHE in (lineage := _lineage(cls)):
+        return Decision(LEAF, LEAF, _ATTRIBUTES, Leaf.CACHE)
+    if _CACHE_LAYER in lineage:
+        return Decision(LEAF, LEAF, _ATTRIBUTES, Leaf.OTHER)
     # numpy's scalars (np.bool_ is no numbers.Number), known by name: numpy is not imported.
     if issubclass(cls, _KEPT_BASES) or any(
         k.__module__ == "numpy" and k.__name__ == "generic" for k in cls.__mro__
@@ -437,7 +462,8 @@ def _decide(cls: type) -> Decision:
         return Decision(node, node, node, None)
     if moves_itself:
         contents = _contents(cls)
-        return Decision(LEAF, contents, contents, Leaf.TO_METHOD, _takes_non_blocking(cls))
+        read = _PACKED_SEQUENCE if issubclass(cls, torch.nn.utils.rnn.PackedSequence) else contents
+        return Decision(LEAF, contents, read, Leaf.TO_METHOD, _takes_non_blocking(cls))
     array = cls.__module__ == "numpy" and cls.__name__ == "ndarray"  # numpy is not imported
     return Decision(LEAF, LEAF, LEAF, Leaf.ARRAY if array else Leaf.OTHER)
 

@@ -362,6 +362,8 @@ class _Call:
                 what = "with the rule registered for it"
             elif how is Leaf.TO_METHOD:
                 what = "with its .to()"
+            elif how is Leaf.CACHE:
+                what = "in place, through its layers' prefetch()"
             else:
                 what = "in place, as nn.Module.to moves it"
             msg = (
@@ -501,6 +503,43 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: objec
     return optimizer
 
 
+def _move_cache(cache: Any, call: _Call, detail: object) -> Any:
+    """Move a transformers cache in place, layer by layer, as the cache itself does.
+
+    A layer knows its device and moves there in ``prefetch()`` (its offloading API);
+    the layers of nested caches (an encoder-decoder's two) move too. Copies from an
+    accelerator to the host under ``"auto"`` are waited for, as every other copy is.
+    """
+    options, device = call.plan.options, call.plan.device
+    if options.copy or options.dtype is not None or options.memory_format is not None:
+        asked = "copy=True" if options.copy else "dtype" if options.dtype else "memory_format"
+        msg = (
+            f"Cannot move {{path}} with {asked}: a transformers {type(cache).__name__} moves "
+            "in place, each layer through its own prefetch(), which neither copies nor casts. "
+            "Move it on its own, without the option (its tensors keep their dtype), or "
+            "leave it out of the call with skip_keys."
+        )
+        raise LeafError(msg)
+    for layer in _cache_layers(cache):
+        moved = [value for value in vars(layer).values() if isinstance(value, torch.Tensor)]
+        if getattr(layer, "device", None) is None or not moved:
+            continue  # not initialised: it takes its device from its first keys
+        for tensor in moved:
+            call.non_blocking(tensor, device)  # notes the devices to wait for, if any
+        layer.device = device
+        layer.prefetch()
+    return cache
+
+
+def _cache_layers(cache: Any) -> Iterator[Any]:
+    """The layers of a transformers cache, those of the caches it holds included."""
+    for value in vars(cache).values():
+        if isinstance(value, list):
+            yield from (layer for layer in value if callable(getattr(layer, "prefetch", None)))
+        elif leaf_how(type(value))[0] is Leaf.CACHE:
+            yield from _cache_layers(value)
+
+
 def _move_by_rule(obj: Any, call: _Call, registered: tuple[type, Any]) -> Any:
     # What the rule returns takes the object's place in the batch: an instance of the
     # class registered (a rule for Boxes may return a Boxes for a subclass's instance).
@@ -575,6 +614,7 @@ _MOVES: dict[Leaf, Callable[[Any, _Call, Any], Any]] = {
     Leaf.OPTIMIZER: _move_optimizer,
     Leaf.RULE: _move_by_rule,
     Leaf.TO_METHOD: _move_by_to,
+    Leaf.CACHE: _move_cache,
 }
 
 

@@ -235,3 +235,19 @@ def test_removed_guards_leave_no_hooks() -> None:
     with dk.guard(net):
         assert len(net._forward_pre_hooks) == 1
     assert len(net._forward_pre_hooks) == 0
+
+
+def test_a_packed_sequence_s_batch_sizes_kept_on_the_host_is_accepted() -> None:
+    # PyTorch keeps batch_sizes on the host by design: PackedSequence.to leaves it there,
+    # and the RNNs read it there.
+    lstm = dk.to_device(torch.nn.LSTM(2, 3), META)
+    sequences = [torch.ones(3, 2), torch.ones(2, 2)]
+    packed = torch.nn.utils.rnn.pack_sequence(sequences, enforce_sorted=False)
+    moved = dk.to_device(packed, META)
+    assert moved.batch_sizes.is_cpu
+    assert dk.check_same_device(lstm, moved) == META
+    with dk.guard(lstm):
+        lstm(moved)  # no mismatch raised before PyTorch runs it
+    assert dk.find_devices(moved) == {META: ["data", "sorted_indices", "unsorted_indices"]}
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape("cpu has data[1].data")):
+        dk.check_same_device(lstm, packed)  # the data left behind is still named

@@ -60,6 +60,52 @@ def test_a_copied_model_output_shares_nothing_with_the_input() -> None:
     assert output["last_hidden_state"].tolist() == [0.0, 0.0]
 
 
+def _gpt2_output() -> tuple[Any, Any]:
+    """A tiny GPT-2 from its config, and its output for one batch: logits and a cache."""
+    transformers = _require("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        output = model(torch.tensor([[1, 2, 3]]), use_cache=True)
+    assert type(output.past_key_values).__name__ == "DynamicCache"
+    return model, output
+
+
+def test_a_model_output_s_cache_is_seen_by_the_checks() -> None:
+    _, output = _gpt2_output()
+    logits_elsewhere = dk.to_device(output.logits, META)
+    with pytest.raises(dk.DeviceMismatchError) as raised:
+        dk.check_same_device({"logits": logits_elsewhere, "past": output.past_key_values})
+    assert "data['past'].layers[0].keys" in str(raised.value)
+    seen = dk.find_devices(output)
+    assert "['past_key_values'].layers[1].values" in seen[CPU]
+
+
+def test_a_model_output_s_cache_moves_in_place_and_the_model_runs_on_it() -> None:
+    model, output = _gpt2_output()
+    moved = dk.to_device(output, META)
+    assert set(dk.find_devices(moved)) == {META}
+    assert moved.past_key_values is output.past_key_values  # moved in place, as documented
+    model = dk.to_device(model, META)
+    with torch.no_grad():
+        step = model(dk.to_device(torch.tensor([[4]]), META), past_key_values=moved.past_key_values)
+    assert step.logits.device == META
+    assert step.past_key_values.get_seq_length() == 4
+
+
+def test_a_cache_cannot_be_copied_or_cast_and_says_so() -> None:
+    _, output = _gpt2_output()
+    with pytest.raises(dk.TransferError) as raised:
+        dk.to_device(output, CPU, copy=True)
+    assert str(raised.value).startswith(
+        "Cannot move data['past_key_values'] with copy=True: a transformers DynamicCache "
+        "moves in place"
+    )
+    kept = dk.to_device(output, CPU, dtype=torch.float16, skip_keys="past_key_values")
+    assert kept.logits.dtype == torch.float16
+
+
 def test_a_batch_encoding_is_rebuilt_item_by_item_not_moved_by_its_own_to() -> None:
     transformers = _require("transformers")
     ids = torch.tensor([[101, 50257]])
