@@ -44,6 +44,7 @@ the live ones first, waiting at most :data:`HANDOFF_S` for their feeds to leave 
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import queue
 import random
@@ -57,6 +58,7 @@ from typing import Any, Final, Generic, Literal, Protocol, TypeAlias, TypeVar
 import torch
 
 from devicekit._devices import DeviceLike, resolve_device, streams_to
+from devicekit._kinds import Leaf, leaf_how
 from devicekit._manager import current_device
 from devicekit._packing import PACK_MAX_BYTES
 from devicekit._stats import CopyTimer, EpochRecorder, LoaderStats, Setup, machine_cpus
@@ -156,19 +158,30 @@ def _pin(batch: Any, pin: Callable[[torch.Tensor], torch.Tensor] = _page_locked)
 
     Tensors of at most PACK_MAX_BYTES are left alone: they travel packed, through a
     staging buffer that is pinned already, and pinning them first would copy them twice.
+    Objects that move themselves (a TensorDict, a graph, a PackedSequence) are pinned
+    by their own ``pin_memory()``, as torch's pin-memory thread pins them, on a shallow
+    copy (a graph's pins in place): they move with their ``.to()``, never packed.
     ``pin`` is the seam the tests replace, on machines where nothing can be pinned.
     """
     return map_leaves(_pinned, batch, ({}, pin))
 
 
-def _pinned(leaf: Any, state: tuple[dict[int, torch.Tensor], Callable[..., Any]]) -> Any:
-    if not isinstance(leaf, torch.Tensor) or not leaf.is_cpu or leaf.nbytes <= PACK_MAX_BYTES:
+def _pinned(leaf: Any, state: tuple[dict[int, Any], Callable[..., Any]]) -> Any:
+    if not isinstance(leaf, torch.Tensor):
+        pin_memory = getattr(leaf, "pin_memory", None)
+        if not callable(pin_memory) or leaf_how(type(leaf))[0] is not Leaf.TO_METHOD:
+            return leaf
+        pinned = state[0]
+        if id(leaf) not in pinned:
+            pinned[id(leaf)] = copy.copy(leaf).pin_memory()
+        return pinned[id(leaf)]
+    if not leaf.is_cpu or leaf.nbytes <= PACK_MAX_BYTES:
         return leaf
     pinned, pin = state
-    copy = pinned.get(id(leaf))
-    if copy is None:
-        copy = pinned[id(leaf)] = pin(leaf)
-    return copy
+    copied = pinned.get(id(leaf))
+    if copied is None:
+        copied = pinned[id(leaf)] = pin(leaf)
+    return copied
 
 
 class StreamPrefetcher:

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import devicekit as dk
+from devicekit import _loader
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -241,3 +242,45 @@ def test_requiring_interop_packages_fails_where_one_is_missing(
     monkeypatch.setenv("DEVICEKIT_REQUIRE_INTEROP", "1")
     with pytest.raises(ModuleNotFoundError, match=re.escape("no_such_package_here")):
         _require("no_such_package_here")
+
+
+class PinRecorder:
+    """Stands in for Tensor.pin_memory where nothing can be pinned: a copy, recorded."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.shapes.append(tuple(tensor.shape))
+        return tensor.clone()
+
+
+def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As torch's pin-memory thread does: a TensorDict, a graph batch, a PackedSequence.
+    tensordict = _require("tensordict")
+    geometric = _require("torch_geometric.data")
+    recorder = PinRecorder()
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: recorder(self))
+    features = torch.ones(4, 3)
+    batches = {
+        "tensordict": tensordict.TensorDict({"x": features}, batch_size=[4]),
+        "graph": geometric.Batch.from_data_list(
+            [geometric.Data(x=features, edge_index=torch.tensor([[0, 1], [1, 2]]))]
+        ),
+        "packed": torch.nn.utils.rnn.pack_sequence([features]),
+    }
+    graph_features = batches["graph"].x
+    for name, batch in batches.items():
+        recorder.shapes.clear()
+        pinned = _loader._pin(
+            {  # the feed's pinning, as StreamPrefetcher.pin runs it
+                "batch": batch,
+                "id": 3,
+            }
+        )
+        assert (4, 3) in recorder.shapes, name
+        assert type(pinned["batch"]) is type(batch)
+        assert pinned["batch"] is not batch
+    assert batches["graph"].x is graph_features  # pinned on a copy: the input is unchanged
