@@ -392,7 +392,8 @@ def _contents(cls: type) -> Node | None:
         return _FIELDS  # tensordict's tensorclasses
     if issubclass(cls, Mapping):
         return _MAPPING_CONTENTS  # TensorDict
-    return _ATTRIBUTES if hasattr(cls, "__dict__") and not issubclass(cls, type) else None
+    # Attributes where instances have a __dict__ (a list's or a __slots__ class's have none).
+    return _ATTRIBUTES if cls.__dictoffset__ and not issubclass(cls, type) else None
 
 
 # The registry, and the decisions made from it.

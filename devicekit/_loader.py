@@ -61,7 +61,14 @@ from devicekit._devices import DeviceLike, resolve_device, streams_to
 from devicekit._kinds import Leaf, leaf_how
 from devicekit._manager import current_device
 from devicekit._packing import PACK_MAX_BYTES
-from devicekit._stats import CopyTimer, EpochRecorder, LoaderStats, Setup, machine_cpus
+from devicekit._stats import (
+    CopyTimer,
+    EpochRecorder,
+    LoaderStats,
+    Setup,
+    dataloader_counts,
+    machine_cpus,
+)
 from devicekit._transfer import NonBlocking, in_line_mover, to_device
 from devicekit._tree import map_leaves
 
@@ -593,7 +600,7 @@ class DeviceDataLoader(Generic[B]):
         )
         if self._prefetch == 0:
             make_prefetcher = None
-        record = self._record = EpochRecorder(self._setup(ahead=make_prefetcher is not None))
+        record = EpochRecorder(self._setup(ahead=make_prefetcher is not None))
         if make_prefetcher is None:
             return self._measured(self._batches(), record, self._in_line(device))
         prefetcher = self._prefetchers.get(device)
@@ -604,6 +611,7 @@ class DeviceDataLoader(Generic[B]):
     def _setup(self, *, ahead: bool) -> Setup:
         loader = self.loader
         dataloader = isinstance(loader, torch.utils.data.DataLoader)
+        batch_size, epoch_samples = dataloader_counts(loader)
         return Setup(
             source=type(loader).__name__ if isinstance(loader, Iterable) else "function",
             num_workers=loader.num_workers if dataloader else None,  # type: ignore[union-attr]
@@ -611,6 +619,8 @@ class DeviceDataLoader(Generic[B]):
             pinned=bool(getattr(loader, "pin_memory", False)) or (ahead and self._pins()),
             accelerator=ahead,
             cpus=machine_cpus(),
+            batch_size=batch_size,
+            epoch_samples=epoch_samples,
         )
 
     def _measured(
@@ -646,9 +656,13 @@ class DeviceDataLoader(Generic[B]):
                 got = clock()
                 if batch is _END:
                     record.finished = True
+                    self._record = record
                     return
                 waits.append(got - asked)
                 count(batch)
+                # The stats are the epoch's that handed over the latest batch: a peek
+                # (next(iter(loader))) inside a loop has them for one batch, not for good.
+                self._record = record
                 yield batch
                 del batch  # not held while the next one is fetched
                 asked = clock()

@@ -24,8 +24,8 @@ from typing import Any, Final, NamedTuple
 import torch
 
 from devicekit import _kinds
-from devicekit._kinds import DICT, LIST, MOVE, TUPLE
-from devicekit._tree import first_leaf
+from devicekit._kinds import READ
+from devicekit._tree import flatten
 
 _Tensor = torch.Tensor  # one global lookup a batch instead of two
 
@@ -63,8 +63,11 @@ class LoaderStats:
     batches: int = 0
     """Batches handed over to the loop."""
     samples: int | None = 0
-    """Their samples, read from the first dimension of each batch's first tensor; None
-    where a batch's first leaf is no tensor with a first dimension."""
+    """Their samples. From a DataLoader's ``batch_size`` over a dataset of known length
+    (its last batch as short as it is); else from each batch's tensors, as the type
+    table sees them: the largest first dimension at least two of them share (else the
+    largest), or the length of a list of per-sample tensors where that is larger. None
+    where a batch holds no tensor to tell."""
     wait_s: float = 0.0
     step_s: float = 0.0
     elapsed_s: float = 0.0
@@ -73,12 +76,14 @@ class LoaderStats:
     copy_s: float | None = None
     """Time the device spent copying batches in (events on the side stream); None where
     batches are not copied ahead on an accelerator, or no copy's time is known yet."""
-    wait_per_batch: tuple[float, ...] = ()
-    step_per_batch: tuple[float, ...] = ()
+    wait_per_batch: tuple[float, ...] = dataclasses.field(default=(), repr=False)
+    """The latest :data:`PER_BATCH_KEPT` batches' waits (the sums cover every batch)."""
+    step_per_batch: tuple[float, ...] = dataclasses.field(default=(), repr=False)
     """One step per batch whose next batch was asked for, so an epoch left early lacks
-    its last step."""
-    copy_per_batch: tuple[float, ...] | None = None
-    """The copies whose time is known, in order; None as ``copy_s``."""
+    its last step; the latest :data:`PER_BATCH_KEPT`."""
+    copy_per_batch: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
+    """The copies whose time is known, in order, the latest :data:`PER_BATCH_KEPT`; None
+    as ``copy_s``."""
     finished: bool = False
     """Whether the epoch ran to its end; False while it runs, or when it was left early."""
     verdict: str = "No batch has been handed over yet: nothing to judge."
@@ -86,7 +91,7 @@ class LoaderStats:
 
 
 class Setup(NamedTuple):
-    """What the loader knows of how its batches are made, for :func:`verdict`."""
+    """What the loader knows of how its batches are made, for :func:`verdict` and counting."""
 
     source: str  # "DataLoader", or the type of what else is wrapped
     num_workers: int | None  # None: not a DataLoader
@@ -94,6 +99,21 @@ class Setup(NamedTuple):
     pinned: bool  # by the DataLoader or by devicekit
     accelerator: bool  # batches copied ahead on a side stream
     cpus: int
+    batch_size: int | None = None  # a DataLoader's, over a dataset of known length
+    epoch_samples: int | None = None  # what its sampler yields an epoch, its last batch kept
+
+
+def dataloader_counts(loader: object) -> tuple[int | None, int | None]:
+    """``batch_size`` and ``epoch_samples`` of :class:`Setup`, where ``loader`` tells them."""
+    batch_size = getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(loader, torch.utils.data.DataLoader) or not isinstance(batch_size, int):
+        return None, None
+    try:
+        length = len(sampler)  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset's: no length, so the last batch is unknown
+        return None, None
+    return batch_size, None if loader.drop_last else length
 
 
 def machine_cpus() -> int:
@@ -106,7 +126,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
-def verdict(stats: LoaderStats, setup: Setup) -> str:
+def verdict(stats: LoaderStats, setup: Setup, *, first_wait: float | None = None) -> str:
     """Which side the loop is bound by, from ``stats``, and what ``setup`` suggests changing.
 
     >>> stats = LoaderStats(batches=10, wait_s=0.8, step_s=1.2, elapsed_s=2.0,
@@ -129,14 +149,19 @@ def verdict(stats: LoaderStats, setup: Setup) -> str:
     if share < COMPUTE_BOUND:
         return f"{head}: it is compute-bound, so faster input would not make it faster."
     if share >= INPUT_BOUND:
-        return f"{head}: it is input-bound. {_advice(stats, setup)}"
-    return f"{head}: faster input could save up to {share:.0%} of it. {_advice(stats, setup)}"
+        return f"{head}: it is input-bound. {_advice(stats, setup, first_wait)}"
+    advice = _advice(stats, setup, first_wait)
+    return f"{head}: faster input could save up to {share:.0%} of it. {advice}"
 
 
-def _advice(stats: LoaderStats, setup: Setup) -> str:
-    """What to change for an input-bound epoch, from the first cause the figures show."""
+def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -> str:
+    """What to change for an input-bound epoch, from the first cause the figures show.
+
+    ``first_wait`` is the first batch's, where the per-batch figures no longer hold it.
+    """
     waits, workers = stats.wait_per_batch, setup.num_workers
-    if len(waits) >= 3 and waits[0] >= _FIRST_BATCH * stats.wait_s:
+    first = first_wait if first_wait is not None else waits[0] if waits else 0.0
+    if stats.batches >= 3 and first >= _FIRST_BATCH * stats.wait_s:
         if workers and not setup.persistent_workers:
             return (
                 f"Most of it was the first batch, while the DataLoader's {workers} workers "
@@ -179,10 +204,30 @@ def _advice(stats: LoaderStats, setup: Setup) -> str:
     )
 
 
+PER_BATCH_KEPT: Final = 10_000
+"""Batches whose times the per-batch tuples keep, the latest; the sums cover every batch."""
+
+Probe = Callable[[Any], "int | None"]
+"""Reads a batch's samples the way its epoch's first batch was found to hold them."""
+
+
 class EpochRecorder:
     """The figures of one epoch as it runs; the training thread alone writes them."""
 
-    __slots__ = ("copies", "finished", "samples", "setup", "steps", "timers", "waits")
+    __slots__ = (
+        "copies",
+        "count",
+        "earlier",
+        "finished",
+        "first_wait",
+        "folded",
+        "probe",
+        "samples",
+        "setup",
+        "steps",
+        "timers",
+        "waits",
+    )
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
@@ -192,29 +237,50 @@ class EpochRecorder:
         self.copies: list[float] | None = [] if setup.accelerator else None
         self.timers: list[CopyTimer] = []  # copies handed over, time not read yet
         self.finished = False
+        self.probe: Probe | None = None
+        # Folded away past PER_BATCH_KEPT: the sums of waits, steps and copies, and the
+        # batches whose waits they were.
+        self.earlier = [0.0, 0.0, 0.0]
+        self.folded = 0
+        self.first_wait: float | None = None
+        # Called for each batch handed over: a DataLoader's batch_size tells the samples
+        # from the batch count alone, and only the figures' bound is kept there.
+        self.count: Callable[[Any], None] = (
+            self._keep_bounded if setup.batch_size is not None else self._count
+        )
 
-    def count(self, batch: Any) -> None:
-        """Count the samples of a batch: the first dimension of its first leaf, a tensor."""
+    def _keep_bounded(self, batch: Any) -> None:
+        if len(self.waits) >= 2 * PER_BATCH_KEPT:
+            self._fold()
+
+    def _count(self, batch: Any) -> None:
+        """Count a batch's samples, through the probe the epoch's first batch gave."""
+        if len(self.waits) >= 2 * PER_BATCH_KEPT:
+            self._fold()
         if self.samples is None:
             return
-        # The batch's own first child is looked up here, as the table has its type: a
-        # (images, labels) pair or a dict of tensors then needs no first_leaf, whose
-        # walk would make counting cost 1.0 us a batch instead of 0.6 (an eighth of
-        # moving a small batch to the CPU).
-        node = _kinds._views[MOVE].get(type(batch))  # as _tree reads it: no call
-        if node is DICT:
-            leaf = next(iter(batch.values()), None)
-        elif (node is LIST or node is TUPLE) and batch:
-            leaf = batch[0]
-        else:
-            leaf = batch
-        if type(leaf) is not _Tensor:
-            leaf = first_leaf(leaf)
-            if not isinstance(leaf, torch.Tensor):
+        number = None
+        if self.probe is not None:
+            try:
+                number = self.probe(batch)
+            except (LookupError, TypeError, AttributeError):  # another structure: look again
+                number = None
+        if number is None:
+            number, self.probe = samples_in(batch)
+            if number is None:
                 self.samples = None
                 return
-        shape = leaf.shape
-        self.samples = self.samples + shape[0] if shape else None
+        self.samples += number
+
+    def _fold(self) -> None:
+        """Keep the latest PER_BATCH_KEPT figures; sum the older ones into ``earlier``."""
+        if self.first_wait is None and self.waits:
+            self.first_wait = self.waits[0]
+        self.folded += max(0, len(self.waits) - PER_BATCH_KEPT)
+        for slot, values in enumerate((self.waits, self.steps, self.copies)):
+            if values is not None and len(values) > PER_BATCH_KEPT:
+                self.earlier[slot] += sum(values[:-PER_BATCH_KEPT])
+                del values[:-PER_BATCH_KEPT]
 
     def read_copies(self, *, wait: bool = False) -> None:
         """Take the times of the copies that have finished, in order; with ``wait``, all."""
@@ -227,21 +293,108 @@ class EpochRecorder:
 
     def snapshot(self) -> LoaderStats:
         """The figures so far, with their verdict."""
-        wait_s, step_s = sum(self.waits), sum(self.steps)
+        earlier_waits, earlier_steps, copied = self.earlier
+        wait_s = earlier_waits + sum(self.waits)
+        step_s = earlier_steps + sum(self.steps)
         elapsed = wait_s + step_s
+        batches = self.folded + len(self.waits)
+        samples = self.samples
+        if self.setup.batch_size is not None:
+            samples = batches * self.setup.batch_size
+            if self.setup.epoch_samples is not None:
+                samples = min(samples, self.setup.epoch_samples)
         # No copy time known (none finished yet, or a seam that cannot time) is None, never 0.
-        copies = tuple(self.copies) if self.copies else None
+        copies = tuple(self.copies[-PER_BATCH_KEPT:]) if self.copies else None
         stats = LoaderStats(
-            batches=len(self.waits),
-            samples=self.samples,
+            batches=batches,
+            samples=samples,
             wait_s=wait_s,
             step_s=step_s,
             elapsed_s=elapsed,
             wait_fraction=wait_s / elapsed if elapsed > 0 else 0.0,
-            copy_s=None if copies is None else sum(copies),
-            wait_per_batch=tuple(self.waits),
-            step_per_batch=tuple(self.steps),
+            copy_s=None if copies is None and not copied else copied + sum(self.copies or ()),
+            wait_per_batch=tuple(self.waits[-PER_BATCH_KEPT:]),
+            step_per_batch=tuple(self.steps[-PER_BATCH_KEPT:]),
             copy_per_batch=copies,
             finished=self.finished,
         )
-        return dataclasses.replace(stats, verdict=verdict(stats, self.setup))
+        said = verdict(stats, self.setup, first_wait=self.first_wait)
+        return dataclasses.replace(stats, verdict=said)
+
+
+def _per_sample(value: Any) -> bool:
+    """Whether ``value`` is a list or tuple of per-sample tensors (images of any size)."""
+    return (
+        type(value) in (list, tuple)
+        and len(value) >= 2
+        and all(type(item) is _Tensor for item in value)
+        and len({item.dim() for item in value}) == 1
+    )
+
+
+def samples_in(batch: Any) -> tuple[int | None, Probe | None]:
+    """A batch's samples, and a probe that reads them from batches of its structure.
+
+    From its tensors as the type table sees them (the READ view, which also looks inside
+    objects that move themselves): the largest first dimension at least two share, else
+    the largest; or the length of a list of per-sample tensors, where that is larger.
+    The probe reads one top-level entry (a key or an index) of the batch; None where the
+    count comes from deeper, and each batch is then looked at whole.
+    """
+    if type(batch) is _Tensor:
+        return (batch.shape[0], _first_dimension) if batch.dim() else (None, None)
+    node = _kinds.decide(type(batch)).read
+    if not isinstance(node, _kinds.Node):
+        return None, None
+    if node.mapping:
+        entries: list[tuple[Any, Any]] = list(_kinds.mapping_items(batch))
+    elif node is _kinds.LIST or node is _kinds.TUPLE:
+        entries = list(enumerate(batch))
+    else:
+        entries = [(None, child) for child in node.children(batch)]  # no probe reaches them
+    firsts: list[tuple[int, Any]] = []  # (a first dimension, the entry it is read from)
+    lengths: list[tuple[int, Any]] = []  # (a per-sample list's length, its entry)
+    if (node is _kinds.LIST or node is _kinds.TUPLE) and _per_sample(batch):
+        lengths.append((len(batch), _WHOLE))
+    for key, child in entries:
+        if _per_sample(child):
+            lengths.append((len(child), key))
+        tensors = [
+            leaf
+            for leaf in flatten(child, view=READ).leaves
+            if isinstance(leaf, _Tensor) and leaf.dim()
+        ]
+        firsts += [(tensor.shape[0], key if tensor is child else None) for tensor in tensors]
+    dims = [dim for dim, _ in firsts]
+    shared = [dim for dim in set(dims) if dims.count(dim) >= 2]
+    found = max(shared or dims, default=None)
+    longest = max((length for length, _ in lengths), default=None)
+    if longest is not None and (found is None or longest > found):
+        key = next(key for length, key in lengths if length == longest)
+        return longest, _length_probe(key)
+    if found is None:
+        return None, None
+    key = next((key for dim, key in firsts if dim == found and key is not None), None)
+    return found, None if key is None else _entry_probe(key)
+
+
+_WHOLE: Final = object()  # the batch itself, as a per-sample list
+
+
+def _first_dimension(batch: Any) -> int | None:
+    return batch.shape[0] if type(batch) is _Tensor and batch.dim() else None
+
+
+def _entry_probe(key: Any) -> Probe:
+    def probe(batch: Any) -> int | None:
+        return _first_dimension(batch[key])
+
+    return probe
+
+
+def _length_probe(key: Any) -> Probe:
+    def probe(batch: Any) -> int | None:
+        value = batch if key is _WHOLE else batch[key]
+        return len(value) if _per_sample(value) else None
+
+    return probe

@@ -284,3 +284,22 @@ def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
         assert type(pinned["batch"]) is type(batch)
         assert pinned["batch"] is not batch
     assert batches["graph"].x is graph_features  # pinned on a copy: the input is unchanged
+
+
+def test_samples_of_tensordict_and_graph_batches_are_counted() -> None:
+    tensordict = _require("tensordict")
+    geometric = _require("torch_geometric.data")
+    loader_module = _require("torch_geometric.loader")
+    batches = [tensordict.TensorDict({"x": torch.ones(4, 3)}, batch_size=[4])] * 3
+    loader = dk.DeviceDataLoader(batches, CPU)
+    for _batch in loader:
+        pass
+    assert loader.stats.samples == 12
+    graphs = [
+        geometric.Data(x=torch.ones(3, 2), edge_index=torch.tensor([[0, 1], [1, 2]]))
+        for _ in range(10)
+    ]
+    loader = dk.DeviceDataLoader(loader_module.DataLoader(graphs, batch_size=4), CPU)
+    for _batch in loader:
+        pass
+    assert loader.stats.samples == 10  # graphs: the DataLoader's batch_size, the last short

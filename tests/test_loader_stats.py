@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import devicekit as dk
 from devicekit import _loader
-from devicekit._stats import LoaderStats, Setup, verdict
+from devicekit._stats import PER_BATCH_KEPT, LoaderStats, Setup, verdict
 
 META = torch.device("meta")
 SOURCE_S, STEP_S = 0.030, 0.005  # input-bound: the loop waits 30 of every 35 ms
@@ -131,11 +131,18 @@ def test_the_running_epoch_is_read_as_it_runs() -> None:
     seen = [(loader.stats.batches, loader.stats.finished) for _batch in loader]
     assert seen == [(1, False), (2, False), (3, False), (4, False), (5, False)]
     assert loader.stats.finished
-    # A new epoch starts from nothing.
+    # A new epoch takes the stats over with its first batch: a peek (next(iter(loader)))
+    # inside a loop has them for that batch only, then the loop's epoch again.
     epoch = iter(loader)
-    assert loader.stats.batches == 0
+    assert (loader.stats.batches, loader.stats.finished) == (5, True)
     next(epoch)
     assert loader.stats.batches == 1
+    seen = []
+    for _batch in loader:
+        next(iter(loader))  # a peek
+        seen.append(loader.stats.batches)
+    assert seen == [1, 1, 1, 1, 1]  # the peek's, one batch
+    assert (loader.stats.batches, loader.stats.finished) == (5, True)  # the loop's epoch
 
 
 class Timed:
@@ -233,7 +240,8 @@ def test_what_the_verdict_knows_is_read_from_the_dataloader() -> None:
     inner = DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=2)
     loader = dk.DeviceDataLoader(inner, "cpu")
     assert loader.stats.verdict == LoaderStats.verdict
-    assert loader._setup(ahead=False) == Setup("DataLoader", 0, False, False, False, 16)
+    setup = Setup("DataLoader", 0, False, False, False, 16, batch_size=2, epoch_samples=8)
+    assert loader._setup(ahead=False) == setup
 
 
 # Each piece of advice, from the figures that call for it.
@@ -372,3 +380,68 @@ def test_samples_are_counted_as_the_type_table_sees_a_batch() -> None:
     for _batch in again:
         pass
     assert again.stats.samples == 8
+
+
+# Samples, as a person counts them.
+
+
+def _samples(source: Any) -> int | None:
+    loader = dk.DeviceDataLoader(source, "cpu")
+    for _batch in loader:
+        pass
+    return loader.stats.samples
+
+
+IMAGE = torch.zeros(3, 5, 5)
+
+
+@pytest.mark.parametrize(
+    ("source", "samples"),
+    [
+        ([[IMAGE] * 8 for _ in range(8)], 64),  # lists of per-sample images
+        ([[IMAGE, torch.zeros(3, 7, 6)] * 4 for _ in range(8)], 64),  # of varied sizes
+        (DataLoader([IMAGE] * 64, batch_size=8, collate_fn=list), 64),
+        ([{"step": torch.tensor([5]), "x": torch.zeros(8, 2), "y": torch.zeros(8)}] * 3, 24),
+        ([{"ids": ["a"] * 8, "x": torch.zeros(8, 2)}] * 3, 24),
+        ([(torch.zeros(4, 3), torch.zeros(4, 3))] * 5, 20),  # a pair of one shape
+        (DataLoader(TensorDataset(torch.zeros(10, 3)), batch_size=4), 10),  # 4, 4, 2
+        (DataLoader(TensorDataset(torch.zeros(10, 3)), batch_size=4, drop_last=True), 8),
+        ([[torch.zeros(4)]] * 2, 8),
+        ([{"text": ["a", "b"]}] * 2, None),  # no tensor: nothing to count
+    ],
+    ids=[
+        "image-lists",
+        "ragged-images",
+        "list-collate",
+        "bookkeeping-first",
+        "strings-first",
+        "same-shape-pair",
+        "last-batch-short",
+        "drop-last",
+        "one-tensor",
+        "no-tensor",
+    ],
+)
+def test_samples_are_counted_as_a_person_counts_them(source: Any, samples: int | None) -> None:
+    assert _samples(source) == samples
+
+
+def test_a_packed_sequence_batch_counts_its_sequences() -> None:
+    packed = torch.nn.utils.rnn.pack_sequence(
+        [torch.zeros(3, 2), torch.zeros(2, 2), torch.zeros(4, 2)], enforce_sorted=False
+    )
+    assert _samples([packed] * 2) == 6
+
+
+def test_per_batch_figures_are_bounded_and_the_sums_cover_every_batch() -> None:
+    count = 2 * PER_BATCH_KEPT + 500
+    loader = dk.DeviceDataLoader(range(count), "cpu")  # ints: nothing to count, or move
+    for _batch in loader:
+        pass
+    stats = loader.stats
+    assert stats.batches == count
+    assert len(stats.wait_per_batch) == len(stats.step_per_batch) == PER_BATCH_KEPT
+    assert stats.wait_s >= sum(stats.wait_per_batch)
+    assert stats.elapsed_s == pytest.approx(stats.wait_s + stats.step_s)
+    assert len(repr(stats)) < 500  # no per-batch floats in it
+    assert "wait_per_batch" not in repr(stats)
