@@ -773,7 +773,11 @@ class DeviceManager:
         looked = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
         why = why or f"no {looked} device is usable"
         if self._waiting:
-            raise _NotYet(why)
+            # Waiting frees a busy or claimed device; it never makes one appear (a
+            # PyTorch without CUDA, a machine without GPUs): there, give up at once.
+            if any(self._family(name) for name in wanted):
+                raise _NotYet(why)
+            why += " (none is visible, so wait= has nothing to wait for)"
         if self._waited is not None:
             why += f" after waiting {_duration(self._waited)}"
         reasons = " ".join(self._passed_over())

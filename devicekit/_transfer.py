@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy as copy_module
 import functools
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal, NamedTuple, TypeAlias, TypeVar
 
 import torch
@@ -19,7 +19,7 @@ import torch
 from devicekit import _compat, _packing, _tree
 from devicekit._devices import DeviceLike, resolve_device
 from devicekit._errors import DeviceKitError, DeviceUnavailableError, LeafError, TransferError
-from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how
+from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how, mapping_items
 from devicekit._manager import current_device
 
 T = TypeVar("T")
@@ -279,10 +279,16 @@ class _Call:
     options, and objects moved by rules, ``.to()`` or in place, always use the memo.
     """
 
-    __slots__ = ("key", "memo", "notes", "plan", "waits")
+    __slots__ = ("key", "memo", "notes", "plan", "skip", "waits")
 
-    def __init__(self, plan: _Plan, notes: list[int], memo: dict[Any, Any] | None = None) -> None:
-        self.plan, self.notes = plan, notes
+    def __init__(
+        self,
+        plan: _Plan,
+        notes: list[int],
+        memo: dict[Any, Any] | None = None,
+        skip: frozenset[Hashable] | None = None,
+    ) -> None:
+        self.plan, self.notes, self.skip = plan, notes, skip
         self.memo: dict[Any, Any] = {} if memo is None else memo  # key -> what it became
         # By id, which any object has; in a compiled region by the tensor itself (see
         # _traced_mover), where only tensors reach the memo.
@@ -576,11 +582,47 @@ def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
     plan = call.plan
     told = {"non_blocking": True} if takes_non_blocking and plan.told else {}
     moved = _checked(clone.to(plan.device, **told), obj, f"{name}.to()", expected=type(obj))
-    if plan.plain:
-        return moved
-    # Tensors stay where the .to() left them (a PackedSequence's batch_sizes, on the
-    # host); errors inside are named at the object's path, which the outer walk knows.
-    return _tree.map_leaves(_restyle, moved, call, view=CAST, root=None)
+    if not plan.plain:
+        # Tensors stay where the .to() left them (a PackedSequence's batch_sizes, on the
+        # host); errors inside are named at the object's path, which the outer walk knows.
+        moved = _tree.map_leaves(_restyle, moved, call, view=CAST, root=None)
+    if call.skip is not None and isinstance(obj, Mapping):
+        _keep_skipped(obj, moved, call.skip)
+    return moved
+
+
+def _keep_skipped(original: Mapping[Any, Any], moved: Any, skip: frozenset[Hashable]) -> bool:
+    """Put back what ``skip_keys`` names in a mapping that moved itself (a TensorDict).
+
+    Its own ``.to()`` moved everything it holds: the values under skipped keys, at any
+    depth, are set back as they were. A TensorDict with a device would move them again,
+    so it gives up its device first (``clear_device_()``), as one holding several
+    devices has none. Returns whether anything was put back.
+    """
+    kept = False
+    for key, value in mapping_items(original):
+        if isinstance(key, Hashable) and key in skip:
+            moved[key] = value
+            if moved[key] is not value and callable(getattr(moved, "clear_device_", None)):
+                moved.clear_device_()
+                moved[key] = value
+            if moved[key] is not value:
+                msg = (
+                    f"Cannot keep {{path}}[{key!r}] as it is: the {type(moved).__name__} "
+                    "moves every value set in it to its device. Move it out of the batch "
+                    "before to_device instead of naming it in skip_keys."
+                )
+                raise LeafError(msg)
+            kept = True
+        elif isinstance(value, Mapping) and _keep_skipped(value, moved[key], skip):
+            kept = True
+    if (
+        kept
+        and getattr(moved, "device", None) is not None
+        and callable(getattr(moved, "clear_device_", None))
+    ):
+        moved.clear_device_()  # it holds values on several devices now
+    return kept
 
 
 def _restyle(obj: Any, call: _Call) -> Any:
@@ -748,7 +790,7 @@ def in_line_mover(device: torch.device) -> Callable[[Any], Any]:
 
 def _run(plan: _Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any:
     """The call's one crossing into the engine, made again where a tensor repeats."""
-    call = _Call(plan, [])
+    call = _Call(plan, [], skip=skip)
     while True:
         if plan.packs:
             moved = _tree.map_flat(plan.move_all, data, call, skip=skip)
@@ -761,7 +803,7 @@ def _run(plan: _Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any
         notes = call.notes
         if not notes or len(set(notes)) == len(notes):
             break
-        call = _Call(plan, _REMEMBER, call.memo)  # a tensor found twice: see _Call
+        call = _Call(plan, _REMEMBER, call.memo, skip)  # a tensor found twice: see _Call
     if call.waits:
         call.finish()
     return moved

@@ -303,3 +303,21 @@ def test_samples_of_tensordict_and_graph_batches_are_counted() -> None:
     for _batch in loader:
         pass
     assert loader.stats.samples == 10  # graphs: the DataLoader's batch_size, the last short
+
+
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["no-device", "with-device"])
+def test_skip_keys_reach_inside_a_tensordict_at_any_depth(device: str | None) -> None:
+    tensordict = _require("tensordict")
+    raw, inner_raw = torch.ones(2), torch.zeros(2)
+    inner = tensordict.TensorDict({"raw": inner_raw, "y": torch.ones(2)}, batch_size=[2])
+    batch = tensordict.TensorDict(
+        {"x": torch.ones(2), "raw": raw, "inner": inner}, batch_size=[2], device=device
+    )
+    moved = dk.to_device({"batch": batch}, META, skip_keys="raw")["batch"]
+    assert moved["raw"] is raw
+    assert moved["inner", "raw"] is inner_raw
+    assert moved["x"].device == META
+    assert moved["inner", "y"].device == META
+    assert moved.device is None  # it holds values on two devices now
+    assert batch.device == (None if device is None else CPU)  # the input is unchanged
+    assert batch["x"].device == CPU

@@ -223,6 +223,29 @@ def test_a_wait_that_times_out_falls_back_with_the_reason(
     )
 
 
+@pytest.mark.parametrize(
+    "backends",
+    [
+        [FakeGpus((), note="this PyTorch build has no CUDA support"), CpuBackend()],
+        [CpuBackend()],
+    ],
+    ids=["build-without-cuda", "no-backend"],
+)
+def test_no_wait_for_a_device_family_that_cannot_appear(
+    monkeypatch: pytest.MonkeyPatch, backends: list[object]
+) -> None:
+    # Waiting frees busy or claimed GPUs; a build or machine without any has nothing to
+    # wait for: two hours of it, on a PyTorch without CUDA, would be two hours lost.
+    clock = FakeClock(monkeypatch)
+    manager = dk.DeviceManager(wait="2h", backends=backends)
+    assert manager.device == CPU
+    assert clock.sleeps == []
+    assert "wait= has nothing to wait for" in manager.reason
+    with pytest.raises(dk.DeviceUnavailableError, match="wait= has nothing to wait for"):
+        dk.DeviceManager(wait="2h", fallback="error", backends=backends)
+    assert clock.sleeps == []
+
+
 def test_no_wait_when_a_gpu_qualifies_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock(monkeypatch)
     manager = dk.DeviceManager(wait="1h", backends=server()[1])
