@@ -16,11 +16,12 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import torch
 
 import devicekit
+from _devicekit_cli import parse
 from devicekit import _bench
 from devicekit._demo import train
 from devicekit._errors import DeviceKitError
@@ -187,16 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    parser, commands = _parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # under the command's own usage, where the option would have gone
-        where = commands.get(args.command, parser)
-        hint = (
-            " (to choose a GPU, pass --device cuda or --device cuda:1)"
-            if args.command == "demo" and any(a.lstrip("-") in ("gpu", "cuda") for a in unknown)
-            else ""
-        )
-        where.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return run_parsed(parse(argv))
+
+
+def run_parsed(args: argparse.Namespace) -> int:
+    """Run what :func:`_devicekit_cli.parse` read from the command line; see :func:`main`."""
     debug = args.debug or os.environ.get("DEVICEKIT_DEBUG", "") not in ("", "0")
     if sys.stdout is None:  # started with stdout closed (>&-): print() would drop it all
         print("devicekit: error: cannot write the output: stdout is closed.", file=sys.stderr)
@@ -235,60 +231,8 @@ def _drop_output() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
-def _epochs(text: str) -> int:
-    """``--epochs``: a whole number of 1 or more, reported under demo's own usage."""
-    try:
-        epochs = int(text)
-    except ValueError:
-        epochs = 0
-    if epochs < 1:
-        msg = f"expected a whole number of 1 or more, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return epochs
-
-
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
-
-
-_COMMANDS: Final = {
-    "info": "List the devices, the one selected, and why.",
-    "demo": "Train a small CNN on synthetic data through devicekit.",
-    "bench": "Measure devicekit's transfers on this machine.",
-}
-
-
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(
-        prog="devicekit", description="Device handling for PyTorch training loops."
-    )
-    parser.add_argument("--version", action="version", version=devicekit.__version__)
-    debug_help = "show the traceback of an error (DEVICEKIT_DEBUG=1)"
-    parser.add_argument("--debug", action="store_true", help=debug_help)
-    # --debug is taken after the command too; there its default leaves the global one be.
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    commands = {
-        name: subparsers.add_parser(
-            name, help=text[0].lower() + text[1:-1], description=text, parents=[common]
-        )
-        for name, text in _COMMANDS.items()
-    }
-    for name in ("info", "bench"):
-        commands[name].add_argument(
-            "--json", action="store_true", help="print a JSON report instead"
-        )
-    demo = commands["demo"]
-    demo.add_argument("--epochs", type=_epochs, default=3, help="passes over the data (default 3)")
-    demo.add_argument("--device", help="a device such as cuda:1 (default: devicekit's choice)")
-    demo.add_argument("--json", action="store_true", help="print a JSON report at the end only")
-    demo.add_argument(
-        "--slow-data",
-        action="store_true",
-        help="make each batch slow to load, to see an input-bound loop and its verdict",
-    )
-    return parser, commands
 
 
 def _run(args: argparse.Namespace, run: _Run) -> int:

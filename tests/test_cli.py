@@ -193,7 +193,7 @@ def test_ctrl_c_while_pytorch_imports_is_one_line(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delitem(sys.modules, "devicekit.cli")
     monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
     monkeypatch.delattr(devicekit, "cli")
-    assert _devicekit_cli.main() == 130
+    assert _devicekit_cli.main([]) == 130
 
 
 RUN_INFO = "sys.argv[1:] = ['info']; raise SystemExit(_devicekit_cli.main())"
@@ -303,3 +303,35 @@ def test_the_demo_s_json_has_each_epoch_s_verdict(capsys: pytest.CaptureFixture[
     (epoch,) = json.loads(capsys.readouterr().out)["epochs"]
     assert 0 <= epoch["wait_fraction"] <= 1
     assert epoch["verdict"].startswith("The loop waited for data ")
+
+
+def test_help_and_usage_errors_answer_before_pytorch_is_imported() -> None:
+    code = (
+        "import sys, _devicekit_cli\n"
+        "for argv in (['--help'], ['inf'], ['demo', '--gpu'], ['--version']):\n"
+        "    try:\n"
+        "        _devicekit_cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch' in sys.modules, 'devicekit' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert result.stdout.splitlines()[-1] == "False False"
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"), [("inf", "info"), ("dmeo", "demo"), ("bnech", "bench")]
+)
+def test_a_mistyped_command_gets_the_closest_one(
+    typed: str, meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main([typed])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error == (
+        f"devicekit: error: unknown command {typed!r}: did you mean {meant!r}? "
+        "(choose from 'info', 'demo', 'bench')"
+    )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import doctest
+import itertools
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,87 @@ def test_a_docstring_example_needs_nothing_but_its_own_imports(example: doctest.
     failures: list[str] = []
     runner.run(example, out=failures.append)
     assert runner.failures == 0, "".join(failures)
+
+
+# Each section of a page runs on its own after the page's introduction (the text before
+# its first section, where a page sets up what all its sections use): a reader who
+# jumps to a section and pastes it gets what the page shows.
+
+_SECTION = re.compile(r"^[^\n]+\n-{3,}\n", re.MULTILINE)
+_BLOCK = re.compile(
+    r"^\.\. (doctest|testcode)::[^\n]*\n((?:[ \t]+:[^\n]*\n)*)\n((?:(?:[ \t]+[^\n]*)?\n)+)",
+    re.MULTILINE,
+)
+
+
+def _pages() -> list[Path]:
+    return [
+        page
+        for page in sorted(DOCS.rglob("*.rst"))
+        if "_build" not in page.parts and "generated" not in page.parts
+    ]
+
+
+def _sections() -> list[tuple[str, str, str]]:
+    """(page and section number, introduction, section) for every section with code."""
+    found = []
+    for page in _pages():
+        text = page.read_text(encoding="utf-8")
+        starts = [match.start() for match in _SECTION.finditer(text)]
+        bounds = [0, *starts, len(text)]
+        parts = [text[a:b] for a, b in itertools.pairwise(bounds)]
+        found += [
+            (f"{page.relative_to(DOCS)}#{number}", parts[0], part)
+            for number, part in enumerate(parts[1:], 1)
+            if _BLOCK.search(part)
+        ]
+    return found
+
+
+def _run_blocks(text: str, name: str) -> list[str]:
+    """Run the doctest and testcode blocks of ``text`` in order, in one fresh namespace."""
+    globs: dict[str, object] = {"__name__": "__main__"}
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    runner = doctest.DocTestRunner(optionflags=flags)
+    failures: list[str] = []
+    for kind, options, body in _BLOCK.findall(text):
+        code = textwrap.dedent(body)
+        if kind == "testcode":
+            if ":hide:" not in options:  # a hidden one cleans up after the page
+                exec(compile(code, name, "exec"), globs)
+            continue
+        test = doctest.DocTestParser().get_doctest(code, globs, name, name, 0)
+        runner.run(test, out=failures.append, clear_globs=False)
+    return failures
+
+
+SECTIONS = _sections()
+
+
+def test_the_sections_were_found() -> None:
+    assert len(SECTIONS) > 40
+
+
+@pytest.mark.parametrize(("name", "intro", "section"), SECTIONS, ids=[s[0] for s in SECTIONS])
+def test_a_section_runs_on_its_own_after_its_page_s_introduction(
+    name: str, intro: str, section: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)  # what a page writes lands here
+    for variable in ("DEVICEKIT_DEVICE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DEVICEKIT_CLAIM_DIR"):
+        monkeypatch.delenv(variable, raising=False)
+    failures = _run_blocks(intro + section, name)
+    assert failures == [], "".join(failures)[-3000:]
+
+
+def test_every_block_of_code_pastes_into_the_interactive_interpreter() -> None:
+    # There a blank line ends an indented block: one inside a class or a function body
+    # breaks the paste (the next indented line is an IndentationError).
+    broken = []
+    for page in _pages():
+        for kind, _, body in _BLOCK.findall(page.read_text(encoding="utf-8")):
+            lines = textwrap.dedent(body).rstrip("\n").splitlines()
+            for number, line in enumerate(lines[:-1]):
+                following = next((later for later in lines[number + 1 :] if later.strip()), "")
+                if kind == "testcode" and not line.strip() and following[:1] in (" ", "\t"):
+                    broken.append(f"{page.relative_to(DOCS)}: before {following.strip()!r}")
+    assert broken == []

@@ -117,3 +117,10 @@ def test_every_install_in_the_readme_names_the_torch_version() -> None:
     for line in lines:
         if "pip install" in line:
             assert "torch==2.13.0" in line, line
+
+
+def test_the_quick_start_page_gives_the_readme_s_two_lines() -> None:
+    (block,) = re.findall(r"```console\n(.*?)```", _quick_start(), re.DOTALL)
+    page = (DOCS / "quickstart.rst").read_text()
+    for line in block.splitlines():
+        assert f"   $ {line}\n" in page

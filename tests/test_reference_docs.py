@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from devicekit import _manager, cli
+import _devicekit_cli
+from devicekit import _manager
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_PAGE = (ROOT / "docs" / "reference" / "cli.rst").read_text(encoding="utf-8")
@@ -30,14 +31,14 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def test_every_command_has_its_section() -> None:
-    commands = _commands(cli._parser()[0])
+    commands = _commands(_devicekit_cli.build_parser()[0])
     assert set(commands) == {"info", "demo", "bench"}  # the walk found them
     for name in commands:
         assert re.search(rf"^``{name}``\n-+$", CLI_PAGE, re.MULTILINE), name
 
 
 def test_every_option_of_every_command_is_described() -> None:
-    parser = cli._parser()[0]
+    parser = _devicekit_cli.build_parser()[0]
     wanted = {("devicekit", option) for option in _option_strings(parser)}
     wanted |= {
         (name, option)
