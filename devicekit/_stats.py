@@ -77,12 +77,12 @@ class LoaderStats:
     """Time the device spent copying batches in (events on the side stream); None where
     batches are not copied ahead on an accelerator, or no copy's time is known yet."""
     wait_per_batch: tuple[float, ...] = dataclasses.field(default=(), repr=False)
-    """The latest :data:`PER_BATCH_KEPT` batches' waits (the sums cover every batch)."""
+    """The latest 10,000 batches' waits (the sums cover every batch)."""
     step_per_batch: tuple[float, ...] = dataclasses.field(default=(), repr=False)
     """One step per batch whose next batch was asked for, so an epoch left early lacks
-    its last step; the latest :data:`PER_BATCH_KEPT`."""
+    its last step; the latest 10,000."""
     copy_per_batch: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
-    """The copies whose time is known, in order, the latest :data:`PER_BATCH_KEPT`; None
+    """The copies whose time is known, in order, the latest 10,000; None
     as ``copy_s``."""
     finished: bool = False
     """Whether the epoch ran to its end; False while it runs, or when it was left early."""

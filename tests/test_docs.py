@@ -109,6 +109,7 @@ def _run_blocks(text: str, name: str) -> list[str]:
                 exec(compile(code, name, "exec"), globs)
             continue
         test = doctest.DocTestParser().get_doctest(code, globs, name, name, 0)
+        test.globs = globs  # not the copy a DocTest makes: the blocks share one namespace
         runner.run(test, out=failures.append, clear_globs=False)
     return failures
 
