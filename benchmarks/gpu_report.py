@@ -84,6 +84,7 @@ BUDGET_S: dict[str, float] = {
     "bandwidth": 30,
     "overlap": 55,
     "loops": 110,
+    "compiled": 60,
 }
 TEST_RUNS_S = (130, 60)
 
@@ -758,6 +759,49 @@ def training_loops(setting: Setting) -> list[str]:
 # The report.
 
 
+def compiled(setting: Setting) -> list[str]:
+    """to_device inside torch.compile (inductor on a GPU): one compile for fresh batches."""
+    backend = "inductor" if setting.gpu else "eager"  # the smoke run has no compiler to spare
+    graphs: list[int] = []
+
+    def counting(graph: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        graphs.append(1)
+        if not setting.gpu:
+            return graph.forward
+        from torch._inductor.compile_fx import compile_fx  # GPU runs only: imported there
+
+        return compile_fx(graph, inputs)
+
+    device = setting.device
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        moved = dk.to_device(batch, device, dtype=torch.float16)
+        return (moved["x"] * 2).sum() + moved["y"].float().sum()
+
+    rows = []
+    for options in ({}, {"copy": True}):
+        graphs.clear()
+        torch._dynamo.reset()
+        compiled_step = torch.compile(
+            lambda b, o=options: step(b) if not o else dk.to_device(b, device, **o)["x"].sum(),
+            fullgraph=True,
+            backend=counting,
+        )
+        start = time.perf_counter()
+        for _ in range(12):  # fresh batches, as a DataLoader makes them
+            batch = {"x": torch.randn(64, 128), "y": torch.randint(0, 10, (64,))}
+            compiled_step(batch)
+        setting.sync()
+        seconds = time.perf_counter() - start
+        rows.append([repr(options) or "{}", str(len(graphs)), f"{seconds:.2f}"])
+    return [
+        f"## Inside torch.compile ({backend}, fullgraph=True, 12 fresh batches)",
+        "",
+        *table(["options", "compilations", "seconds"], rows),
+        "",
+    ]
+
+
 def _version(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -832,6 +876,7 @@ SECTIONS: dict[str, Callable[[Setting], list[str]]] = {
     "bandwidth": bandwidth,
     "overlap": overlap,
     "loops": training_loops,
+    "compiled": compiled,
 }
 
 
