@@ -116,6 +116,7 @@ class _Plan:
     """
 
     __slots__ = (
+        "call",
         "device",
         "move",
         "move_all",
@@ -131,6 +132,7 @@ class _Plan:
         simulated = device.type in _simulated
         to_accelerator = device.type not in _HOST or simulated
         self.device, self.options, self.pins, self.traced = device, options, not simulated, traced
+        self.call: type[_Call] = _TracedCall if traced else _Call
         self.plain = options.dtype is None and not options.copy and options.memory_format is None
         self.packs = (  # not in a compiled graph: its copies are the compiler's to plan
             not traced
@@ -279,7 +281,11 @@ class _Call:
     options, and objects moved by rules, ``.to()`` or in place, always use the memo.
     """
 
-    __slots__ = ("key", "memo", "notes", "plan", "skip", "waits")
+    __slots__ = ("memo", "notes", "plan", "skip", "waits")
+
+    # What the memo is keyed by: an id, which any object has. A class attribute, not one
+    # set per call: a call's setup is a tenth of a small batch's host time.
+    key: Callable[[Any], Any] = staticmethod(id)
 
     def __init__(
         self,
@@ -290,9 +296,6 @@ class _Call:
     ) -> None:
         self.plan, self.notes, self.skip = plan, notes, skip
         self.memo: dict[Any, Any] = {} if memo is None else memo  # key -> what it became
-        # By id, which any object has; in a compiled region by the tensor itself (see
-        # _traced_mover), where only tensors reach the memo.
-        self.key: Callable[[Any], Any] = _itself if plan.traced else id
         self.waits: set[torch.device] | None = None
 
     def tensor(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -399,6 +402,16 @@ class _Call:
             event = torch.Event(device=device)
             event.record(torch.accelerator.current_stream(device))
             event.synchronize()
+
+
+class _TracedCall(_Call):
+    """A call in a compiled region: its memo keyed by the tensors themselves.
+
+    Only tensors reach it there (see _traced_mover).
+    """
+
+    __slots__ = ()
+    key = staticmethod(_itself)
 
 
 def _pack(tensors: list[torch.Tensor], call: _Call) -> dict[int, torch.Tensor]:
@@ -790,7 +803,7 @@ def in_line_mover(device: torch.device) -> Callable[[Any], Any]:
 
 def _run(plan: _Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any:
     """The call's one crossing into the engine, made again where a tensor repeats."""
-    call = _Call(plan, [], skip=skip)
+    call = plan.call(plan, [], None, skip)
     while True:
         if plan.packs:
             moved = _tree.map_flat(plan.move_all, data, call, skip=skip)
@@ -803,7 +816,7 @@ def _run(plan: _Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any
         notes = call.notes
         if not notes or len(set(notes)) == len(notes):
             break
-        call = _Call(plan, _REMEMBER, call.memo, skip)  # a tensor found twice: see _Call
+        call = plan.call(plan, _REMEMBER, call.memo, skip)  # a tensor found twice: see _Call
     if call.waits:
         call.finish()
     return moved
