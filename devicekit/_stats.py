@@ -206,9 +206,9 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
 
 PER_BATCH_KEPT: Final = 10_000
 """Batches whose times the per-batch tuples keep, the latest; the sums cover every batch."""
-
-Probe = Callable[[Any], "int | None"]
-"""Reads a batch's samples the way its epoch's first batch was found to hold them."""
+_WHOLE: Final = object()  # where samples are read: the batch itself
+_NOWHERE: Final = object()  # no entry of the batch reads them: each batch looked at whole
+_FOLD_AT: Final = 2 * PER_BATCH_KEPT
 
 
 class EpochRecorder:
@@ -221,7 +221,8 @@ class EpochRecorder:
         "finished",
         "first_wait",
         "folded",
-        "probe",
+        "key",
+        "length",
         "samples",
         "setup",
         "steps",
@@ -237,7 +238,10 @@ class EpochRecorder:
         self.copies: list[float] | None = [] if setup.accelerator else None
         self.timers: list[CopyTimer] = []  # copies handed over, time not read yet
         self.finished = False
-        self.probe: Probe | None = None
+        # Where this epoch's batches hold their samples (see samples_in): the entry
+        # ``key`` of a batch (_WHOLE: the batch itself), its length or its first dimension.
+        self.key: Any = _NOWHERE
+        self.length = False
         # Folded away past PER_BATCH_KEPT: the sums of waits, steps and copies, and the
         # batches whose waits they were.
         self.earlier = [0.0, 0.0, 0.0]
@@ -250,27 +254,30 @@ class EpochRecorder:
         )
 
     def _keep_bounded(self, batch: Any) -> None:
-        if len(self.waits) >= 2 * PER_BATCH_KEPT:
+        if len(self.waits) >= _FOLD_AT:
             self._fold()
 
     def _count(self, batch: Any) -> None:
-        """Count a batch's samples, through the probe the epoch's first batch gave."""
-        if len(self.waits) >= 2 * PER_BATCH_KEPT:
+        """Count a batch's samples where the epoch's batches were found to hold them.
+
+        Read inline, not through a function per kind: a call would cost a tenth of
+        moving a small batch to the CPU (benchmarks/bench_loader.py).
+        """
+        if len(self.waits) >= _FOLD_AT:
             self._fold()
+        key = self.key
+        if key is not _NOWHERE:
+            try:
+                value = batch if key is _WHOLE else batch[key]
+                self.samples += len(value) if self.length else value.shape[0]  # type: ignore[operator]
+            except (LookupError, TypeError, AttributeError):  # another structure: look anew
+                pass
+            else:
+                return
         if self.samples is None:
             return
-        number = None
-        if self.probe is not None:
-            try:
-                number = self.probe(batch)
-            except (LookupError, TypeError, AttributeError):  # another structure: look again
-                number = None
-        if number is None:
-            number, self.probe = samples_in(batch)
-            if number is None:
-                self.samples = None
-                return
-        self.samples += number
+        number, self.key, self.length = samples_in(batch)
+        self.samples = None if number is None else self.samples + number
 
     def _fold(self) -> None:
         """Keep the latest PER_BATCH_KEPT figures; sum the older ones into ``earlier``."""
@@ -332,29 +339,31 @@ def _per_sample(value: Any) -> bool:
     )
 
 
-def samples_in(batch: Any) -> tuple[int | None, Probe | None]:
-    """A batch's samples, and a probe that reads them from batches of its structure.
+def samples_in(batch: Any) -> tuple[int | None, Any, bool]:
+    """A batch's samples, and where batches of its structure hold them.
 
     From its tensors as the type table sees them (the READ view, which also looks inside
     objects that move themselves): the largest first dimension at least two share, else
     the largest; or the length of a list of per-sample tensors, where that is larger.
-    The probe reads one top-level entry (a key or an index) of the batch; None where the
-    count comes from deeper, and each batch is then looked at whole.
+    Where: the batch's entry (a key or an index, :data:`_WHOLE` for the batch itself) and
+    whether its length counts, else its first dimension; :data:`_NOWHERE` where the count
+    comes from deeper, and each batch is then looked at whole.
     """
     if type(batch) is _Tensor:
-        return (batch.shape[0], _first_dimension) if batch.dim() else (None, None)
+        return (batch.shape[0], _WHOLE, False) if batch.dim() else (None, _NOWHERE, False)
     node = _kinds.decide(type(batch)).read
     if not isinstance(node, _kinds.Node):
-        return None, None
+        return None, _NOWHERE, False
+    sequence = node is _kinds.LIST or node is _kinds.TUPLE
     if node.mapping:
         entries: list[tuple[Any, Any]] = list(_kinds.mapping_items(batch))
-    elif node is _kinds.LIST or node is _kinds.TUPLE:
+    elif sequence:
         entries = list(enumerate(batch))
-    else:
-        entries = [(None, child) for child in node.children(batch)]  # no probe reaches them
+    else:  # a dataclass's fields, an object's contents: no entry to read them by
+        entries = [(_NOWHERE, child) for child in node.children(batch)]
     firsts: list[tuple[int, Any]] = []  # (a first dimension, the entry it is read from)
     lengths: list[tuple[int, Any]] = []  # (a per-sample list's length, its entry)
-    if (node is _kinds.LIST or node is _kinds.TUPLE) and _per_sample(batch):
+    if sequence and _per_sample(batch):
         lengths.append((len(batch), _WHOLE))
     for key, child in entries:
         if _per_sample(child):
@@ -364,37 +373,14 @@ def samples_in(batch: Any) -> tuple[int | None, Probe | None]:
             for leaf in flatten(child, view=READ).leaves
             if isinstance(leaf, _Tensor) and leaf.dim()
         ]
-        firsts += [(tensor.shape[0], key if tensor is child else None) for tensor in tensors]
+        firsts += [(tensor.shape[0], key if tensor is child else _NOWHERE) for tensor in tensors]
     dims = [dim for dim, _ in firsts]
     shared = [dim for dim in set(dims) if dims.count(dim) >= 2]
     found = max(shared or dims, default=None)
     longest = max((length for length, _ in lengths), default=None)
     if longest is not None and (found is None or longest > found):
-        key = next(key for length, key in lengths if length == longest)
-        return longest, _length_probe(key)
+        return longest, next(key for length, key in lengths if length == longest), True
     if found is None:
-        return None, None
-    key = next((key for dim, key in firsts if dim == found and key is not None), None)
-    return found, None if key is None else _entry_probe(key)
-
-
-_WHOLE: Final = object()  # the batch itself, as a per-sample list
-
-
-def _first_dimension(batch: Any) -> int | None:
-    return batch.shape[0] if type(batch) is _Tensor and batch.dim() else None
-
-
-def _entry_probe(key: Any) -> Probe:
-    def probe(batch: Any) -> int | None:
-        return _first_dimension(batch[key])
-
-    return probe
-
-
-def _length_probe(key: Any) -> Probe:
-    def probe(batch: Any) -> int | None:
-        value = batch if key is _WHOLE else batch[key]
-        return len(value) if _per_sample(value) else None
-
-    return probe
+        return None, _NOWHERE, False
+    key = next((key for dim, key in firsts if dim == found and key is not _NOWHERE), _NOWHERE)
+    return found, key, False
