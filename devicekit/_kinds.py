@@ -35,6 +35,7 @@ from typing import Any, Final, NamedTuple, TypeVar
 
 import torch
 
+from devicekit import _compat
 from devicekit._errors import LeafError
 
 TYPES_KEPT: Final = 1024
@@ -523,8 +524,9 @@ def _names_of(cls: type) -> tuple[str, str, str, Leaf | None]:
     return move, cast, read, decision.leaf
 
 
-_decision_names: Callable[[type], tuple[str, str, str, Leaf | None]] = (
-    torch.compiler.assume_constant_result(_names_of)  # type: ignore[no-untyped-call]
+# Run in Python while the compiler traces; marked without importing dynamo (see _compat).
+_decision_names: Callable[[type], tuple[str, str, str, Leaf | None]] = _compat.run_while_tracing(
+    _names_of
 )
 
 
