@@ -205,6 +205,27 @@ def no_tensors(repeat: int) -> list[str]:
     ]
 
 
+def skip_keys(device: torch.device, repeat: int) -> list[str]:
+    """A call with ``skip_keys`` against the same call without: target <= 1.5x."""
+    batch = {"input_ids": torch.ones(8, 4), "mask": torch.ones(8, 4), "raw": ["x"] * 8, "n": 3}
+    medians = race(
+        {
+            "plain": lambda: dk.to_device(batch, device),
+            "skip_keys": lambda: dk.to_device(batch, device, skip_keys="raw"),
+        },
+        repeat,
+        0.5,
+    )
+    ratio = medians["skip_keys"] / medians["plain"]
+    return [
+        f"\nskip_keys, a 4-key batch -> {device}",
+        (
+            f"plain {medians['plain']:8.2f} us   skip_keys {medians['skip_keys']:8.2f} us   "
+            f"({ratio:.2f}x; target <= 1.5)"
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -215,6 +236,7 @@ def main() -> None:
     rows = compare(torch.device("cpu"), "nothing to move (cpu -> cpu)", repeat, budget)
     rows += compare(torch.device("meta"), "real move (cpu -> meta)", repeat, budget)
     rows += no_tensors(repeat)
+    rows += skip_keys(torch.device("cpu"), repeat) + skip_keys(torch.device("meta"), repeat)
     if torch.cuda.is_available():
         cuda = torch.device("cuda", torch.cuda.current_device())
         rows += compare(cuda, f"real move (cpu -> {cuda})", repeat, budget)

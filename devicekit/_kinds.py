@@ -471,9 +471,20 @@ def _decide(cls: type) -> Decision:
 
 
 # The views, rebound (never cleared in place) when the registry changes: a walk that
-# began before the change reads one consistent set of decisions to its end.
+# began before the change reads one consistent set of decisions to its end. The
+# decisions themselves, and the views with keys skipped (skip_keys), go with them.
 _views: tuple[dict[type, Any], dict[type, Any], dict[type, Any]] = ({}, {}, {})
 _leaves: dict[type, tuple[Leaf | None, Any]] = {}
+_decisions: dict[type, Decision] = {}
+_skipping: dict[tuple[int, frozenset[Any]], tuple[dict[type, Any], Callable[[type], Any]]] = {}
+SKIP_SETS_KEPT: Final = 64
+"""Distinct skip_keys sets whose views the table keeps before it starts over."""
+
+
+def _start_over() -> None:
+    """Forget every decision (under the lock): the registry changed, or too many types."""
+    global _views, _leaves, _decisions, _skipping  # rebound, never cleared in place
+    _views, _leaves, _decisions, _skipping = ({}, {}, {}), {}, {}, {}
 
 
 def view(number: int) -> dict[type, Any]:
@@ -482,21 +493,68 @@ def view(number: int) -> dict[type, Any]:
 
 
 def decide(cls: type) -> Decision:
-    """Decide for ``cls`` from the registry, under its lock, recorded in every view."""
+    """The decision for ``cls``: looked up, or made once from the registry under its lock."""
     if torch.compiler.is_compiling():
         return _traced_decision(cls)
-    return _decided(cls)
+    try:
+        return _decisions[cls]
+    except KeyError:
+        return _decided(cls)
 
 
 def _decided(cls: type) -> Decision:
-    global _views, _leaves  # rebound, never cleared in place
     with _lock:
+        decision = _decisions.get(cls)
+        if decision is not None:  # decided by another thread while this one waited
+            return decision
         decision = _decide(cls)
         if len(_leaves) >= TYPES_KEPT:
-            _views, _leaves = ({}, {}, {}), {}
+            _start_over()
         _views[MOVE][cls], _views[CAST][cls], _views[READ][cls] = decision[:3]
         _leaves[cls] = decision.leaf, decision.detail
+        _decisions[cls] = decision
     return decision
+
+
+class Kept:
+    """A value under a skipped key, carried through a walk as an inert leaf."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def skipping_view(
+    number: int, skip: frozenset[Any]
+) -> tuple[dict[type, Any], Callable[[type], Any]]:
+    """A view whose mappings hand the values under ``skip`` over as :class:`Kept` leaves.
+
+    ``skip_keys`` is an override of the table, applied where a type is looked up: the
+    view and how it learns a type are made once per skip set, and kept with the
+    decisions they come from (a registry change starts them over too).
+    """
+    key = (number, skip)
+    found = _skipping.get(key)
+    if found is not None:
+        return found
+    nodes: dict[type, Any] = {Kept: INERT}
+
+    def learn(cls: type) -> Any:
+        node = nodes[cls] = decide(cls)[number]
+        if isinstance(node, Node) and node.mapping:
+            rebuild = node.rebuild
+            node = nodes[cls] = node._replace(
+                children=lambda c: [Kept(v) if k in skip else v for k, v in mapping_items(c)],
+                rebuild=lambda c, v: rebuild(c, [x.value if type(x) is Kept else x for x in v]),
+            )
+        return node
+
+    with _lock:
+        if len(_skipping) >= SKIP_SETS_KEPT:
+            _skipping.clear()  # skip sets made at run time must not pile up
+        _skipping[key] = nodes, learn
+    return nodes, learn
 
 
 def leaf_how(cls: type) -> tuple[Leaf | None, Any]:
@@ -608,7 +666,6 @@ def register_transfer(cls: type) -> Callable[[F], F]:
         raise TypeError(msg)
 
     def decorator(fn: F) -> F:
-        global _views, _leaves  # rebound, never cleared in place
         if not callable(fn):  # for callers without a type checker
             msg = (  # type: ignore[unreachable]
                 f"Expected a function fn(obj, device, **options) to register for "
@@ -625,7 +682,7 @@ def register_transfer(cls: type) -> Callable[[F], F]:
                 )
                 raise ValueError(msg)
             _rules[cls] = fn
-            _views, _leaves = ({}, {}, {}), {}
+            _start_over()
         return fn
 
     return decorator
@@ -643,10 +700,9 @@ def unregister_transfer(cls: type) -> None:
     Raises:
         KeyError: ``cls`` has no rule registered.
     """
-    global _views, _leaves  # rebound, never cleared in place
     with _lock:
         if cls not in _rules:
             msg = f"{getattr(cls, '__name__', cls)} has no transfer rule to unregister."
             raise KeyError(msg)
         del _rules[cls]
-        _views, _leaves = ({}, {}, {}), {}
+        _start_over()

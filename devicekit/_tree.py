@@ -20,7 +20,7 @@ from typing import Any, Final, NamedTuple, TypeAlias
 
 from devicekit import _kinds
 from devicekit._errors import LeafError, TransferError
-from devicekit._kinds import DICT, INERT, LIST, MOVE, TUPLE, Node, mapping_items
+from devicekit._kinds import DICT, INERT, LIST, MOVE, TUPLE, Node
 
 MAX_DEPTH: Final = 10_000
 """Containers nested deeper than this are refused: no real batch comes near it."""
@@ -59,42 +59,10 @@ def format_path(root: str, fragments: Iterable[str]) -> str:
     return root + "".join(parts)
 
 
-class _Kept:
-    """A value under a skipped key, carried through the walk as an inert leaf."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
 # How each view decides a type it does not hold yet (made once: a walk is often short).
 _LEARN: Final[tuple[Callable[[type], Any], ...]] = tuple(
     functools.partial(lambda view, cls: _kinds.decide(cls)[view], view) for view in range(3)
 )
-
-
-def _lookup(view: int, skip: frozenset[Hashable] | None) -> tuple[dict[type, Any], Any]:
-    """The view a walk reads, and how it decides a type that view does not hold yet.
-
-    With ``skip``, a view for this walk alone, whose mappings hand the values under
-    those keys over wrapped, as inert leaves.
-    """
-    if skip is None:
-        return _kinds.view(view), _LEARN[view]
-    nodes: dict[type, Any] = {_Kept: INERT}
-
-    def learn(cls: type) -> Any:
-        node = nodes[cls] = _kinds.decide(cls)[view]
-        if isinstance(node, Node) and node.mapping:
-            rebuild = node.rebuild
-            node = nodes[cls] = node._replace(
-                children=lambda c: [_Kept(v) if k in skip else v for k, v in mapping_items(c)],
-                rebuild=lambda c, v: rebuild(c, [x.value if type(x) is _Kept else x for x in v]),
-            )
-        return node
-
-    return nodes, learn
 
 
 def _one_kind(values: Collection[Any], nodes: dict[type, Any], learn: Any) -> Any:
@@ -132,7 +100,9 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
     Raises:
         TransferError: The data nests deeper than :data:`MAX_DEPTH`, or holds a cycle.
     """
-    nodes, learn = (_kinds._views[view], _LEARN[view]) if skip is None else _lookup(view, skip)
+    nodes, learn = (
+        (_kinds._views[view], _LEARN[view]) if skip is None else _kinds.skipping_view(view, skip)
+    )
     node = _entry(type(tree), nodes, learn)
     if node is None or node is INERT:
         return _tuple_new(Flat, ([tree], [], [] if node is INERT else [0]))
@@ -337,7 +307,9 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
         TransferError: As :func:`map_flat`, paths starting at ``root``. Without a root (a
             walk inside a leaf the caller names) errors pass through as they are.
     """
-    nodes, learn = (_kinds._views[view], _LEARN[view]) if skip is None else _lookup(view, skip)
+    nodes, learn = (
+        (_kinds._views[view], _LEARN[view]) if skip is None else _kinds.skipping_view(view, skip)
+    )
     try:  # inline, not a helper: a call costs a twentieth of a small batch's walk
         node = _entry(type(tree), nodes, learn)
     except LeafError as err:  # a type first met in a compiled region

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit import _compat
+from devicekit import _compat, _kinds
 from devicekit._transfer import as_accelerator
 
 META = torch.device("meta")
@@ -472,3 +472,44 @@ def test_without_fullgraph_a_refusal_breaks_the_graph_and_the_call_runs_eagerly(
     moved = _compiled(lambda b: dk.to_device(b, META), fullgraph=False)([packed])
     assert moved[0].data.is_meta
     assert moved[0].batch_sizes.is_cpu
+
+
+def test_a_type_is_decided_once_then_looked_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Fresh:
+        pass
+
+    made: list[type] = []
+    decide_for_real = _kinds._decide
+
+    def counting(cls: type) -> Any:
+        made.append(cls)
+        return decide_for_real(cls)
+
+    monkeypatch.setattr(_kinds, "_decide", counting)
+    views = _kinds._views
+    first = _kinds.decide(Fresh)
+    assert all(_kinds.decide(Fresh) is first for _ in range(5))
+    assert made == [Fresh]
+    assert _kinds._views is views  # looked up: no view rewritten
+
+
+def test_a_skip_set_s_view_is_made_once_and_starts_over_with_the_registry() -> None:
+    skip = frozenset({"raw"})
+    view = _kinds.skipping_view(_kinds.MOVE, skip)
+    assert _kinds.skipping_view(_kinds.MOVE, skip) is view
+    dk.to_device({"raw": torch.ones(1), "x": torch.ones(1)}, META, skip_keys="raw")
+
+    @dataclasses.dataclass
+    class Boxes:
+        xyxy: torch.Tensor
+
+    @dk.register_transfer(Boxes)
+    def move_boxes(boxes: Boxes, device: torch.device, **options: Any) -> Boxes:
+        return Boxes(boxes.xyxy.to(device) + 1)
+
+    try:
+        assert _kinds.skipping_view(_kinds.MOVE, skip) is not view  # started over
+        moved = dk.to_device({"raw": 1, "b": Boxes(torch.zeros(1))}, CPU, skip_keys="raw")
+        assert torch.equal(moved["b"].xyxy, torch.ones(1))  # the new rule applies at once
+    finally:
+        dk.unregister_transfer(Boxes)
