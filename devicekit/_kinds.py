@@ -56,6 +56,7 @@ class Node(NamedTuple):
     rebuild: Callable[[Any, list[Any]], Any]
     keys: Callable[[Any], Iterable[str]]  # path fragments: ['image'], [3], .boxes
     mapping: bool = False  # children are a mapping's values, in mapping_items order
+    names: Callable[[Any], Iterable[str]] | None = None  # of children that are attributes
 
 
 class Leaf(enum.Enum):
@@ -209,7 +210,12 @@ _SEQUENCE_SUBCLASS = Node(list, _refilled(_fill_sequence), _indices)
 _UNKNOWN = "a Sequence that devicekit cannot rebuild as the same type"
 _OTHER_SEQUENCE = Node(iter, _refuse(_UNKNOWN), _indices)
 _TUPLE_SUBCLASS = Node(iter, _by_type, _indices)  # torch.Size, struct sequences
-_NAMEDTUPLE = Node(iter, rebuild_namedtuple, lambda node: [f".{name}" for name in node._fields])
+_NAMEDTUPLE = Node(
+    iter,
+    rebuild_namedtuple,
+    lambda node: [f".{name}" for name in node._fields],
+    names=lambda node: node._fields,
+)
 _SET = Node(iter, _by_type, lambda node: [f"{{{index}}}" for index, _ in enumerate(node)])
 
 
@@ -242,6 +248,7 @@ def _dataclass_node(cls: type) -> Node:
         lambda node: [getattr(node, name, _UNSET) for name in names(node)],
         rebuild,
         lambda node: [f".{name}" for name in names(node)],
+        names=names,
     )
 
 
@@ -322,19 +329,25 @@ def _graph_entries(graph: Any) -> list[_Entry]:
     return found
 
 
+def state_on_host(group: Mapping[str, Any], key: object) -> bool:
+    """Whether an optimizer keeps this state on the host on purpose: the one rule.
+
+    The ``step`` of an optimizer neither capturable nor fused: Optimizer.load_state_dict
+    puts it there, to_device leaves it there, and the checks do not count it.
+    """
+    return key == "step" and not (group.get("capturable") or group.get("fused"))
+
+
 def _optimizer_entries(optimizer: torch.optim.Optimizer) -> list[_Entry]:
-    # A step of an optimizer neither capturable nor fused is kept on the host on
-    # purpose (Optimizer.load_state_dict puts it there, to_device leaves it): not seen.
     found: list[_Entry] = []
     for group_index, group in enumerate(optimizer.param_groups):
-        step_on_host = not (group.get("capturable") or group.get("fused"))
         for param_index, param in enumerate(group["params"]):
             where = f"param_groups[{group_index}]['params'][{param_index}]"
             found.append((f".{where}", param, None, None))
             found += [
                 (f".state[{where}][{key!r}]", value, None, None)
                 for key, value in optimizer.state.get(param, {}).items()
-                if not (key == "step" and step_on_host)
+                if not state_on_host(group, key)
             ]
     return found
 

@@ -19,7 +19,7 @@ import torch
 from devicekit import _compat, _packing, _tree
 from devicekit._devices import DeviceLike, resolve_device
 from devicekit._errors import DeviceKitError, DeviceUnavailableError, LeafError, TransferError
-from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how, mapping_items
+from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how, mapping_items, state_on_host
 from devicekit._manager import current_device
 
 T = TypeVar("T")
@@ -111,13 +111,14 @@ def as_accelerator(device_type: str) -> Iterator[None]:
 class _Plan:
     """What a call's device and options imply, worked out once, with its mover.
 
-    ``told`` is the ``non_blocking`` objects that move themselves are told: asynchronous
-    only where reading the result is ordered after the copy anyway.
+    It holds the one rule for ``non_blocking`` (:meth:`asynchronous`), and whether the
+    stand-in for an accelerator (:func:`as_accelerator`) is in use, read here once.
     """
 
     __slots__ = (
         "call",
         "device",
+        "host",
         "move",
         "move_all",
         "options",
@@ -126,6 +127,7 @@ class _Plan:
         "plain",
         "told",
         "traced",
+        "waits",
     )
 
     def __init__(self, device: torch.device, options: Options, *, traced: bool = False) -> None:
@@ -141,7 +143,12 @@ class _Plan:
             and (_packing.packs_to(device) or (simulated and _packing.can_pack))
         )
         auto = options.non_blocking == "auto"
-        # Asynchronous copies to MPS can corrupt data silently (pytorch#139550, #189690).
+        self.host = not to_accelerator
+        # Copies to the host (not to meta, which copies nothing) that the call waits for
+        # once before it returns, under "auto" (_Call.finish); none in a compiled graph.
+        self.waits = auto and self.host and device.type != "meta" and not traced
+        # What objects moving themselves, modules, rules and packed copies are told: no
+        # wait can be had for them, so asynchronous only where nothing must wait.
         self.told = device.type != "mps" and (
             bool(options.non_blocking) if not auto else to_accelerator
         )
@@ -150,6 +157,24 @@ class _Plan:
             if traced
             else _mover(self, is_meta=device.type == "meta" and not simulated)
         )
+
+    def asynchronous(self, source: torch.device, target: torch.device) -> bool:
+        """Whether a tensor's copy from ``source`` to ``target`` is asynchronous: the rule.
+
+        Under ``"auto"``: to an accelerator, yes (a pinned source overlaps); to the host,
+        from an accelerator, yes, and the call waits for it once before it returns;
+        host to host, no: there is nothing to overlap. True and False apply as asked.
+        Copies to MPS, and from it under ``"auto"``, block whatever is asked, as
+        Lightning's and Ultralytics' do: PyTorch's asynchronous MPS copies can corrupt
+        data silently (pytorch#139550, #189690). In a compiled graph, a copy that would
+        be waited for is blocking: a graph holds no event to wait on.
+        """
+        if target.type == "mps":
+            return False
+        if self.options.non_blocking != "auto":
+            return bool(self.options.non_blocking)
+        host = self.host if target.type == self.device.type else target.type in _HOST
+        return not host or (not self.traced and source.type not in _HOST and source.type != "mps")
 
 
 _plans: dict[object, _Plan] = {}
@@ -186,8 +211,7 @@ def _mover(plan: _Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
     device, asynchronous, packs, plain = plan.device, plan.told, plan.packs, plan.plain
     is_cpu = device.type == "cpu"
     host = is_cpu or is_meta
-    # A copy needs a wait only from an accelerator to the host under "auto".
-    waitless = asynchronous or is_meta or (plan.options.non_blocking == "auto") is not True
+    waitless = not plan.waits  # else a copy from an accelerator goes through call.tensor
 
     def move(obj: Any, call: _Call) -> Any:
         if type(obj) is not _Tensor:
@@ -298,8 +322,14 @@ class _Call:
         self.memo: dict[Any, Any] = {} if memo is None else memo  # key -> what it became
         self.waits: set[torch.device] | None = None
 
-    def tensor(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """One tensor to ``device`` with the call's options, or as it is if nothing changes."""
+    def tensor(
+        self, tensor: torch.Tensor, device: torch.device, dtype: Any = _UNSEEN
+    ) -> torch.Tensor:
+        """One tensor to ``device`` with the call's options, or as it is if nothing changes.
+
+        ``dtype``, where given, is the one floating-point tensors take instead of the
+        call's (an optimizer's state takes its parameter's).
+        """
         key = self.key(tensor)
         moved: torch.Tensor | None = self.memo.get(key)
         if moved is not None:
@@ -307,7 +337,8 @@ class _Call:
         if tensor.is_meta and device.type != "meta":
             raise self.meta_error()
         options = self.plan.options
-        dtype = options.dtype if options.dtype is not None and tensor.is_floating_point() else None
+        asked = options.dtype if dtype is _UNSEEN else dtype
+        dtype = asked if asked is not None and tensor.is_floating_point() else None
         memory_format = options.memory_format
         # As nn.Module.to has it: channels_last concerns 4-d tensors (3d: 5-d), so a
         # batch's labels and masks pass untouched next to its images.
@@ -332,29 +363,12 @@ class _Call:
         return moved
 
     def non_blocking(self, tensor: torch.Tensor, device: torch.device) -> bool:
-        """Whether a copy is asynchronous: the one rule for ``non_blocking``.
-
-        Under ``"auto"``: to an accelerator, yes; to the host, yes and waited for once
-        before to_device returns. Copies to MPS, and from it under ``"auto"``, block
-        whatever is asked, as Lightning's and Ultralytics' do: PyTorch's asynchronous
-        MPS copies can corrupt data silently (pytorch#139550, #189690).
-        """
-        if device.type == "mps":
-            return False
-        if self.plan.options.non_blocking != "auto":
-            return bool(self.plan.options.non_blocking)
-        if device.type in _HOST and device.type not in _simulated:
-            if tensor.is_cpu or tensor.is_meta:
-                return False  # host to host: nothing to overlap
-            source = tensor.device
-            if source.type == "mps":
-                return False
-        else:
-            return True
-        if _is_compiling():
-            return False  # a graph holds no event to wait on: the same values, blocking
-        self.waits = (self.waits or set()) | {source}
-        return True
+        """Whether a copy is asynchronous (:meth:`_Plan.asynchronous`), noting the wait it needs."""
+        plan, source = self.plan, tensor.device
+        asynchronous = plan.asynchronous(source, device)
+        if asynchronous and plan.waits and device.type in _HOST:
+            self.waits = (self.waits or set()) | {source}  # the one wait, in finish()
+        return asynchronous
 
     def leaf(self, obj: Any) -> Any:
         """Move a leaf that is not an exact tensor, as the table says its type moves."""
@@ -473,6 +487,7 @@ def _move_module(module: torch.nn.Module, call: _Call, detail: object) -> Any:
 
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: object) -> Any:
+    """Move an optimizer's state, in place, within the call: one memo, one wait."""
     _in_place_only(optimizer, call)
     device = call.plan.device
     # The state follows its parameters, the model's: moved first, unless PyTorch
@@ -491,35 +506,37 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: objec
                 )
                 raise LeafError(msg)
     for group in optimizer.param_groups:
-        # "step" stays on the host unless the optimizer is capturable or fused, as
-        # Optimizer.load_state_dict has it; the rest takes its parameter's device, and
-        # its dtype where that is floating-point, whether the state is a dict or not.
-        step_stays = not (group.get("capturable") or group.get("fused"))
         for param in group["params"]:
             state = optimizer.state.get(param)
-            if state is None:
-                continue
-            node = decide(type(state)).move
-            keys, values = (
-                (node.keys(state), node.children(state))
-                if isinstance(node, Node)
-                else ([""], [state])
-            )
-            moved = [
-                value
-                if key in ("['step']", ".step") and step_stays
-                else to_device(
-                    value,
-                    param.device,
-                    non_blocking=call.plan.options.non_blocking,
-                    dtype=param.dtype if param.is_floating_point() else None,
-                )
-                for key, value in zip(keys, values, strict=True)
-            ]
-            optimizer.state[param] = (
-                node.rebuild(state, moved) if isinstance(node, Node) else moved[0]
-            )
+            if state is not None:
+                # Each value takes its parameter's device, and its dtype where that is
+                # floating-point, as Optimizer.load_state_dict has it.
+                target = (call, param.device, param.dtype if param.is_floating_point() else None)
+                optimizer.state[param] = _moved_state(state, group, target)
     return optimizer
+
+
+def _moved_state(state: Any, group: Mapping[str, Any], target: tuple[Any, ...]) -> Any:
+    """One parameter's state, its values moved to ``target``, what stays on the host kept."""
+    node = decide(type(state)).move
+    if isinstance(node, Node) and node.mapping:
+        named = mapping_items(state)
+    elif isinstance(node, Node) and node.names is not None:  # a dataclass, a namedtuple
+        named = list(zip(node.names(state), node.children(state), strict=True))
+    else:  # nothing named: no step to keep apart
+        return _tree.map_leaves(_to_parameter, state, target, root=None)
+    moved = [
+        value
+        if state_on_host(group, name)
+        else _tree.map_leaves(_to_parameter, value, target, root=None)
+        for name, value in named
+    ]
+    return node.rebuild(state, moved)
+
+
+def _to_parameter(leaf: Any, target: tuple[Any, ...]) -> Any:
+    call, device, dtype = target
+    return call.tensor(leaf, device, dtype) if isinstance(leaf, _Tensor) else call.leaf(leaf)
 
 
 def _move_cache(cache: Any, call: _Call, detail: object) -> Any:

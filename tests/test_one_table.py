@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit import _compat, _kinds
+from devicekit import _compat, _kinds, _transfer
 from devicekit._transfer import as_accelerator
 
 META = torch.device("meta")
@@ -513,3 +513,66 @@ def test_a_skip_set_s_view_is_made_once_and_starts_over_with_the_registry() -> N
         assert torch.equal(moved["b"].xyxy, torch.ones(1))  # the new rule applies at once
     finally:
         dk.unregister_transfer(Boxes)
+
+
+@pytest.mark.usefixtures("swap_module_params")
+def test_a_model_and_its_optimizer_move_in_one_call_that_waits_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Followed call by call: each copy of the optimizer's state is made to need the one
+    # wait, as a copy from an accelerator to the host does under "auto".
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    calls: list[object] = []
+    waits: list[set[torch.device]] = []
+    init = _transfer._Call.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(self)
+        init(self, *args, **kwargs)
+
+    def needs_the_wait(self: Any, tensor: torch.Tensor, device: torch.device) -> bool:
+        self.waits = (self.waits or set()) | {torch.device("cuda", 0)}
+        return False
+
+    monkeypatch.setattr(_transfer._Call, "__init__", counted)
+    monkeypatch.setattr(_transfer._Call, "non_blocking", needs_the_wait)
+    monkeypatch.setattr(_transfer._Call, "finish", lambda self: waits.append(set(self.waits)))
+    model, optimizer = dk.to_device([model, optimizer], META)
+    state = optimizer.state[model.weight]
+    assert state["exp_avg"].is_meta
+    assert state["step"].is_cpu  # kept on the host by its key, as the table says
+    assert len(calls) == 1  # one call: one memo for the model, the optimizer, its state
+    assert waits == [{torch.device("cuda", 0)}]  # and one wait
+
+
+def _device(name: str) -> torch.device:
+    return torch.device(name)
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "non_blocking", "asynchronous"),
+    [
+        ("cpu", "cuda:0", "auto", True),  # to an accelerator: overlapped
+        ("cuda:0", "cpu", "auto", True),  # to the host: asynchronous, then one wait
+        ("cpu", "cpu", "auto", False),  # host to host: nothing to overlap
+        ("cpu", "meta", "auto", False),
+        ("mps", "cpu", "auto", False),  # MPS copies can corrupt data asynchronously
+        ("cpu", "mps", "auto", False),
+        ("cpu", "mps", True, False),  # whatever is asked
+        ("cuda:0", "cpu", False, False),  # as asked
+        ("cpu", "cuda:0", False, False),
+        ("cuda:0", "cpu", True, True),
+    ],
+)
+def test_one_rule_says_whether_a_copy_is_asynchronous(
+    source: str, target: str, non_blocking: Any, asynchronous: bool
+) -> None:
+    options = _transfer.Options(non_blocking=non_blocking)
+    plan = _transfer._Plan(_device(target), options)
+    assert plan.asynchronous(_device(source), _device(target)) is asynchronous
+    traced = _transfer._Plan(_device(target), options, traced=True)
+    in_a_graph = asynchronous and not (traced.host and non_blocking == "auto")
+    assert traced.asynchronous(_device(source), _device(target)) is in_a_graph
