@@ -3,7 +3,7 @@
 Importing devicekit imports PyTorch, which takes a second or two. Here, before any of
 that is imported, the command line is read: ``--help``, ``--version`` and a mistyped
 command or option answer at once. Ctrl-C while PyTorch then imports ends the command
-as Ctrl-C ends it later (:func:`devicekit.cli.main`): one line on stderr and status 130.
+as Ctrl-C ends it later (``devicekit.cli.run_parsed``): one line on stderr and status 130.
 """
 
 from __future__ import annotations

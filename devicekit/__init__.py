@@ -8,6 +8,7 @@ from devicekit._audit import TransferEvent, TransferLog, track_transfers
 from devicekit._backends import Backend, DeviceInfo, GpuProcess
 from devicekit._checkpoint import load, save
 from devicekit._checks import GuardHandle, check_same_device, find_devices, guard
+from devicekit._current import current_device
 from devicekit._errors import (
     DeviceKitError,
     DeviceMismatchError,
@@ -16,7 +17,7 @@ from devicekit._errors import (
 )
 from devicekit._kinds import register_transfer, unregister_transfer
 from devicekit._loader import DeviceDataLoader
-from devicekit._manager import DeviceManager, current_device
+from devicekit._manager import DeviceManager
 from devicekit._stats import LoaderStats
 from devicekit._transfer import to_device
 

@@ -1,5 +1,5 @@
-"""``python -m devicekit``: the command line."""
+"""``python -m devicekit``: the command line, as the ``devicekit`` command runs it."""
 
-from devicekit.cli import main
+from _devicekit_cli import main
 
 raise SystemExit(main())

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from devicekit import _units
 from devicekit._errors import TransferError
 
 __all__ = ["TransferEvent", "TransferLog", "track_transfers"]
@@ -88,21 +89,14 @@ class TransferLog:
         groups: dict[tuple[torch.device, torch.device], list[TransferEvent]] = {}
         for event in self.events:
             groups.setdefault((event.source, event.target), []).append(event)
-        lines = [f"{self.count} transfer(s) between devices, {_size(self.bytes)} in all:"]
+        lines = [f"{self.count} transfer(s) between devices, {_units.nbytes(self.bytes)} in all:"]
         for (source, target), events in groups.items():
             nbytes = sum(event.nbytes for event in events)
             lines.append(
-                f"  {source} -> {target}: {len(events)} ({_size(nbytes)}), "
+                f"  {source} -> {target}: {len(events)} ({_units.nbytes(nbytes)}), "
                 f"first at {events[0].where}"
             )
         return "\n".join(lines)
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} bytes"
 
 
 def _user_frame() -> tuple[str, int, str]:
@@ -154,8 +148,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # an untyp
             if self._strict:
                 msg = (
                     f"Expected no transfers between devices inside track_transfers(strict=True), "
-                    f"but {event.where} copies {_size(event.nbytes)} from {event.source} to "
-                    f"{event.target} ({event.operation}). Inside a training step such copies "
+                    f"but {event.where} copies {_units.nbytes(event.nbytes)} from "
+                    f"{event.source} to {event.target} ({event.operation}). Inside a training step such copies "
                     "(.item(), .cpu(), printing a tensor) stall the device: move them out, or "
                     "batch them."
                 )

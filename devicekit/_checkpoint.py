@@ -49,9 +49,9 @@ import torch
 
 from devicekit._checks import find_devices
 from devicekit._compat import weights_only_refusal
+from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import TransferError
-from devicekit._manager import current_device
 
 __all__ = ["load", "save"]
 

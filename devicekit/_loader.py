@@ -57,9 +57,9 @@ from typing import Any, Final, Generic, Literal, Protocol, TypeAlias, TypeVar
 
 import torch
 
+from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, streams_to
 from devicekit._kinds import Leaf, leaf_how
-from devicekit._manager import current_device
 from devicekit._packing import PACK_MAX_BYTES
 from devicekit._stats import (
     CopyTimer,

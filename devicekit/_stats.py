@@ -26,6 +26,7 @@ import torch
 from devicekit import _kinds
 from devicekit._kinds import READ
 from devicekit._tree import flatten
+from devicekit._units import milliseconds
 
 _Tensor = torch.Tensor  # one global lookup a batch instead of two
 
@@ -122,10 +123,6 @@ def machine_cpus() -> int:
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
-
-
 def verdict(stats: LoaderStats, setup: Setup, *, first_wait: float | None = None) -> str:
     """Which side the loop is bound by, from ``stats``, and what ``setup`` suggests changing.
 
@@ -144,7 +141,7 @@ def verdict(stats: LoaderStats, setup: Setup, *, first_wait: float | None = None
     share = round(stats.wait_fraction, 2)
     head = (
         f"The loop waited for data {share:.0%} of this epoch{so_far} "
-        f"({_ms(stats.wait_s)} of {_ms(stats.elapsed_s)})"
+        f"({milliseconds(stats.wait_s)} of {milliseconds(stats.elapsed_s)})"
     )
     if share < COMPUTE_BOUND:
         return f"{head}: it is compute-bound, so faster input would not make it faster."
@@ -170,7 +167,7 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
         return "Most of it was the first batch; the later ones kept up with the loop."
     copies, steps = stats.copy_per_batch, stats.step_per_batch
     if copies and steps and sum(copies) / len(copies) >= sum(steps) / len(steps):
-        copy, step = _ms(sum(copies) / len(copies)), _ms(sum(steps) / len(steps))
+        copy, step = milliseconds(sum(copies) / len(copies)), milliseconds(sum(steps) / len(steps))
         if not setup.pinned:
             return (
                 f"Copying a batch to the device takes {copy}, longer than a step ({step}), "

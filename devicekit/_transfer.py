@@ -17,10 +17,10 @@ from typing import Any, Final, Literal, NamedTuple, TypeAlias, TypeVar
 import torch
 
 from devicekit import _compat, _packing, _tree
+from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device
 from devicekit._errors import DeviceKitError, DeviceUnavailableError, LeafError, TransferError
 from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how, mapping_items, state_on_host
-from devicekit._manager import current_device
 
 T = TypeVar("T")
 NonBlocking: TypeAlias = bool | Literal["auto"]

@@ -15,17 +15,17 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 import devicekit
-from _devicekit_cli import parse
 from devicekit import _bench
 from devicekit._demo import train
 from devicekit._errors import DeviceKitError
-from devicekit._manager import DeviceManager, claim_holders, who_uses
+from devicekit._manager import DeviceManager, claim_holders
+from devicekit._selection import who_uses
+from devicekit._units import count, gib
 
 
 class UserError(Exception):
@@ -97,7 +97,7 @@ def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, slow_data: bool
         samples = sum(report.samples for report in reports)
         seconds = sum(report.seconds for report in reports)
         print(
-            f"Trained {_count(epochs, 'epoch')} on {manager.device}: loss "
+            f"Trained {count(epochs, 'epoch')} on {manager.device}: loss "
             f"{reports[0].first_loss:.3f} (first batch) -> {reports[-1].loss:.3f} (last epoch), "
             f"{samples / seconds:,.0f} samples/s over {seconds:.1f} s."
         )
@@ -105,8 +105,8 @@ def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, slow_data: bool
     return 0
 
 
-def _gib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**30:.1f} GiB"
+def _gib(size: int | None) -> str:
+    return "-" if size is None else gib(size)
 
 
 def _info_table(manager: DeviceManager) -> str:
@@ -167,8 +167,8 @@ def _info_json(manager: DeviceManager) -> str:
     return json.dumps(report, indent=2)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line.
+def run_parsed(args: argparse.Namespace) -> int:
+    """Run what ``_devicekit_cli.parse`` read from the command line; the exit status.
 
     A mistake in what was asked (a device this machine lacks, a bad environment
     variable) is one line on stderr and status 2; ``--debug`` (or ``DEVICEKIT_DEBUG=1``)
@@ -177,22 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     output that cannot be written (``> /dev/full``, a closed stdout) with one line and
     status 1.
 
-    >>> main([])  # doctest: +ELLIPSIS
+    >>> import _devicekit_cli
+    >>> run_parsed(_devicekit_cli.parse([]))  # doctest: +ELLIPSIS
     devicekit ... (PyTorch ...)
     device: ...
     0
-
-    Args:
-        argv: The arguments after the program name; None reads them from the command line.
-
-    Returns:
-        The exit status.
     """
-    return run_parsed(parse(argv))
-
-
-def run_parsed(args: argparse.Namespace) -> int:
-    """Run what :func:`_devicekit_cli.parse` read from the command line; see :func:`main`."""
     debug = args.debug or os.environ.get("DEVICEKIT_DEBUG", "") not in ("", "0")
     if sys.stdout is None:  # started with stdout closed (>&-): print() would drop it all
         print("devicekit: error: cannot write the output: stdout is closed.", file=sys.stderr)
@@ -202,7 +192,7 @@ def run_parsed(args: argparse.Namespace) -> int:
         status = _run(args, run)
         sys.stdout.flush()  # here, so a closed pipe is caught below and not at exit
     except KeyboardInterrupt:
-        done = f" after {_count(run.epochs_done, 'epoch')}" if args.command == "demo" else ""
+        done = f" after {count(run.epochs_done, 'epoch')}" if args.command == "demo" else ""
         print(f"\ndevicekit: interrupted{done}.", file=sys.stderr)
         return 130
     except BrokenPipeError:
@@ -229,10 +219,6 @@ def _drop_output() -> None:
     """Point stdout at the null device, so that Python's exit flushes it without error."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _run(args: argparse.Namespace, run: _Run) -> int:

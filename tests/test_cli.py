@@ -154,7 +154,7 @@ def test_a_reader_leaving_ends_with_status_0_whatever_the_timing(
 
     monkeypatch.setattr(cli, "_drop_output", lambda: None)  # the test's stdout stays
     monkeypatch.setattr(sys, "stdout", Gone())
-    assert cli.main(["info"]) == 0
+    assert _devicekit_cli.main(["info"]) == 0
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -215,7 +215,7 @@ def test_ctrl_c_soon_after_start_has_no_traceback() -> None:
 
 
 def test_bench_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", "--json"]) == 0
+    assert _devicekit_cli.main(["bench", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [row["target"] for row in report["to_device"]] == [
         "cpu (nothing to move)",
@@ -254,7 +254,7 @@ def test_an_unknown_option_is_refused_under_the_command_with_a_hint(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["demo", "--gpu"])
+        _devicekit_cli.main(["demo", "--gpu"])
     assert exit_.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith("usage: devicekit demo ")
@@ -263,9 +263,9 @@ def test_an_unknown_option_is_refused_under_the_command_with_a_hint(
 
 def test_debug_is_taken_after_the_command_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "x")
-    assert cli.main(["info"]) == 2  # a mistake is one line...
+    assert _devicekit_cli.main(["info"]) == 2  # a mistake is one line...
     with pytest.raises(ValueError, match="Expected LOCAL_RANK"):  # ...or, debugging, raised
-        cli.main(["info", "--debug"])
+        _devicekit_cli.main(["info", "--debug"])
 
 
 @pytest.mark.parametrize("command", ["info", "demo", "bench"])
@@ -273,7 +273,7 @@ def test_each_command_s_help_says_what_it_does(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
-        cli.main([command, "--help"])
+        _devicekit_cli.main([command, "--help"])
     lines = capsys.readouterr().out.splitlines()
     description = lines[lines.index("") + 1]
     assert description.endswith(".")
@@ -281,12 +281,12 @@ def test_each_command_s_help_says_what_it_does(
 
 
 def test_one_epoch_is_counted_in_the_singular(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--epochs", "1", "--device", "cpu"]) == 0
+    assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu"]) == 0
     assert "Trained 1 epoch on cpu" in capsys.readouterr().out
 
 
 def test_the_demo_says_whether_it_waited_for_data(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--epochs", "1", "--device", "cpu", "--slow-data"]) == 0
+    assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu", "--slow-data"]) == 0
     out = capsys.readouterr().out
     share = re.search(r"epoch 1/1 .* waiting for data (\d+)%\n", out)
     assert share is not None, out
@@ -299,7 +299,7 @@ def test_the_demo_says_whether_it_waited_for_data(capsys: pytest.CaptureFixture[
 
 
 def test_the_demo_s_json_has_each_epoch_s_verdict(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--epochs", "1", "--device", "cpu", "--json"]) == 0
+    assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu", "--json"]) == 0
     (epoch,) = json.loads(capsys.readouterr().out)["epochs"]
     assert 0 <= epoch["wait_fraction"] <= 1
     assert epoch["verdict"].startswith("The loop waited for data ")
@@ -328,7 +328,7 @@ def test_a_mistyped_command_gets_the_closest_one(
     typed: str, meant: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        cli.main([typed])
+        _devicekit_cli.main([typed])
     assert exited.value.code == 2
     error = capsys.readouterr().err.splitlines()[-1]
     assert error == (

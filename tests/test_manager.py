@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _manager
+from devicekit import _manager, _units
 
 from .fakes import FakeGpus, machine
 
@@ -503,6 +503,6 @@ def test_asyncio_tasks_see_only_their_own_devices() -> None:
 
 
 def test_parse_bytes_units() -> None:
-    assert _manager.parse_bytes("500MB") == 500 * 10**6
-    assert _manager.parse_bytes("2 kib") == 2048
-    assert _manager.parse_bytes("3") == 3
+    assert _units.parse_bytes("500MB") == 500 * 10**6
+    assert _units.parse_bytes("2 kib") == 2048
+    assert _units.parse_bytes("3") == 3

@@ -557,7 +557,7 @@ def test_a_long_list_of_scalars_is_taken_whole_not_element_by_element() -> None:
 def test_parse_bytes_fails_at_once_on_a_long_run_of_spaces() -> None:
     import signal  # noqa: PLC0415
 
-    from devicekit._manager import parse_bytes  # noqa: PLC0415
+    from devicekit._units import parse_bytes  # noqa: PLC0415
 
     def hang(signum: int, frame: object) -> None:
         msg = "parse_bytes backtracks: a long run of spaces takes minutes"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import _devicekit_cli
-from devicekit import _manager
+from devicekit import _launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_PAGE = (ROOT / "docs" / "reference" / "cli.rst").read_text(encoding="utf-8")
@@ -108,7 +108,7 @@ def _variables_read() -> set[str]:
     modules = (ROOT / "devicekit").glob("*.py")
     source = "\n".join(path.read_text(encoding="utf-8") for path in modules)
     read = set(re.findall(r"environ(?:\.get)?\(?\[?\s*\"([A-Z][A-Z0-9_]+)\"", source))
-    read |= {name for names in _manager._VISIBILITY_VARIABLES.values() for name in names}
+    read |= {name for names in _launch.VISIBILITY_VARIABLES.values() for name in names}
     return read
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _claims, _manager, _nvml, _transfer
+from devicekit import _claims, _manager, _nvml, _transfer, _units
 from devicekit._backends import CpuBackend
 from devicekit.cli import _info_json, _info_table
 
@@ -174,7 +174,7 @@ def test_bad_values_are_clear_errors(
     ],
 )
 def test_durations_read_as_people_write_them(text: float | str, seconds: float) -> None:
-    assert _manager.parse_seconds(text) == seconds
+    assert _units.parse_seconds(text) == seconds
 
 
 # Waiting.

@@ -1,0 +1,430 @@
+"""Choosing a device: a pure function of what was seen and what was asked.
+
+:func:`choose` takes a :class:`Seen` snapshot (the devices each family listed, the
+claims other jobs hold, what the launcher's variables say) and a :class:`Request` (the
+manager's options) and returns one outcome:
+
+- :class:`Chosen`: a device and why, with what was passed over on the way;
+- :class:`Wait`: nothing qualifies now, and the manager may wait for something that can;
+- :class:`Refused`: the message of the error to raise.
+
+Nothing here reads the environment, sleeps, logs, warns or raises for the user: the
+manager (:mod:`devicekit._manager`) looks, chooses, waits and looks again, claims, then
+explains. So every rule of the choice is a line of the table of cases in
+tests/test_selection.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Literal, TypeAlias, cast
+
+import torch
+
+from devicekit._backends import DeviceInfo
+from devicekit._devices import DeviceLike, parse_device, shown
+from devicekit._errors import DeviceKitError
+from devicekit._launch import VISIBILITY_VARIABLES, whole_number
+from devicekit._units import count, duration, gib, percent
+
+__all__ = [
+    "Chosen",
+    "Family",
+    "Refused",
+    "Request",
+    "Seen",
+    "Wait",
+    "choose",
+    "describe",
+    "passed_over",
+    "who_uses",
+]
+
+Policy: TypeAlias = Literal["auto", "most-free-memory", "local-rank"]
+Fallback: TypeAlias = Literal["cpu", "error"]
+
+_HOST_TYPES = ("cpu", "meta")
+# "auto" takes the lowest-numbered device whose free memory is within this share of the
+# most free: an idle multi-GPU machine then gives cuda:0, not whichever GPU happens to
+# have a few megabytes more free, while a busy cuda:0 is passed over.
+_AUTO_FREE_TOLERANCE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One device family as its backend listed it: ``cuda`` (ROCm too), ``xpu``, ``mps``."""
+
+    name: str
+    device_type: str
+    devices: tuple[DeviceInfo, ...]
+    note: str | None = None  # why it found nothing, where it knows
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What the manager saw of the machine and of its environment, for one choice."""
+
+    families: tuple[Family, ...]
+    claimed: Mapping[torch.device, int | None] = dataclasses.field(default_factory=dict)
+    """Devices other jobs claim, with the claiming pid where known."""
+    devicekit_device: str = ""  # DEVICEKIT_DEVICE, stripped
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    split: frozenset[str] = frozenset()
+    """Device types whose devices a launcher gave this process (CUDA_VISIBLE_DEVICES...)."""
+    cuda_index: int = 0  # what "cuda" names: the current CUDA device, 0 before CUDA starts
+    loaded: Callable[[str], bool] = lambda device_type: False
+    """Whether PyTorch has a backend for a device type no family lists (torch_xla's)."""
+
+    @property
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        """Every device seen, family by family."""
+        return tuple(info for family in self.families for info in family.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the manager was asked for: its options, and where its waiting stands."""
+
+    device: DeviceLike | None = None
+    policy: Policy = "auto"
+    prefer: tuple[str, ...] = ("cuda", "xpu", "mps", "cpu")
+    min_free: int | None = None
+    max_busy: float | None = None
+    fallback: Fallback = "cpu"
+    waiting: bool = False  # a refusal that waiting could lift comes back as a Wait
+    waited: float | None = None  # seconds waited already, said in the reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """The device chosen, and why."""
+
+    device: torch.device
+    reason: str
+    skipped: tuple[str, ...] = ()  # "cuda:0: 85% busy, ..." for each device passed over
+    current: bool = False  # a rank's device: made the process's current device
+    fell_back: str | None = None  # why the CPU, as fallback="cpu" allows: warned of once
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """Nothing qualifies now; a device that can qualify later was seen."""
+
+    why: str
+    passed_over: tuple[str, ...] = ()  # a sentence each, for the one message of the wait
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """Nothing can be chosen: the message of the DeviceUnavailableError to raise."""
+
+    message: str
+
+
+Outcome: TypeAlias = Chosen | Wait | Refused
+
+
+def choose(seen: Seen, request: Request) -> Outcome:
+    """The device ``request`` asks for among what was ``seen``; or a reason to wait; or no.
+
+    >>> gpu = DeviceInfo(torch.device("cuda", 0), "cuda", 0, "H100", 80 * 2**30,
+    ...                  2 * 2**30, (9, 0), "GPU-0", 0.99)
+    >>> seen = Seen((Family("cuda", "cuda", (gpu,)),))
+    >>> choose(seen, Request(max_busy=0.5)).reason
+    'no cuda, xpu or mps device is usable, so the CPU is the fallback'
+    >>> choose(seen, Request(max_busy=0.5, waiting=True)).why
+    'no cuda, xpu or mps device is usable'
+    """
+    return _Choice(seen, request).outcome()
+
+
+class _Choice:
+    """One choice: the snapshot, the request, and the devices passed over so far."""
+
+    def __init__(self, seen: Seen, request: Request) -> None:
+        self.seen, self.request = seen, request
+        self.skipped: list[str] = []
+
+    def outcome(self) -> Outcome:
+        request, seen = self.request, self.seen
+        if request.device is not None:
+            return self.explicit(request.device)
+        spec = seen.devicekit_device
+        if spec:
+            index = whole_number(spec)
+            found = self.explicit(spec if index is None else index)
+            if isinstance(found, Refused):
+                return Refused(f"DEVICEKIT_DEVICE={shown(spec)} cannot be used: {found.message}")
+            if isinstance(found, Chosen):
+                return dataclasses.replace(found, reason="DEVICEKIT_DEVICE asks for it")
+            return found
+        if request.policy == "local-rank" or (
+            request.policy == "auto" and seen.local_rank is not None
+        ):
+            return self.by_local_rank()
+        for position, name in enumerate(request.prefer):
+            if name == "cpu":
+                if position == 0:  # asked for before any accelerator: no fallback
+                    return Chosen(torch.device("cpu"), "prefer puts the CPU first")
+                return self.fall_back()
+            usable = [info for info in self.family(name) if self.qualifies(info)]
+            if usable:
+                return self.by_memory(usable, strict=request.policy == "most-free-memory")
+        return self.fall_back()
+
+    # Where a device is named.
+
+    def explicit(self, spec: DeviceLike) -> Outcome:
+        seen = self.seen
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            family = self.accelerators()
+            if family is None or spec < 0 or spec >= len(family[1]):
+                return Refused(
+                    f"Expected the index of an accelerator device, got {spec}; "
+                    f"devices here: {self.listed()}."
+                )
+            return self.chosen(family[1][spec].device, f"asked for index {spec} of {family[0]}")
+        try:
+            device = parse_device(spec)
+        except DeviceKitError as err:
+            return Refused(str(err))
+        if device.type in _HOST_TYPES:
+            return self.chosen(torch.device(device.type), f"asked for {device.type}")
+        found = [info for info in seen.devices if info.device.type == device.type]
+        if not found and not any(f.device_type == device.type for f in seen.families):
+            if not seen.loaded(device.type):
+                return Refused(
+                    f"Expected a device of a backend this PyTorch has, got {shown(str(spec))}: "
+                    f"no {device.type} backend is loaded (an extension such as torch_xla "
+                    f"registers one when imported). Devices here: {self.listed()}."
+                )
+            return self.chosen(device, f"asked for {device}, a device type devicekit cannot check")
+        index = cast("int | None", device.index)  # None for "cuda", whatever the stubs say
+        if index is None:
+            index = seen.cuda_index
+        match = next((info for info in found if info.index == index), None)
+        if match is None:
+            choices = ", ".join(repr(str(info.device)) for info in seen.devices)
+            return Refused(
+                f"Expected one of {choices} (the devices here), got {shown(str(spec))}: "
+                f"{self.why_none(device.type, found)}."
+            )
+        if match.device in seen.claimed:
+            holder = seen.claimed[match.device]
+            return self.unusable(
+                f"Cannot claim {match.device}, asked for as {shown(str(spec))}: "
+                f"{'another job' if holder is None else f'pid {holder}'} claims it"
+            )
+        return self.chosen(match.device, f"asked for {spec}")
+
+    def why_none(self, device_type: str, found: list[DeviceInfo]) -> str:
+        """Why a device of ``device_type`` asked for by index is not here, in a few words."""
+        if found:
+            indices = ", ".join(str(info.device) for info in found)
+            return f"this process sees {count(len(found), device_type + ' device')} ({indices})"
+        notes = [f.note for f in self.seen.families if f.device_type == device_type and f.note]
+        return f"no {device_type} device is visible" + (f" ({notes[0]})" if notes else "")
+
+    # Which devices qualify, and which of them.
+
+    def qualifies(self, info: DeviceInfo) -> bool:
+        """Whether an accelerator may be chosen; where not, why is noted in ``skipped``."""
+        request, why = self.request, []
+        free, busy = info.free_memory, info.utilization
+        if request.min_free is not None and free is not None and free < request.min_free:
+            of = f" of {gib(info.total_memory)}" if info.total_memory is not None else ""
+            why.append(
+                f"{gib(free)} free{of}, less than the {gib(request.min_free)} min_free_memory asks"
+            )
+        if request.max_busy is not None and busy is not None and busy > request.max_busy:
+            why.append(
+                f"{percent(busy)} busy, more than the {percent(request.max_busy)} "
+                "max_utilization allows"
+            )
+        if info.device in self.seen.claimed:
+            holder = self.seen.claimed[info.device]
+            why.append(f"claimed by {'another job' if holder is None else f'pid {holder}'}")
+        if not why:
+            return True
+        used = who_uses(info)
+        self.skipped.append(f"{info.device}: {'; '.join(why)}" + (f" ({used})" if used else ""))
+        return False
+
+    def by_memory(self, usable: list[DeviceInfo], *, strict: bool) -> Outcome:
+        if any(info.free_memory is None for info in usable):
+            first = usable[0]
+            return self.chosen(
+                first.device, f"the first {first.backend} device; free memory is unknown"
+            )
+        most = max(info.free_memory or 0 for info in usable)
+        floor = most if strict else most * (1 - _AUTO_FREE_TOLERANCE)
+        chosen = next(info for info in usable if (info.free_memory or 0) >= floor)
+        free = f"{gib(chosen.free_memory or 0)} of {gib(chosen.total_memory or 0)}"
+        if len(usable) == 1:
+            return self.chosen(
+                chosen.device, f"the only usable {chosen.backend} device ({free} free)"
+            )
+        if strict or chosen.free_memory == most:
+            return self.chosen(chosen.device, f"it has the most free memory ({free})")
+        return self.chosen(chosen.device, f"the first with about the most free memory ({free})")
+
+    def by_local_rank(self) -> Outcome:
+        seen, rank = self.seen, self.seen.local_rank
+        if rank is None:
+            return Refused(
+                "Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."
+            )
+        family = self.accelerators()
+        if family is None:
+            return self.fall_back(f"LOCAL_RANK={rank}, but no accelerator was found")
+        name, found = family
+        device_type = found[0].device.type
+        split = device_type in seen.split
+        ranks = seen.local_world_size
+        variable = VISIBILITY_VARIABLES.get(device_type, ("CUDA_VISIBLE_DEVICES",))[0]
+        if not split and ranks is not None and ranks > len(found):
+            return Refused(
+                f"Expected at most {_processes(len(found))} on this node, one per {name} "
+                f"device, but LOCAL_WORLD_SIZE={ranks}: "
+                + _shared(f"Start {len(found)}", len(found), variable)
+            )
+        if len(found) == 1 and (split or rank == 0):
+            # One visible device per process: the launcher already split them.
+            return self.of_rank(
+                found[0], rank, f"LOCAL_RANK={rank}, and this process sees one {name} device"
+            )
+        if rank >= len(found):
+            return Refused(
+                f"Expected LOCAL_RANK to be below the number of {name} devices this process "
+                f"sees ({len(found)}), got {rank}: "
+                + _shared(f"Start at most {_processes(len(found))}", len(found), variable)
+            )
+        return self.of_rank(found[rank], rank, f"LOCAL_RANK={rank} (torchrun) selects it")
+
+    def of_rank(self, info: DeviceInfo, rank: int, reason: str) -> Outcome:
+        """The device of ``rank``, to be made the process's current device.
+
+        Before NCCL's first call, so that every rank works on its own GPU rather than
+        all of them on ``cuda:0`` (PyTorch warns that a barrier would "guess" otherwise).
+        """
+        if not self.qualifies(info):
+            return self.unusable(f"LOCAL_RANK={rank} selects {info.device}, but {self.skipped[-1]}")
+        return dataclasses.replace(self.chosen(info.device, reason), current=True)
+
+    # Where nothing qualifies.
+
+    def unusable(self, msg: str) -> Outcome:
+        """Nothing for ``msg``: a reason to wait where the manager may, else a refusal."""
+        if self.request.waiting:
+            return Wait(msg, tuple(self.passed_over()))
+        if self.request.waited is not None:
+            msg += f" (after waiting {duration(self.request.waited)})"
+        return Refused(msg + ".")
+
+    def fall_back(self, why: str | None = None) -> Outcome:
+        request = self.request
+        wanted = [name for name in request.prefer if name != "cpu"]
+        if not wanted:
+            return self.chosen(torch.device("cpu"), "prefer asks for the CPU")
+        looked = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
+        why = why or f"no {looked} device is usable"
+        if request.waiting:
+            # Waiting frees a busy or claimed device; it never makes one appear (a
+            # PyTorch without CUDA, a machine without GPUs): there, give up at once.
+            if any(self.family(name) for name in wanted):
+                return Wait(why, tuple(self.passed_over()))
+            why += " (none is visible, so wait= has nothing to wait for)"
+        if request.waited is not None:
+            why += f" after waiting {duration(request.waited)}"
+        if request.fallback == "error":
+            reasons = " ".join(self.passed_over())
+            msg = f"Expected a usable {looked} device, but {why}. {reasons}".rstrip()
+            return Refused(msg + f" Devices here: {self.listed()}.")
+        chosen = self.chosen(torch.device("cpu"), f"{why}, so the CPU is the fallback")
+        return dataclasses.replace(chosen, fell_back=why)
+
+    def passed_over(self) -> list[str]:
+        return passed_over(self.seen, self.request.prefer, self.skipped)
+
+    # What was seen.
+
+    def chosen(self, device: torch.device, reason: str) -> Chosen:
+        return Chosen(device, reason, tuple(self.skipped))
+
+    def family(self, name: str) -> list[DeviceInfo]:
+        return [
+            info
+            for family in self.seen.families
+            if name in (family.name, family.device_type) and family.device_type != "cpu"
+            for info in family.devices
+        ]
+
+    def accelerators(self) -> tuple[str, list[DeviceInfo]] | None:
+        """The first preferred accelerator family with devices, and its devices."""
+        for name in self.request.prefer:
+            if name != "cpu" and (found := self.family(name)):
+                return name, found
+        return None
+
+    def listed(self) -> str:
+        return ", ".join(str(info.device) for info in self.seen.devices) or "none"
+
+
+def passed_over(seen: Seen, prefer: tuple[str, ...], skipped: list[str]) -> list[str]:
+    """Why each accelerator family or device was not chosen, a sentence each."""
+    reasons = [f"Passed over {reason}." for reason in skipped]
+    for family in seen.families:
+        if family.device_type == "cpu":
+            continue
+        wanted = family.name in prefer or family.device_type in prefer
+        if not family.devices and wanted:
+            note = f" ({family.note})" if family.note else ""
+            reasons.append(f"No {family.name} device is visible{note}.")
+        elif family.devices and not wanted:
+            devices = ", ".join(str(info.device) for info in family.devices)
+            reasons.append(f"Passed over {devices}: {family.name} is not among prefer {prefer}.")
+    return reasons
+
+
+def _shared(start: str, devices: int, variable: str) -> str:
+    """The end of the refusals of ranks that would share a device: why, and what to do."""
+    return (
+        "ranks would share a device, which NCCL refuses ('Duplicate GPU detected'). "
+        f"{start} per node (torchrun --nproc_per_node={devices}), or give each process its "
+        f"own {variable}."
+    )
+
+
+def _processes(number: int) -> str:
+    return "1 process" if number == 1 else f"{number} processes"
+
+
+def who_uses(info: DeviceInfo) -> str:
+    """Who uses a GPU, as NVML lists them: ``31.0 GiB used by pid 4242, pid 77``."""
+    if not info.processes:
+        return ""
+    ordered = sorted(info.processes, key=lambda process: -(process.used_memory or 0))
+    named = [
+        f"{gib(process.used_memory)} used by pid {process.pid}"
+        if process.used_memory is not None
+        else f"used by pid {process.pid}"
+        for process in ordered[:3]
+    ]
+    more = len(ordered) - len(named)
+    return ", ".join(named) + (f" and {more} more" if more else "")
+
+
+def describe(info: DeviceInfo) -> str:
+    """One line about a device, as ``explain()`` and ``devicekit info`` show it."""
+    parts = [f"{info.device!s:<8}", info.name or "unknown model"]
+    if info.free_memory is not None and info.total_memory is not None:
+        parts.append(f"{gib(info.free_memory)} free of {gib(info.total_memory)}")
+    elif info.total_memory is not None:
+        parts.append(f"{gib(info.total_memory)}, free memory unknown")
+    if info.capability is not None:
+        parts.append(f"compute capability {info.capability[0]}.{info.capability[1]}")
+    if info.utilization is not None:
+        parts.append(f"{info.utilization:.0%} busy")
+    return f"{parts[0]} {', '.join(parts[1:])}"

@@ -1,0 +1,301 @@
+"""The choice of a device, as a table of cases: what was seen, what was asked, what comes out.
+
+:func:`devicekit._selection.choose` is pure (no environment, no sleeping, no warning),
+so each rule of the manager's choice is a row here; tests/test_manager.py and
+tests/test_shared_server.py cover what the manager does around it (looking, waiting,
+claiming, warning, making a rank's device current).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from devicekit._backends import DeviceInfo
+from devicekit._selection import Chosen, Family, Refused, Request, Seen, Wait, choose
+
+GiB = 2**30
+CPU = torch.device("cpu")
+
+
+def cuda(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def gpu(index: int, free: float | None = 79.0, busy: float | None = 0.0) -> DeviceInfo:
+    return DeviceInfo(
+        cuda(index),
+        "cuda",
+        index,
+        "H100",
+        80 * GiB,
+        None if free is None else int(free * GiB),
+        (9, 0),
+        f"GPU-{index}",
+        busy,
+    )
+
+
+def machine(*gpus: DeviceInfo, **seen: Any) -> Seen:
+    return Seen((Family("cuda", "cuda", gpus, None if gpus else "no CUDA here"),), **seen)
+
+
+TWO = machine(gpu(0), gpu(1))
+BUSY_FIRST = machine(gpu(0, busy=0.9), gpu(1))
+
+CASES: list[tuple[str, Seen, Request, Any]] = [
+    (
+        "idle: the lowest index",
+        TWO,
+        Request(),
+        Chosen(cuda(0), "it has the most free memory (79.0 GiB of 80.0 GiB)"),
+    ),
+    (
+        "about as free: still the lowest",
+        machine(gpu(0, free=78.0), gpu(1, free=79.0)),
+        Request(),
+        Chosen(cuda(0), "the first with about the most free memory (78.0 GiB of 80.0 GiB)"),
+    ),
+    (
+        "most-free-memory: strictly",
+        machine(gpu(0, free=78.0), gpu(1, free=79.0)),
+        Request(policy="most-free-memory"),
+        Chosen(cuda(1), "it has the most free memory (79.0 GiB of 80.0 GiB)"),
+    ),
+    (
+        "free memory unknown",
+        machine(gpu(0, free=None), gpu(1)),
+        Request(),
+        Chosen(cuda(0), "the first cuda device; free memory is unknown"),
+    ),
+    (
+        "a busy GPU passed over",
+        BUSY_FIRST,
+        Request(max_busy=0.5),
+        Chosen(
+            cuda(1),
+            "the only usable cuda device (79.0 GiB of 80.0 GiB free)",
+            ("cuda:0: 90% busy, more than the 50% max_utilization allows",),
+        ),
+    ),
+    (
+        "too little memory passed over",
+        machine(gpu(0, free=5.0), gpu(1)),
+        Request(min_free=40 * GiB),
+        Chosen(
+            cuda(1),
+            "the only usable cuda device (79.0 GiB of 80.0 GiB free)",
+            ("cuda:0: 5.0 GiB free of 80.0 GiB, less than the 40.0 GiB min_free_memory asks",),
+        ),
+    ),
+    (
+        "claimed by another job",
+        machine(gpu(0), gpu(1), claimed={cuda(0): 4242}),
+        Request(),
+        Chosen(
+            cuda(1),
+            "the only usable cuda device (79.0 GiB of 80.0 GiB free)",
+            ("cuda:0: claimed by pid 4242",),
+        ),
+    ),
+    (
+        "nothing usable: the CPU, warned of",
+        machine(gpu(0, busy=0.9)),
+        Request(max_busy=0.5),
+        Chosen(
+            CPU,
+            "no cuda, xpu or mps device is usable, so the CPU is the fallback",
+            ("cuda:0: 90% busy, more than the 50% max_utilization allows",),
+            fell_back="no cuda, xpu or mps device is usable",
+        ),
+    ),
+    (
+        "nothing usable, fallback=error",
+        machine(gpu(0, busy=0.9)),
+        Request(max_busy=0.5, fallback="error"),
+        Refused(
+            "Expected a usable cuda, xpu or mps device, but no cuda, xpu or mps device is "
+            "usable. Passed over cuda:0: 90% busy, more than the 50% max_utilization allows. "
+            "Devices here: cuda:0."
+        ),
+    ),
+    (
+        "nothing usable, waiting: wait",
+        machine(gpu(0, busy=0.9)),
+        Request(max_busy=0.5, waiting=True),
+        Wait(
+            "no cuda, xpu or mps device is usable",
+            ("Passed over cuda:0: 90% busy, more than the 50% max_utilization allows.",),
+        ),
+    ),
+    (
+        "no GPU at all, waiting: nothing to wait for",
+        machine(),
+        Request(waiting=True),
+        Chosen(
+            CPU,
+            "no cuda, xpu or mps device is usable (none is visible, so wait= has nothing to "
+            "wait for), so the CPU is the fallback",
+            fell_back="no cuda, xpu or mps device is usable (none is visible, so wait= has "
+            "nothing to wait for)",
+        ),
+    ),
+    (
+        "waited out",
+        machine(gpu(0, busy=0.9)),
+        Request(max_busy=0.5, waited=600.0),
+        Chosen(
+            CPU,
+            "no cuda, xpu or mps device is usable after waiting 10 min, so the CPU is the fallback",
+            ("cuda:0: 90% busy, more than the 50% max_utilization allows",),
+            fell_back="no cuda, xpu or mps device is usable after waiting 10 min",
+        ),
+    ),
+    (
+        "prefer the CPU first",
+        TWO,
+        Request(prefer=("cpu",)),
+        Chosen(CPU, "prefer puts the CPU first"),
+    ),
+    ("an explicit device", TWO, Request(device="cuda:1"), Chosen(cuda(1), "asked for cuda:1")),
+    (
+        "'cuda' is the current CUDA device",
+        machine(gpu(0), gpu(1), cuda_index=1),
+        Request(device="cuda"),
+        Chosen(cuda(1), "asked for cuda"),
+    ),
+    (
+        "an explicit device this machine lacks",
+        TWO,
+        Request(device="cuda:7"),
+        Refused(
+            "Expected one of 'cuda:0', 'cuda:1' (the devices here), got 'cuda:7': this "
+            "process sees 2 cuda devices (cuda:0, cuda:1)."
+        ),
+    ),
+    ("an index", TWO, Request(device=1), Chosen(cuda(1), "asked for index 1 of cuda")),
+    (
+        "an index too far",
+        TWO,
+        Request(device=5),
+        Refused(
+            "Expected the index of an accelerator device, got 5; devices here: cuda:0, cuda:1."
+        ),
+    ),
+    (
+        "an explicit device another job claims",
+        machine(gpu(0), gpu(1), claimed={cuda(1): 7}),
+        Request(device="cuda:1"),
+        Refused("Cannot claim cuda:1, asked for as 'cuda:1': pid 7 claims it."),
+    ),
+    (
+        "an explicit device another job claims, waiting",
+        machine(gpu(0), gpu(1), claimed={cuda(1): 7}),
+        Request(device="cuda:1", waiting=True),
+        Wait("Cannot claim cuda:1, asked for as 'cuda:1': pid 7 claims it"),
+    ),
+    (
+        "a device type PyTorch has a backend for, unlisted",
+        machine(gpu(0), loaded=lambda device_type: device_type == "xla"),
+        Request(device="xla:0"),
+        Chosen(torch.device("xla", 0), "asked for xla:0, a device type devicekit cannot check"),
+    ),
+    (
+        "DEVICEKIT_DEVICE",
+        machine(gpu(0), gpu(1), devicekit_device="cuda:1"),
+        Request(),
+        Chosen(cuda(1), "DEVICEKIT_DEVICE asks for it"),
+    ),
+    (
+        "DEVICEKIT_DEVICE an index",
+        machine(gpu(0), gpu(1), devicekit_device="1"),
+        Request(),
+        Chosen(cuda(1), "DEVICEKIT_DEVICE asks for it"),
+    ),
+    (
+        "DEVICEKIT_DEVICE this machine lacks",
+        machine(gpu(0), devicekit_device="cuda:3"),
+        Request(),
+        Refused(
+            "DEVICEKIT_DEVICE='cuda:3' cannot be used: Expected one of 'cuda:0' (the devices "
+            "here), got 'cuda:3': this process sees 1 cuda device (cuda:0)."
+        ),
+    ),
+    (
+        "LOCAL_RANK picks its GPU, made current",
+        machine(gpu(0), gpu(1), local_rank=1),
+        Request(),
+        Chosen(cuda(1), "LOCAL_RANK=1 (torchrun) selects it", current=True),
+    ),
+    (
+        "LOCAL_RANK with one GPU given to the process",
+        machine(gpu(0), local_rank=3, split=frozenset({"cuda"})),
+        Request(),
+        Chosen(cuda(0), "LOCAL_RANK=3, and this process sees one cuda device", current=True),
+    ),
+    (
+        "more ranks than GPUs",
+        machine(gpu(0), gpu(1), local_rank=0, local_world_size=4),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "LOCAL_WORLD_SIZE=4: ranks would share a device, which NCCL refuses ('Duplicate "
+            "GPU detected'). Start 2 per node (torchrun --nproc_per_node=2), or give each "
+            "process its own CUDA_VISIBLE_DEVICES."
+        ),
+    ),
+    (
+        "a rank beyond the GPUs",
+        machine(gpu(0), gpu(1), local_rank=2),
+        Request(),
+        Refused(
+            "Expected LOCAL_RANK to be below the number of cuda devices this process sees "
+            "(2), got 2: ranks would share a device, which NCCL refuses ('Duplicate GPU "
+            "detected'). Start at most 2 processes per node (torchrun --nproc_per_node=2), or "
+            "give each process its own CUDA_VISIBLE_DEVICES."
+        ),
+    ),
+    (
+        "a rank's GPU that another job keeps busy",
+        machine(gpu(0), gpu(1, busy=0.9), local_rank=1),
+        Request(max_busy=0.5),
+        Refused(
+            "LOCAL_RANK=1 selects cuda:1, but cuda:1: 90% busy, more than the 50% "
+            "max_utilization allows."
+        ),
+    ),
+    (
+        "policy local-rank without LOCAL_RANK",
+        TWO,
+        Request(policy="local-rank"),
+        Refused("Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."),
+    ),
+    (
+        "LOCAL_RANK without an accelerator",
+        machine(local_rank=0),
+        Request(),
+        Chosen(
+            CPU,
+            "LOCAL_RANK=0, but no accelerator was found, so the CPU is the fallback",
+            fell_back="LOCAL_RANK=0, but no accelerator was found",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("seen", "request_", "outcome"), [case[1:] for case in CASES], ids=[case[0] for case in CASES]
+)
+def test_the_choice(seen: Seen, request_: Request, outcome: Any) -> None:
+    assert choose(seen, request_) == outcome
+
+
+def test_the_choice_reads_nothing_but_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The environment is the manager's to read: here it changes nothing.
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "cuda:1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert choose(TWO, Request()) == CASES[0][3]
+    assert dataclasses.replace(TWO, local_rank=1) != TWO  # the snapshot is what differs
