@@ -149,8 +149,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # an untyp
                 msg = (
                     f"Expected no transfers between devices inside track_transfers(strict=True), "
                     f"but {event.where} copies {_units.nbytes(event.nbytes)} from "
-                    f"{event.source} to {event.target} ({event.operation}). Inside a training step such copies "
-                    "(.item(), .cpu(), printing a tensor) stall the device: move them out, or "
+                    f"{event.source} to {event.target} ({event.operation}). Inside a training "
+                    "step such copies (.item(), .cpu(), printing a tensor) stall the device: "
+                    "move them out, or "
                     "batch them."
                 )
                 raise TransferError(msg)
