@@ -216,7 +216,7 @@ _NAMEDTUPLE = Node(
     lambda node: [f".{name}" for name in node._fields],
     names=lambda node: node._fields,
 )
-_SET = Node(iter, _by_type, lambda node: [f"{{{index}}}" for index, _ in enumerate(node)])
+SET = Node(iter, _by_type, lambda node: [f"{{{index}}}" for index, _ in enumerate(node)])
 
 
 def _dataclass_node(cls: type) -> Node:
@@ -273,7 +273,7 @@ def container_node(cls: type) -> Node | None:
     if issubclass(cls, Sequence):
         return _OTHER_SEQUENCE
     if issubclass(cls, set | frozenset):
-        return _SET
+        return SET
     return _dataclass_node(cls) if dataclasses.is_dataclass(cls) else None
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import re
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from devicekit.testing import (
     FrozenRecord,
     Pair,
     Record,
+    _assertions,
     assert_batches_equal,
     assert_on_device,
     assert_same_structure,
@@ -236,3 +239,54 @@ def test_sets_of_tensors_compare_member_by_member_in_any_order() -> None:
 def test_bad_strategy_arguments_fail_when_the_strategy_is_made(make: Any, message: str) -> None:
     with pytest.raises(InvalidArgument, match=re.escape(message)):
         make()  # nothing drawn: the mistake is where the strategy is written
+
+
+def test_the_assertions_import_and_work_without_hypothesis() -> None:
+    code = (
+        "import sys\n"
+        "class NoHypothesis:\n"
+        "    def find_spec(self, name, *args):\n"
+        "        if name.split('.')[0] == 'hypothesis':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoHypothesis())\n"
+        "import torch\n"
+        "from devicekit.testing import assert_batches_equal, assert_same_structure\n"
+        "assert_batches_equal({'x': torch.ones(2)}, {'x': torch.ones(2)})\n"
+        "import devicekit.testing\n"
+        "try:\n"
+        "    devicekit.testing.batches\n"
+        "except ModuleNotFoundError as err:\n"
+        "    print(err)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(
+        "devicekit.testing.batches is a Hypothesis strategy and needs Hypothesis"
+    )
+
+
+def test_objects_that_move_themselves_compare_by_what_they_hold() -> None:
+    sequences = [torch.ones(3, 2), torch.zeros(2, 2)]
+    packed = torch.nn.utils.rnn.pack_sequence(sequences, enforce_sorted=False)
+    assert_batches_equal(torch.nn.utils.rnn.pack_sequence(sequences, enforce_sorted=False), packed)
+    other = torch.nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)], False)
+    with pytest.raises(AssertionError, match=re.escape("data.data: values differ")):
+        assert_batches_equal(other, packed)
+
+
+def test_sets_of_equal_tensors_match_without_pairwise_comparisons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pairwise: list[object] = []
+    matches = _assertions._matches
+    monkeypatch.setattr(
+        _assertions, "_matches", lambda *a, **k: pairwise.append(a) or matches(*a, **k)
+    )
+    members = {torch.full((2,), float(i)) for i in range(2000)}
+    moved = {tensor.clone() for tensor in members}  # new objects: tensors hash by identity
+    assert_batches_equal(moved, members)
+    assert pairwise == []  # matched by digest, in linear time
+    nan = torch.tensor([float("nan")])
+    assert_batches_equal({nan.clone()}, {nan})  # NaN equals NaN here, as elsewhere

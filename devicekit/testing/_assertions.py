@@ -1,0 +1,262 @@
+"""Assertions over nested data, through the type table: no Hypothesis needed.
+
+They take data apart as to_device does (the CAST view of devicekit._kinds), so what
+they compare is what devicekit moves: containers by type and keys, objects that move
+themselves by what they hold, leaves as their kind compares (tensors by shape, dtype
+and values on any device, numpy arrays by value, the rest by ``==``).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, NamedTuple
+
+import torch
+
+from devicekit._checks import describe_devices, find_devices
+from devicekit._devices import DeviceLike, resolve_device
+from devicekit._kinds import CAST, SET, Leaf, decide, leaf_how, mapping_items
+from devicekit._tree import flatten, paths
+
+__all__ = ["assert_batches_equal", "assert_on_device", "assert_same_structure"]
+
+
+def assert_on_device(data: Any, device: DeviceLike, /) -> None:
+    """Assert every tensor in ``data`` is on ``device`` (``"cuda"``: the current one).
+
+    >>> import torch
+    >>> from devicekit.testing import assert_on_device
+    >>> assert_on_device({"x": torch.ones(1)}, "cpu")
+
+    Raises:
+        AssertionError: Naming each tensor elsewhere and its device.
+    """
+    expected = resolve_device(device)
+    found = find_devices(data)
+    stray = {
+        found_device: paths for found_device, paths in found.items() if found_device != expected
+    }
+    if stray:
+        where = describe_devices(stray)
+        msg = f"Expected every tensor on {expected}, but {where}."
+        raise AssertionError(msg)
+
+
+def assert_same_structure(actual: Any, expected: Any, /) -> None:
+    """Assert both have the same containers, keys, tensor shapes and dtypes, and other leaves.
+
+    Containers must be of the same exact types. A dict's keys may come in any order, as
+    Python's ``==`` has it (an OrderedDict's may not); a set's members are matched in any
+    order. Objects that move themselves (a PackedSequence, a TensorDict, a graph) are
+    compared by what they hold, as the type table sees it. Tensor values are not compared.
+
+    >>> import torch
+    >>> from devicekit.testing import assert_same_structure
+    >>> assert_same_structure({"x": [torch.ones(2)]}, {"x": [torch.zeros(2)]})
+
+    Raises:
+        AssertionError: Naming the first path where they differ.
+    """
+    _compare(actual, expected, values=False)
+
+
+def assert_batches_equal(actual: Any, expected: Any, /) -> None:
+    """Assert same structure and equal values; tensors may be on different devices.
+
+    Meta tensors hold no values: where either side is on meta, shapes and dtypes must
+    match and values are not compared. Sparse tensors compare by the values they stand
+    for, numpy arrays by shape, dtype and values; NaN equals NaN in both.
+
+    >>> import torch
+    >>> from devicekit.testing import assert_batches_equal
+    >>> assert_batches_equal([torch.arange(3)], [torch.arange(3)])
+
+    Raises:
+        AssertionError: Naming the first path where they differ, and how.
+    """
+    _compare(actual, expected, values=True)
+
+
+class _Shape(NamedTuple):
+    """Data as the type table takes it apart (the CAST view), every part by its path."""
+
+    parts: dict[str, Any]
+    """Every container and leaf."""
+    counts: dict[str, int]
+    """How many children each container has."""
+    order: list[tuple[str, Any]]
+    """The containers, parents first, then the leaves in walk order."""
+    leaves: frozenset[str]
+    """The paths of the leaves."""
+
+
+def _shape(data: Any) -> _Shape:
+    # CAST: containers as to_device rebuilds them, and objects that move themselves by
+    # what they hold (a PackedSequence's fields, a TensorDict's items), never by their ==.
+    flat = flatten(data, view=CAST)
+    leaf_paths, container_paths = paths(flat)
+    containers = [(path, entry[2]) for path, entry in zip(container_paths, flat.spec, strict=True)]
+    containers.reverse()  # the spec closes children first
+    leaves = list(zip(leaf_paths, flat.leaves, strict=True))
+    counts = {path: entry[3] for path, entry in zip(container_paths, flat.spec, strict=True)}
+    return _Shape(dict(containers + leaves), counts, containers + leaves, frozenset(leaf_paths))
+
+
+def _compare(actual: Any, expected: Any, *, values: bool) -> None:
+    mine, theirs = _shape(actual), _shape(expected)
+    compared_whole: list[str] = []  # sets: their members matched as a whole, unordered
+    for path, want in theirs.order:
+        if any(path.startswith(whole + "{") for whole in compared_whole):
+            continue
+        where = "data" + path
+        got: Any = mine.parts.get(path)
+        if type(got) is not type(want):
+            msg = f"{where}: expected a {type(want).__name__}, got a {type(got).__name__}."
+            raise AssertionError(msg)
+        if path in theirs.leaves:
+            _compare_leaves(got, want, where, values=values)
+            continue
+        node = decide(type(want)).cast
+        if node is SET:
+            compared_whole.append(path)
+            _compare_members(got, want, where, values=values)
+        elif node.mapping:
+            keys, got_keys = [k for k, _ in mapping_items(want)], [k for k, _ in mapping_items(got)]
+            # Python's dicts compare equal in any order; OrderedDicts do not.
+            ordered = isinstance(want, collections.OrderedDict)
+            if keys != got_keys if ordered else _differ_unordered(keys, got_keys):
+                msg = f"{where}: expected keys {keys!r}, got {got_keys!r}."
+                raise AssertionError(msg)
+        elif theirs.counts[path] != mine.counts[path]:
+            msg = f"{where}: expected {theirs.counts[path]} items, got {mine.counts[path]}."
+            raise AssertionError(msg)
+
+
+def _compare_leaves(got: Any, want: Any, where: str, *, values: bool) -> None:
+    """Two leaves of one type, compared as the table says their kind is."""
+    how, _ = leaf_how(type(want))
+    if how is Leaf.TENSOR or how is Leaf.PARAMETER:
+        _compare_tensors(got, want, where, values=values)
+    elif how is Leaf.ARRAY:
+        if not _equal_arrays(got, want):
+            msg = f"{where}: expected {want!r}, got {got!r}."
+            raise AssertionError(msg)
+    elif got is not want and not _equal(got, want):
+        msg = f"{where}: expected {want!r}, got {got!r}."
+        raise AssertionError(msg)
+
+
+def _equal(got: Any, want: Any) -> bool:
+    """``got == want``, where that says yes or no (a module's, an object's own ``==``)."""
+    try:
+        return bool(got == want)
+    except (RuntimeError, ValueError, TypeError):  # no single truth value: not equal here
+        return False
+
+
+def _equal_arrays(got: Any, want: Any) -> bool:
+    """Two numpy arrays: equal shape, dtype and values, NaN equal to NaN."""
+    import numpy  # noqa: PLC0415 - only where arrays are compared: numpy is optional
+
+    return (
+        got.shape == want.shape
+        and got.dtype == want.dtype
+        and bool(numpy.array_equal(got, want, equal_nan=want.dtype.kind in "fc"))
+    )
+
+
+def _differ_unordered(keys: list[Any], got_keys: list[Any]) -> bool:
+    return len(keys) != len(got_keys) or any(key not in got_keys for key in keys)
+
+
+def _compare_members(got: Any, want: Any, where: str, *, values: bool) -> None:
+    """Sets: each expected member matched by one actual member, in any order.
+
+    Tensors hash by identity, so a moved set of tensors holds new members: members are
+    matched by a digest of what is compared (a tensor's shape, dtype and bytes, another
+    member itself), in linear time; those without an equal digest (a NaN written two
+    ways, a member that cannot be hashed) are then matched one by one.
+    """
+    if len(got) != len(want):
+        msg = f"{where}: expected {len(want)} members, got {len(got)}."
+        raise AssertionError(msg)
+    waiting: dict[Any, list[Any]] = collections.defaultdict(list)
+    for member in got:
+        waiting[_digest(member, values=values)].append(member)
+    unmatched = []
+    for member in want:
+        bucket = waiting.get(_digest(member, values=values))
+        if bucket:
+            bucket.pop()
+        else:
+            unmatched.append(member)
+    left = [member for bucket in waiting.values() for member in bucket]
+    for member in unmatched:
+        match = next((g for g in left if _matches(g, member, values=values)), _NO_MATCH)
+        if match is _NO_MATCH:
+            msg = f"{where}: expected a member like {member!r}, found none among {got!r}."
+            raise AssertionError(msg)
+        left.remove(match)
+
+
+def _digest(member: Any, *, values: bool) -> Any:
+    """What two members equal as the comparison has it share, hashable; else something unique."""
+    if isinstance(member, torch.Tensor):
+        described = (type(member), tuple(member.shape), member.dtype, member.layout)
+        if not values or member.is_meta:
+            return described
+        host = member.detach().cpu()
+        host = host.to_dense() if host.layout != torch.strided else host
+        return (*described, bytes(host.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    try:
+        hash(member)
+    except TypeError:
+        return object()  # matched one by one
+    return (type(member), member)
+
+
+_NO_MATCH: Any = object()
+
+
+def _matches(got: Any, want: Any, *, values: bool) -> bool:
+    try:
+        _compare(got, want, values=values)
+    except AssertionError:
+        return False
+    return True
+
+
+def _compare_tensors(
+    actual: torch.Tensor, expected: torch.Tensor, path: str, *, values: bool
+) -> None:
+    if (
+        actual.shape != expected.shape
+        or actual.dtype != expected.dtype
+        or actual.layout != expected.layout
+    ):
+        layouts = (
+            ("", "")
+            if actual.layout == expected.layout
+            else (f" {_layout(expected)}", f" {_layout(actual)}")
+        )
+        msg = (
+            f"{path}: expected a{layouts[0]} {expected.dtype} tensor of shape "
+            f"{tuple(expected.shape)}, got{layouts[1]} {actual.dtype} of shape "
+            f"{tuple(actual.shape)}."
+        )
+        raise AssertionError(msg)
+    if not values or actual.is_meta or expected.is_meta:
+        return
+    mine, theirs = actual.cpu(), expected.cpu()
+    if mine.layout != torch.strided:  # sparse: the values it stands for, however stored
+        mine, theirs = mine.to_dense(), theirs.to_dense()
+    same = torch.equal(mine, theirs)
+    if not same and mine.is_floating_point() | mine.is_complex():  # NaN is equal to NaN here
+        same = bool(torch.isclose(mine, theirs, rtol=0, atol=0, equal_nan=True).all())
+    if not same:
+        msg = f"{path}: values differ: expected {theirs.tolist()!r}, got {mine.tolist()!r}."
+        raise AssertionError(msg)
+
+
+def _layout(tensor: torch.Tensor) -> str:
+    return str(tensor.layout).removeprefix("torch.")
