@@ -566,8 +566,8 @@ def skipping_view(
     with _lock:
         if len(_skipping) >= SKIP_SETS_KEPT:
             _skipping.clear()  # skip sets made at run time must not pile up
-        _skipping[key] = nodes, learn
-    return nodes, learn
+        # The stored view is the one handed out, even when a thread beside us stored first.
+        return _skipping.setdefault(key, (nodes, learn))
 
 
 def leaf_how(cls: type) -> tuple[Leaf | None, Any]:

@@ -1,4 +1,7 @@
-"""Shared test configuration: Hypothesis profiles, the cuda marker, and fixtures."""
+"""Shared test configuration: Hypothesis profiles, the cuda marker, and fixtures.
+
+Constants and helpers that tests import (META, CPU, Pair, ...) are in tests/helpers.py.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,9 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+import devicekit as dk
+from devicekit import _kinds
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -33,6 +39,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_transfer_rule_left_behind() -> Iterator[None]:
+    """Fail a test that leaves a transfer rule registered, once the rule is taken away.
+
+    A rule left in devicekit's table would change how every later test moves its type.
+    """
+    before = dict(_kinds._rules)
+    yield
+    left = [cls for cls, rule in list(_kinds._rules.items()) if before.get(cls) is not rule]
+    for cls in left:
+        dk.unregister_transfer(cls)
+    for cls, rule in before.items():
+        if cls not in _kinds._rules:  # taken away by the test: given back
+            dk.register_transfer(cls)(rule)
+    if left:
+        names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in left)
+        pytest.fail(
+            f"The test left a transfer rule registered for {names}: unregister it in the "
+            "test (try/finally, or a fixture), so that later tests are unaffected.",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ import torch
 from devicekit import DeviceInfo, GpuProcess
 from devicekit._backends import CpuBackend
 
+from .helpers import GiB
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-GiB = 2**30
 
 
 @dataclasses.dataclass

@@ -1,13 +1,37 @@
-"""Structural comparisons used across the tests."""
+"""Constants, structural comparisons and small helpers shared across the tests."""
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .reference import tensors_of
+
+META = torch.device("meta")
+"""The second device on CPU machines: tensors with a shape and no data."""
+CPU = torch.device("cpu")
+GiB = 2**30
+
+Pair = namedtuple("Pair", ["x", "y"])
+"""A plain namedtuple, as users write them."""
+
+
+def cuda(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+class PinRecorder:
+    """Stands in for Tensor.pin_memory where nothing can be pinned: a copy, recorded."""
+
+    def __init__(self) -> None:
+        self.pinned: list[torch.Tensor] = []
+
+    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.pinned.append(tensor)
+        return tensor.clone()
 
 
 def tensor_leaves(data: Any) -> Iterator[torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import TYPE_CHECKING
@@ -17,10 +18,10 @@ import devicekit as dk
 from devicekit._backends import CpuBackend, CudaBackend, builtin_backends
 from devicekit._nvml import NvmlGpu, parse_visible_devices, visible_gpus
 
+from .helpers import CPU, GiB
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
-
-GiB = 2**30
 
 
 def _gpu(number: int, capability: tuple[int, int] = (9, 0), free: int = 70) -> NvmlGpu:
@@ -133,7 +134,7 @@ def test_cuda_backend_says_when_pytorch_cannot_use_the_gpus() -> None:
 
 def test_the_cpu_is_always_there() -> None:
     (info,) = CpuBackend().devices()
-    assert info.device == torch.device("cpu")
+    assert info.device == CPU
     assert info.total_memory is None or info.total_memory > 0
 
 
@@ -155,7 +156,7 @@ def test_listing_devices_starts_no_cuda() -> None:
     )
     initialized, device = json.loads(result.stdout)
     assert initialized is False
-    assert device
+    assert re.fullmatch(r"cpu|meta|(cuda|mps|xpu):\d+", device), device  # a device was chosen
 
 
 # On a GPU machine.

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
 import devicekit as dk
+from devicekit import _devices
 from devicekit._devices import available_devices, resolve_device
+
+from .fakes import machine
+from .helpers import META
 
 
 def test_host_devices_resolve_without_an_index() -> None:
@@ -24,6 +29,36 @@ def test_available_devices_always_lists_the_host_devices() -> None:
 def test_a_bool_is_not_a_device_index() -> None:
     with pytest.raises(TypeError, match=re.escape("got bool True.")):
         resolve_device(True)
+
+
+def test_the_device_of_a_spec_does_not_depend_on_what_was_asked_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_devices, "_resolved", {})
+    monkeypatch.setattr(_devices, "_default_family", lambda: "meta")  # 0 names a device
+    assert _devices.resolve_device(0) == META
+    for spec in (False, 0.0, np.float64(0)):
+        with pytest.raises(TypeError, match=re.escape("Expected a device as a torch.device")):
+            _devices.resolve_device(spec)  # type: ignore[arg-type]
+    assert _devices.resolve_device(np.int64(0)) == META  # an integer index is one
+
+
+def test_a_backend_this_pytorch_lacks_is_refused() -> None:
+    msg = (
+        "Expected a device of a backend this PyTorch has, got 'xla': no xla backend is "
+        "loaded (an extension such as torch_xla registers one when imported)."
+    )
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager("xla", backends=machine(70))
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.to_device(torch.ones(1), "xla")
+
+
+def test_a_long_device_string_is_cut_short_in_the_message() -> None:
+    with pytest.raises(dk.DeviceUnavailableError) as info:
+        dk.to_device(torch.ones(1), "c" * 100_000)
+    assert len(str(info.value)) < 400
+    assert "(100,000 characters)" in str(info.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")

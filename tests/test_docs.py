@@ -12,6 +12,7 @@ import pytest
 
 import devicekit
 import devicekit.testing
+from devicekit import _kinds
 
 DOCS = Path(__file__).parent.parent / "docs"
 
@@ -128,7 +129,12 @@ def test_a_section_runs_on_its_own_after_its_page_s_introduction(
     monkeypatch.chdir(tmp_path)  # what a page writes lands here
     for variable in ("DEVICEKIT_DEVICE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DEVICEKIT_CLAIM_DIR"):
         monkeypatch.delenv(variable, raising=False)
-    failures = _run_blocks(intro + section, name)
+    registered = set(_kinds._rules)
+    try:
+        failures = _run_blocks(intro + section, name)
+    finally:  # a reader's session ends with the page, and the rules it registered with it
+        for cls in set(_kinds._rules) - registered:
+            devicekit.unregister_transfer(cls)
     assert failures == [], "".join(failures)[-3000:]
 
 

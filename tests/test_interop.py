@@ -20,8 +20,7 @@ from torch.utils.data import DataLoader
 import devicekit as dk
 from devicekit import _loader
 
-META = torch.device("meta")
-CPU = torch.device("cpu")
+from .helpers import CPU, META, PinRecorder
 
 
 def _require(name: str) -> Any:
@@ -244,17 +243,6 @@ def test_requiring_interop_packages_fails_where_one_is_missing(
         _require("no_such_package_here")
 
 
-class PinRecorder:
-    """Stands in for Tensor.pin_memory where nothing can be pinned: a copy, recorded."""
-
-    def __init__(self) -> None:
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.shapes.append(tuple(tensor.shape))
-        return tensor.clone()
-
-
 def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -273,14 +261,14 @@ def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
     }
     graph_features = batches["graph"].x
     for name, batch in batches.items():
-        recorder.shapes.clear()
+        recorder.pinned.clear()
         pinned = _loader._pin(
             {  # the feed's pinning, as StreamPrefetcher.pin runs it
                 "batch": batch,
                 "id": 3,
             }
         )
-        assert (4, 3) in recorder.shapes, name
+        assert (4, 3) in [tuple(tensor.shape) for tensor in recorder.pinned], name
         assert type(pinned["batch"]) is type(batch)
         assert pinned["batch"] is not batch
     assert batches["graph"].x is graph_features  # pinned on a copy: the input is unchanged

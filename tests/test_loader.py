@@ -19,10 +19,8 @@ import devicekit as dk
 from devicekit._loader import _BackgroundFeed
 from devicekit.testing import assert_same_structure, batches
 
-from .helpers import tensor_leaves
+from .helpers import META, tensor_leaves
 from .programs import run_program
-
-META = torch.device("meta")
 
 
 def _dataset(n: int = 20) -> TensorDataset:
@@ -159,6 +157,18 @@ def test_a_used_up_iterator_is_refused_for_a_second_epoch() -> None:
         list(loader)
 
 
+def test_a_generator_left_early_is_not_called_used_up() -> None:
+    loader = dk.DeviceDataLoader((torch.ones(1) for _ in range(5)), META)
+    for _ in loader:
+        break
+    msg = (
+        "Expected a re-iterable loader for another epoch, but the wrapped generator is an "
+        "iterator that an earlier epoch already started and left early"
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        list(loader)
+
+
 # Faults.
 
 
@@ -290,6 +300,16 @@ def test_closing_the_feed_early_ends_its_thread_over_fifty_epochs() -> None:
             "Expected pin_memory to be 'auto', True or False, got 'yes'.",
         ),
         ({"device": "gpu"}, dk.DeviceUnavailableError, "got 'gpu'"),
+        (
+            {"transform": 5},
+            TypeError,
+            "Expected transform to be a function of a batch (or None), got int 5.",
+        ),
+        (
+            {"non_blocking": "yes"},
+            ValueError,
+            "Expected non_blocking to be 'auto', True or False, got 'yes'.",
+        ),
     ],
 )
 def test_bad_arguments_are_refused(

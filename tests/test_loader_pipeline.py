@@ -30,9 +30,7 @@ from devicekit import _loader
 from devicekit._packing import PACK_MAX_BYTES
 
 from .conftest import WATCHDOG_S, Hang
-
-META = torch.device("meta")
-
+from .helpers import META, PinRecorder
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
@@ -494,17 +492,6 @@ def test_the_feed_thread_pins_on_one_core_and_leaves_the_training_thread_s(
     assert threads_seen == [1, 1]  # the first batch is read (and not pinned) in this thread
     assert torch.get_num_threads() == before
     _no_thread_left()
-
-
-class PinRecorder:
-    """Stands in for Tensor.pin_memory where nothing can be pinned: a copy, recorded."""
-
-    def __init__(self) -> None:
-        self.pinned: list[torch.Tensor] = []
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.pinned.append(tensor)
-        return tensor.clone()
 
 
 def test_pinning_takes_large_host_tensors_once_each_and_leaves_the_rest() -> None:

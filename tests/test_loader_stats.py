@@ -21,7 +21,8 @@ import devicekit as dk
 from devicekit import _loader
 from devicekit._stats import PER_BATCH_KEPT, LoaderStats, Setup, verdict
 
-META = torch.device("meta")
+from .helpers import META
+
 SOURCE_S, STEP_S = 0.030, 0.005  # input-bound: the loop waits 30 of every 35 ms
 COPY_S = 0.004
 
@@ -104,15 +105,12 @@ def test_a_source_with_no_dataloader_gets_a_verdict_without_worker_advice() -> N
     assert not re.search(r"try num_workers=\d", loader.stats.verdict)
 
 
-def test_before_any_epoch_the_stats_are_empty_and_valid() -> None:
+def test_before_any_epoch_no_batch_is_reported_and_the_verdict_says_so() -> None:
     stats = dk.DeviceDataLoader([torch.zeros(1)], "cpu").stats
-    assert stats == LoaderStats()
-    assert (stats.batches, stats.wait_s, stats.wait_fraction, stats.wait_per_batch) == (
-        0,
-        0.0,
-        0.0,
-        (),
-    )
+    assert (stats.batches, stats.samples, stats.finished) == (0, 0, False)
+    assert (stats.wait_s, stats.step_s, stats.elapsed_s, stats.wait_fraction) == (0, 0, 0, 0)
+    assert (stats.wait_per_batch, stats.step_per_batch) == ((), ())
+    assert (stats.copy_s, stats.copy_per_batch) == (None, None)
     assert stats.verdict == "No batch has been handed over yet: nothing to judge."
 
 
@@ -239,7 +237,6 @@ def test_the_feed_thread_pins_inside_a_named_range(monkeypatch: pytest.MonkeyPat
 def test_what_the_verdict_knows_is_read_from_the_dataloader() -> None:
     inner = DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=2)
     loader = dk.DeviceDataLoader(inner, "cpu")
-    assert loader.stats.verdict == LoaderStats.verdict
     setup = Setup("DataLoader", 0, False, False, False, 16, batch_size=2, epoch_samples=8)
     assert loader._setup(ahead=False) == setup
 

@@ -14,19 +14,15 @@ import devicekit as dk
 from devicekit import _manager, _units
 
 from .fakes import FakeGpus, machine
+from .helpers import CPU, META, cuda
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-CPU = torch.device("cpu")
 FALLBACK_WARNING = (
     "devicekit uses the CPU: no cuda, xpu or mps device is usable; see DeviceManager().explain()."
 )
 EXPECTED_A_DEVICE = "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
-
-
-def cuda(index: int) -> torch.device:
-    return torch.device("cuda", index)
 
 
 @pytest.fixture(autouse=True)
@@ -170,7 +166,7 @@ def test_explicit_devices_and_indices() -> None:
     assert dk.DeviceManager(1, backends=backends).device == cuda(1)
     assert dk.DeviceManager("cuda", backends=backends).device == cuda(0)
     assert dk.DeviceManager("cpu", backends=backends).device == CPU
-    assert dk.DeviceManager("meta", backends=backends).device == torch.device("meta")
+    assert dk.DeviceManager("meta", backends=backends).device == META
 
 
 @pytest.mark.parametrize(
@@ -237,6 +233,32 @@ def test_bad_options_are_refused(options: dict[str, object], message: str) -> No
         dk.DeviceManager(backends=machine(70), **options)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (
+            {"min_free_memory": "9" * 400 + "GiB"},
+            ValueError,
+            "Expected min_free_memory as a size a device can have, got '99999",
+        ),
+        ({"prefer": []}, ValueError, "Expected prefer to list device families among"),
+        (
+            {"backends": [object()]},
+            TypeError,
+            (
+                "Expected backends with a name, a device_type and devices() (the "
+                "devicekit.Backend protocol), got object <object object at"
+            ),
+        ),
+    ],
+)
+def test_manager_options_are_checked_where_they_are_given(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        dk.DeviceManager(**options)  # type: ignore[arg-type]
+
+
 # torchrun and the environment.
 
 
@@ -300,9 +322,9 @@ def test_devicekit_device_is_one_rule_for_every_entry_point(
     monkeypatch.setenv("DEVICEKIT_DEVICE", "meta")
     _manager._process_default.cache_clear()
     try:
-        assert dk.DeviceManager().device == torch.device("meta")
-        assert dk.DeviceManager.from_env().device == torch.device("meta")
-        assert dk.current_device() == torch.device("meta")
+        assert dk.DeviceManager().device == META
+        assert dk.DeviceManager.from_env().device == META
+        assert dk.current_device() == META
         assert dk.DeviceManager().reason == "DEVICEKIT_DEVICE asks for it"
     finally:
         _manager._process_default.cache_clear()
@@ -343,6 +365,18 @@ def test_devicekit_device_wins_over_local_rank(monkeypatch: pytest.MonkeyPatch) 
     assert manager.reason == "DEVICEKIT_DEVICE asks for it"
     monkeypatch.setenv("DEVICEKIT_DEVICE", "1")
     assert dk.DeviceManager.from_env(backends=machine(70, 70)).device == cuda(1)
+
+
+def test_from_env_takes_a_device_that_the_variable_overrides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert dk.DeviceManager.from_env(device="cpu", backends=machine(70)).device == torch.device(
+        "cpu"
+    )
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "meta")
+    manager = dk.DeviceManager.from_env(device="cpu", backends=machine(70))
+    assert manager.device == META
+    assert manager.reason == "DEVICEKIT_DEVICE asks for it"
 
 
 @pytest.mark.parametrize(
@@ -437,27 +471,25 @@ def test_with_blocks_nest_and_restore() -> None:
     outer = dk.DeviceManager("meta")
     inner = dk.DeviceManager("cpu")
     with outer:
-        assert dk.current_device() == torch.device("meta")
+        assert dk.current_device() == META
         with inner:
             assert dk.current_device() == CPU
             with outer:
-                assert dk.current_device() == torch.device("meta")
+                assert dk.current_device() == META
             assert dk.current_device() == CPU
-        assert dk.current_device() == torch.device("meta")
+        assert dk.current_device() == META
 
 
-def test_to_device_uses_the_active_manager() -> None:
+def test_a_manager_leaving_out_of_order_takes_only_its_own_device_away() -> None:
+    outer, inner = dk.DeviceManager("cpu"), dk.DeviceManager("meta")
     with dk.DeviceManager("meta"):
-        assert dk.to_device({"x": torch.ones(1)})["x"].device == torch.device("meta")
-
-
-def test_the_process_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DEVICEKIT_DEVICE", "meta")
-    _manager._process_default.cache_clear()
-    try:
-        assert dk.current_device() == torch.device("meta")
-    finally:
-        _manager._process_default.cache_clear()
+        outer.__enter__()
+        inner.__enter__()
+        outer.__exit__(None, None, None)  # out of order: the inner block is still open
+        assert dk.current_device() == META  # inner's, not outer's
+        inner.__exit__(None, None, None)
+        outer.__exit__(None, None, None)  # left already: nothing more to take away
+        assert dk.current_device() == META
 
 
 def test_threads_see_only_their_own_devices() -> None:
@@ -498,7 +530,7 @@ def test_asyncio_tasks_see_only_their_own_devices() -> None:
         return await asyncio.gather(run(dk.DeviceManager("meta")), run(dk.DeviceManager("cpu")))
 
     meta_seen, cpu_seen = asyncio.run(main())
-    assert set(meta_seen) == {torch.device("meta")}
+    assert set(meta_seen) == {META}
     assert set(cpu_seen) == {CPU}
 
 
@@ -506,3 +538,11 @@ def test_parse_bytes_units() -> None:
     assert _units.parse_bytes("500MB") == 500 * 10**6
     assert _units.parse_bytes("2 kib") == 2048
     assert _units.parse_bytes("3") == 3
+
+
+@pytest.mark.usefixtures("watchdog")
+def test_parse_bytes_fails_at_once_on_a_long_run_of_spaces() -> None:
+    # Backtracking, 200,000 spaces take minutes: the watchdog fails the test instead.
+    with pytest.raises(ValueError, match="Expected min_free_memory"):
+        _units.parse_bytes("1" + " " * 200_000 + "!")
+    assert _units.parse_bytes(" 8 GiB ") == 8 * 2**30

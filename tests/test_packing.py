@@ -23,10 +23,8 @@ from devicekit._packing import CHUNK_BYTES, PACK_MAX_BYTES, pack
 from devicekit._transfer import as_accelerator
 from devicekit.testing import tensors
 
-from .helpers import tensor_leaves
+from .helpers import CPU, META, tensor_leaves
 
-CPU = torch.device("cpu")
-META = torch.device("meta")
 PACKABLE_DTYPES = sorted(_packing._PACKABLE_DTYPES, key=str)
 
 

@@ -13,11 +13,8 @@ import devicekit as dk
 from devicekit._transfer import as_accelerator
 from devicekit.testing import batches, tensors
 
-from .helpers import assert_unchanged, snapshot, tensor_leaves
+from .helpers import CPU, META, assert_unchanged, snapshot, tensor_leaves
 from .reference import assert_moved_like, reference_move
-
-META = torch.device("meta")
-CPU = torch.device("cpu")
 
 
 @given(batches(), st.sampled_from([META, CPU]), st.sampled_from([None, torch.float16]))

@@ -1,5 +1,5 @@
-"""dk.save is torch.save made atomic and nothing more; dk.load reads back what it wrote,
-never hangs, and never advises running a pickle's code."""
+"""dk.save is torch.save made atomic and nothing more; dk.load reads back what it wrote onto
+the device asked for, never hangs, and never advises running a pickle's code."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import torch
 
 import devicekit as dk
 from devicekit import _checkpoint, _compat
+
+from .helpers import META
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_A_CHECKPOINT = "Expected a file written by torch.save, but "
@@ -412,6 +414,96 @@ def test_a_checkpoint_a_weights_only_load_refuses_gets_devicekit_s_sentence(tmp_
     _no_advice_to_run_code(message)
 
 
+class _WritesAFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.txt"
+    payload = tmp_path / "payload.pt"
+    torch.save({"weights": torch.ones(1), "surprise": _WritesAFile(planted)}, payload)
+    assert not planted.exists()
+    with pytest.raises(pickle.UnpicklingError, match="which a weights-only load does not build"):
+        dk.load(payload, "cpu")
+    assert not planted.exists()
+
+
+# Loading onto the device asked for.
+
+
+def _relocate(path: Path, location: str) -> None:
+    """Rewrite a saved checkpoint as if its tensors had been saved on `location`."""
+
+    class Call:
+        """A rebuild call read from the pickle, written back as it was, not run."""
+
+        def __init__(self, function: object, *args: object) -> None:
+            self.function, self.args = function, args
+
+        def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+            return self.function, self.args
+
+    class Reader(pickle.Unpickler):
+        def persistent_load(self, pid: object) -> object:
+            return pid
+
+        def find_class(self, module: str, name: str) -> object:
+            found = super().find_class(module, name)
+            if module == "torch._utils":
+                return lambda *args: Call(found, *args)
+            return found
+
+    class Writer(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            if isinstance(obj, tuple) and obj and obj[0] == "storage":
+                return (*obj[:3], location, *obj[4:])
+            return None
+
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    name = next(name for name in members if name.endswith("data.pkl"))
+    data = Reader(io.BytesIO(members[name])).load()
+    out = io.BytesIO()
+    Writer(out, protocol=2).dump(data)
+    members[name] = out.getvalue()
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, content in members.items():
+            archive.writestr(member, content)
+
+
+def test_a_checkpoint_from_another_device_loads_onto_the_target(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"weight": torch.arange(4.0), "step": 7}, path)
+    _relocate(path, "cuda:3")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(path, weights_only=True)  # what devicekit spares its users
+    loaded = dk.load(path, "cpu")
+    assert torch.equal(loaded["weight"], torch.arange(4.0))
+    assert loaded["step"] == 7
+    assert dk.load(path, "meta")["weight"].device == META
+    with dk.DeviceManager("meta"):
+        assert dk.load(path)["weight"].device == META
+
+
+def test_loading_a_checkpoint_of_meta_tensors_onto_a_real_device_says_so() -> None:
+    buffer = io.BytesIO()
+    torch.save({"fc.weight": torch.ones(2, device="meta"), "step": 3}, buffer)
+    buffer.seek(0)
+    msg = (
+        "Expected a checkpoint with data to load onto cpu, but it holds tensors on the meta "
+        "device, which have a shape and no data: ['fc.weight']."
+    )
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        dk.load(buffer, "cpu")
+    buffer.seek(0)
+    assert dk.load(buffer, "meta")["fc.weight"].is_meta  # onto meta it is what was asked
+
+
 # Loading: what it is given.
 
 
@@ -426,6 +518,16 @@ def test_map_location_is_taken_as_the_device(tmp_path: Path) -> None:
         TypeError, match=re.escape("every tensor on one device. For a mapping per device")
     ):
         dk.load(path, map_location={"cuda:0": "cpu"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [0, 1, "yes", None, 0.0])
+def test_weights_only_takes_true_or_false_only(value: object) -> None:
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(1)}, buffer)
+    buffer.seek(0)
+    msg = f"Expected weights_only to be True or False, got {value!r}: False runs the code"
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        dk.load(buffer, "cpu", weights_only=value)  # type: ignore[arg-type]
 
 
 @pytest.mark.usefixtures("watchdog")
@@ -514,6 +616,25 @@ def test_a_checkpoint_damaged_inside_is_a_value_error(tmp_path: Path) -> None:
     whole[40:80] = bytes(40)  # the first record's header and name
     path = _written(tmp_path / "model.pt", bytes(whole))
     with pytest.raises(ValueError, match="is cut short or damaged"):
+        dk.load(path, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "is empty."),
+        (b"hello, world", "is not one (it begins with b'hello, w')."),
+    ],
+)
+def test_load_says_when_a_file_is_not_a_checkpoint(
+    tmp_path: Path, content: bytes, message: str
+) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(content)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{NOT_A_CHECKPOINT}'{path}' {message}"),
+    ):
         dk.load(path, "cpu")
 
 

@@ -17,12 +17,7 @@ import torch
 from devicekit._backends import DeviceInfo
 from devicekit._selection import Chosen, Family, Refused, Request, Seen, Wait, choose
 
-GiB = 2**30
-CPU = torch.device("cpu")
-
-
-def cuda(index: int) -> torch.device:
-    return torch.device("cuda", index)
+from .helpers import CPU, GiB, cuda
 
 
 def gpu(index: int, free: float | None = 79.0, busy: float | None = 0.0) -> DeviceInfo:

@@ -26,18 +26,14 @@ from devicekit import _claims, _manager, _nvml, _transfer, _units
 from devicekit._backends import CpuBackend
 from devicekit.cli import _info_json, _info_table
 
-from .fakes import FakeGpus, GiB
+from .fakes import FakeGpus
+from .helpers import CPU, GiB, cuda
 from .programs import run_program
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU = torch.device("cpu")
-
-
-def cuda(index: int) -> torch.device:
-    return torch.device("cuda", index)
 
 
 @pytest.fixture(autouse=True)

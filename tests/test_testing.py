@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
-from hypothesis.errors import InvalidArgument, NoSuchExample
+from hypothesis.errors import InvalidArgument, NoSuchExample, Unsatisfiable
 
 import devicekit as dk
 from devicekit.testing import (
@@ -75,6 +75,11 @@ def test_batches_keep_to_the_kinds_and_dtypes_asked_for(batch: Any) -> None:
         assert tensor.device == torch.device("cpu")
 
 
+@given(batches(containers="list"))
+def test_a_container_kind_named_alone_is_one_kind(batch: Any) -> None:
+    assert _kinds(batch) <= {list, torch.Tensor, type(None), int, str, bool}
+
+
 def test_batches_draw_every_dtype_asked_for() -> None:
     wanted = (torch.int8, torch.float64, torch.bool)
     for dtype in wanted:
@@ -111,6 +116,14 @@ def test_devices_are_the_cpu_meta_and_the_accelerators_torch_sees() -> None:
         find(devices(meta=False), lambda d: d.type == "meta")
 
 
+def test_devices_can_be_asked_for_accelerators_only() -> None:
+    if torch.cuda.is_available():
+        assert find(devices(host=False), lambda d: True).type == "cuda"
+    else:
+        with pytest.raises(Unsatisfiable):  # it draws nothing: no accelerator here
+            find(devices(host=False), lambda d: True, settings=settings(max_examples=10))
+
+
 @given(batches(), devices())
 def test_moving_there_and_back_keeps_every_value(batch: Any, device: torch.device) -> None:
     moved = dk.to_device(batch, device)
@@ -124,6 +137,11 @@ def test_moving_there_and_back_keeps_every_value(batch: Any, device: torch.devic
 def test_tensors_follow_their_arguments(tensor: torch.Tensor) -> None:
     assert tensor.dtype == torch.float16
     assert tensor.shape == (2, 1)
+
+
+@given(tensors(shapes=(2, 3)))
+def test_a_shape_given_as_a_tuple_is_that_shape(tensor: torch.Tensor) -> None:
+    assert tensor.shape == (2, 3)
 
 
 @pytest.mark.parametrize(
@@ -188,6 +206,22 @@ def test_dicts_compare_in_any_order_and_ordered_dicts_do_not() -> None:
         assert_batches_equal(collections.OrderedDict(a=1, b=2), collections.OrderedDict(b=2, a=1))
     with pytest.raises(AssertionError, match=re.escape("data: expected keys ['a', 'c']")):
         assert_batches_equal({"a": 1, "b": 2}, {"a": 1, "c": 2})
+
+
+def test_batches_equal_takes_nan_for_nan_equal_refuses_cycles_and_takes_deques() -> None:
+    nan = torch.tensor([float("nan"), 1.0])
+    assert_batches_equal([nan.clone()], [nan.clone()])
+    left: list[Any] = [torch.ones(1)]
+    left.append(left)
+    right: list[Any] = [torch.ones(1)]
+    right.append(right)
+    # Compared as to_device walks them: a batch with a cycle is not one it can move.
+    msg = "Expected data without reference cycles, but data[1] is the list data itself"
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        assert_batches_equal(left, right)
+    assert_batches_equal(collections.deque([torch.ones(2)]), collections.deque([torch.ones(2)]))
+    with pytest.raises(AssertionError, match=re.escape("data[0]: values differ")):
+        assert_batches_equal([torch.tensor([1.0])], [torch.tensor([float("nan")])])
 
 
 def _sparse(values: list[float]) -> torch.Tensor:

@@ -7,10 +7,14 @@ packed), so both of to_device's paths keep every rule.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import re
-from collections import OrderedDict, UserDict, defaultdict, namedtuple
-from collections.abc import Iterator
+import shelve
+from collections import ChainMap, OrderedDict, UserDict, UserList, defaultdict, deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -23,11 +27,7 @@ import devicekit as dk
 from devicekit._transfer import as_accelerator
 from devicekit.testing import assert_same_structure
 
-from .helpers import assert_unchanged, snapshot, tensor_leaves
-
-META = torch.device("meta")
-CPU = torch.device("cpu")
-Point = namedtuple("Point", ["x", "y"])
+from .helpers import CPU, META, Pair, assert_unchanged, snapshot, tensor_leaves
 
 
 @pytest.fixture(autouse=True, params=["host path", "accelerator path"])
@@ -84,7 +84,7 @@ class Movable:
         return moved
 
 
-# Containers keep their exact type.
+# Containers keep their exact type, and every key its value.
 
 
 @pytest.mark.parametrize(
@@ -94,7 +94,7 @@ class Movable:
         lambda t: OrderedDict([("z", t), ("a", t + 1)]),
         lambda t: [t, (t + 1, None), {"k": 3}],
         lambda t: (t,),
-        lambda t: Point(t, t + 1),
+        lambda t: Pair(t, t + 1),
         lambda t: {t.sum().item(), "x"},
         lambda t: frozenset({1, 2}),
         lambda t: Encoding({"input_ids": t}, encodings=["e"]),
@@ -144,6 +144,185 @@ def test_ordered_dict_keeps_its_order() -> None:
     assert list(dk.to_device(data, META)) == ["z", "a", "m"]
 
 
+class SortedIter(dict[str, Any]):
+    """A dict whose __iter__ is sorted, unlike its storage (and its values())."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(dict.__iter__(self)))
+
+
+def test_values_stay_with_their_keys_whatever_iter_says() -> None:
+    batch = SortedIter(labels=torch.tensor([1, 2]), image=torch.ones(2, 3))
+    moved = dk.to_device(batch, CPU, dtype=torch.float16)
+    assert type(moved) is SortedIter
+    assert moved["image"].shape == (2, 3)
+    assert moved["image"].dtype == torch.float16  # the cast hits the image
+    assert moved["labels"].tolist() == [1, 2]
+    assert moved["labels"].dtype == torch.int64
+    paths = dk.find_devices(batch)[CPU]
+    assert sorted(paths) == ["['image']", "['labels']"]
+
+
+class ReversedKeys(UserDict[str, Any]):
+    def keys(self) -> Any:  # out of order with .data, as a careless subclass might be
+        return reversed(list(self.data))
+
+
+def test_a_user_dict_keeps_its_pairs_and_shares_nothing() -> None:
+    batch = ReversedKeys({"ids": torch.arange(3), "mask": torch.ones(3, dtype=torch.bool)})
+    batch.extra = "kept"  # type: ignore[attr-defined]
+    moved = dk.to_device(batch, META)
+    assert moved.data is not batch.data
+    assert moved["ids"].dtype == torch.int64
+    assert moved["mask"].dtype == torch.bool
+    assert moved.extra == "kept"  # type: ignore[attr-defined]
+    assert batch["ids"].device == CPU
+
+
+def test_deques_and_user_lists_are_rebuilt_and_seen() -> None:
+    window: deque[torch.Tensor] = deque([torch.ones(1), torch.zeros(1)], maxlen=5)
+    users = UserList([torch.ones(2)])
+    moved = dk.to_device({"window": window, "users": users}, META)
+    assert type(moved["window"]) is deque
+    assert moved["window"].maxlen == 5
+    assert all(t.device == META for t in moved["window"])
+    assert type(moved["users"]) is UserList
+    assert moved["users"][0].device == META
+    assert users[0].device == CPU
+    found = dk.find_devices({"window": window, "users": users})
+    assert found == {CPU: ["['window'][0]", "['window'][1]", "['users'][0]"]}
+    msg = "cpu has data['window'][0], data['window'][1]."
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
+        dk.check_same_device({"window": window}, device="meta")
+
+
+def test_str_and_bytes_are_leaves_not_sequences() -> None:
+    data = {"name": "image.png", "raw": b"\x00\x01", "tensor": torch.ones(1)}
+    moved = dk.to_device(data, META)
+    assert moved["name"] == "image.png"
+    assert moved["raw"] == b"\x00\x01"
+
+
+def test_other_leaves_come_back_unchanged() -> None:
+    array = np.zeros(3)
+    marker = object()
+    data = [1, 2.5, None, array, marker, True]
+    moved = dk.to_device(data, META)
+    assert moved == [1, 2.5, None, array, marker, True]
+    assert moved[3] is array
+    assert moved[4] is marker
+
+
+# Containers it cannot rebuild as the same type are refused, the input left as it was.
+
+
+def test_a_shelf_is_refused_and_its_file_keeps_its_data(tmp_path: Path) -> None:
+    with shelve.open(str(tmp_path / "db")) as shelf:
+        shelf["w"] = torch.arange(3.0)
+        msg = (
+            "Cannot rebuild data: it is a shelve.DbfilenameShelf, a mutable mapping whose copy "
+            "could share its contents with the original. Register how to move it with "
+            "@devicekit.register_transfer(DbfilenameShelf)."
+        )
+        with pytest.raises(dk.TransferError, match=re.escape(msg)):
+            dk.to_device(shelf, META)
+    with shelve.open(str(tmp_path / "db")) as shelf:
+        assert torch.equal(shelf["w"], torch.arange(3.0))
+
+
+def test_a_chain_map_is_refused_and_left_as_it_was() -> None:
+    first, second = {"a": torch.ones(1)}, {"b": torch.zeros(1)}
+    chain = ChainMap(first, second)
+    with pytest.raises(dk.TransferError, match=re.escape("Cannot rebuild data['x']: it is a")):
+        dk.to_device({"x": chain}, META)
+    assert chain.maps == [first, second]
+    assert first["a"].device == CPU
+    assert second["b"].device == CPU
+    assert list(first) == ["a"]
+
+
+class Ring(Sequence[Any]):
+    """A Sequence devicekit has no rule for."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self._items = items
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_sequences_and_object_arrays_it_cannot_rebuild_are_refused() -> None:
+    msg = (
+        "Cannot rebuild data['ring']: it is a tests.test_to_device.Ring, a "
+        "Sequence that devicekit cannot rebuild as the same type. Register how to move it "
+        "with @devicekit.register_transfer(Ring)."
+    )
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        dk.to_device({"ring": Ring([torch.ones(1)])}, META)
+    holder = np.empty(2, dtype=object)
+    holder[0], holder[1] = torch.ones(1), "label"
+    msg = (
+        "Cannot move data['boxes']: it is a numpy array of objects holding tensors, which "
+        "devicekit cannot move inside it. Make it a list (array.tolist()), or register how "
+        "to move it with @devicekit.register_transfer(numpy.ndarray)."
+    )
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        dk.to_device({"boxes": holder}, META)
+    numbers = np.arange(3)
+    assert dk.to_device({"n": numbers}, META)["n"] is numbers  # plain arrays stay leaves
+    assert dk.to_device([range(3)], META, strict=True) == [range(3)]
+
+
+class NeedsArgDict(collections.OrderedDict[str, Any]):
+    def __init__(self, name: str, **items: Any) -> None:
+        super().__init__(**items)
+        self.name = name
+
+
+class NeedsArgDefaultDict(collections.defaultdict[str, Any]):
+    def __init__(self, name: str) -> None:
+        super().__init__(list)
+        self.name = name
+
+
+class NeedsArgTuple(tuple[Any, ...]):
+    def __new__(cls, first: Any, second: Any) -> NeedsArgTuple:
+        return super().__new__(cls, (first, second))
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: NeedsArgDict("n", x=torch.ones(1)), "which copy.copy cannot copy ("),
+        (lambda: NeedsArgDefaultDict("n"), "which copy.copy cannot copy ("),
+        (
+            lambda: NeedsArgTuple(torch.ones(1), 2),
+            "which cannot be built from a list of its items (",
+        ),
+    ],
+    ids=["OrderedDict", "defaultdict", "tuple"],
+)
+def test_a_subclass_whose_constructor_needs_arguments_is_named(make: Any, why: str) -> None:
+    container = make()
+    if isinstance(container, dict):
+        container["x"] = torch.ones(1)
+    name = type(container).__name__
+    with pytest.raises(dk.TransferError) as caught:
+        dk.to_device({"k": container}, META)
+    message = str(caught.value)
+    assert message.startswith(f"Cannot rebuild data['k']: it is a {__name__}.{name}, {why}")
+    assert message.endswith(f"Register how to move it with @devicekit.register_transfer({name}).")
+
+
+# Dataclasses are rebuilt without running user code again. (Frozen ones were rebuilt
+# with dataclasses.replace, which runs __init__ and __post_init__ again; the others were
+# copied and had their fields replaced. Each kind has a rule here that a second
+# __post_init__, or a rebuild that needs the InitVar again, would break.)
+
+
 def test_dataclass_is_copied_with_fields_outside_init() -> None:
     data = Detection(torch.ones(2, 4), torch.tensor([1, 2]))
     moved = dk.to_device(data, META)
@@ -163,21 +342,91 @@ def test_frozen_dataclass_is_rebuilt_without_running_its_init_again() -> None:
     assert moved.calls == [1]  # __post_init__ ran once, when the user made it
 
 
-def test_str_and_bytes_are_leaves_not_sequences() -> None:
-    data = {"name": "image.png", "raw": b"\x00\x01", "tensor": torch.ones(1)}
-    moved = dk.to_device(data, META)
-    assert moved["name"] == "image.png"
-    assert moved["raw"] == b"\x00\x01"
+@dataclasses.dataclass(frozen=True)
+class Doubled:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "x", self.x * 2)  # run twice, 1 becomes 4
 
 
-def test_other_leaves_come_back_unchanged() -> None:
-    array = np.zeros(3)
-    marker = object()
-    data = [1, 2.5, None, array, marker, True]
+@dataclasses.dataclass(frozen=True)
+class FrozenScaled:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[int] = 1
+    y: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self, scale: int) -> None:
+        object.__setattr__(self, "y", self.x * scale)  # run again: the default scale
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenNeedsScale:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[int]
+
+    def __post_init__(self, scale: int) -> None:
+        object.__setattr__(self, "x", self.x * scale)  # replace() would need scale
+
+
+@dataclasses.dataclass
+class Scaled:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[int] = 1
+    y: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self, scale: int) -> None:
+        self.y = self.x * scale
+
+
+@dataclasses.dataclass
+class WithCache:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.norm = self.x.abs()  # an attribute outside the fields
+
+    @functools.cached_property
+    def total(self) -> torch.Tensor:
+        return self.x.sum()
+
+
+def test_dataclasses_are_rebuilt_without_running_user_code_again() -> None:
+    doubled = dk.to_device(Doubled(torch.tensor([1.0])), CPU, copy=True)
+    assert doubled.x.tolist() == [2.0]  # not 4: __post_init__ did not run again
+    scaled = dk.to_device(FrozenScaled(torch.tensor([1.0]), 3), CPU, copy=True)
+    assert scaled.y.tolist() == [3.0]  # not 1: the InitVar is not needed again
+    needs = dk.to_device(FrozenNeedsScale(torch.tensor([1.0]), 5), CPU, copy=True)
+    assert needs.x.tolist() == [5.0]  # no "must be specified with replace()"
+    # Not frozen: every field moves, the one __post_init__ computed too.
+    source = Scaled(torch.tensor([1.0]), 3)
+    moved = dk.to_device(source, CPU, copy=True)
+    assert moved.y.tolist() == [3.0]
+    assert moved.y is not source.y
+
+
+def test_dataclass_attributes_move_and_cached_values_do_not_stay_stale() -> None:
+    data = WithCache(torch.ones(2))
+    assert data.total.device == CPU  # cached on the input
     moved = dk.to_device(data, META)
-    assert moved == [1, 2.5, None, array, marker, True]
-    assert moved[3] is array
-    assert moved[4] is marker
+    assert moved.x.device == META
+    assert moved.norm.device == META  # set in __post_init__: moved too
+    assert "total" not in vars(moved)
+    assert moved.total.device == META  # computed afresh from the moved field
+    assert data.x.device == CPU
+
+
+@dataclasses.dataclass
+class Later:
+    x: torch.Tensor
+    y: torch.Tensor = dataclasses.field(init=False)  # set later, or never
+
+
+def test_a_dataclass_field_never_set_stays_unset() -> None:
+    moved = dk.to_device({"sample": Later(torch.ones(1))}, META)["sample"]
+    assert moved.x.device == META
+    assert not hasattr(moved, "y")
+    assert dk.find_devices({"sample": Later(torch.ones(1))}) == {CPU: ["['sample'].x"]}
 
 
 # Tensors.
@@ -340,6 +589,72 @@ def test_optimizer_state_takes_the_dtype_of_its_parameters() -> None:
     assert optimizer.state[model.weight]["step"].dtype == torch.float32
 
 
+@dataclasses.dataclass
+class FooState:
+    exp_avg: torch.Tensor
+    step: int
+
+
+class FooOptimizer(torch.optim.Optimizer):
+    """An optimizer whose per-parameter state is a dataclass, as in Lightning's tests."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param] = FooState(torch.zeros_like(param), 1)
+
+
+@pytest.mark.usefixtures("swap_module_params")
+def test_an_optimizer_whose_state_is_a_dataclass_moves() -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = FooOptimizer(model.parameters())
+    optimizer.step()
+    dk.to_device(model, META)
+    dk.to_device(optimizer, META)
+    state = optimizer.state[model.weight]
+    assert isinstance(state, FooState)
+    assert state.exp_avg.device == META
+    assert state.step == 1
+
+
+@dataclasses.dataclass
+class Momentum:
+    buffer: torch.Tensor
+    step: torch.Tensor
+
+
+class DataclassSGD(torch.optim.Optimizer):
+    """An optimizer whose per-parameter state is a dataclass, not a dict."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param)
+                if state is None:
+                    state = self.state[param] = Momentum(torch.zeros_like(param), torch.tensor(0.0))
+                state.buffer.mul_(0.9).add_(param.grad)
+                state.step += 1
+
+
+def test_dataclass_optimizer_state_follows_its_parameters_dtype_as_dict_state_does() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = DataclassSGD(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    dk.to_device(model, CPU, dtype=torch.float64)
+    dk.to_device(optimizer, CPU)
+    state = optimizer.state[model.weight]
+    assert type(state) is Momentum
+    assert state.buffer.dtype == torch.float64  # as dict state would be
+    assert state.step.dtype == torch.float32  # a step keeps its own, as in dict state
+
+
 def test_an_optimizer_whose_model_stayed_behind_is_refused() -> None:
     model = nn.Linear(2, 2)
     optimizer = _trained_adam(model)
@@ -377,6 +692,30 @@ def test_packed_sequence_moves_with_its_own_to() -> None:
     assert type(moved) is nn.utils.rnn.PackedSequence
     assert moved.data.device == META
     assert moved.batch_sizes.device == CPU  # PackedSequence.to keeps these on the host
+
+
+def test_a_packed_sequence_takes_every_option_and_keeps_its_token_ids() -> None:
+    tokens = torch.nn.utils.rnn.pack_sequence([torch.tensor([50257, 1]), torch.tensor([7])])
+    features = torch.nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
+    images = torch.ones(2, 3, 4, 4)
+    moved = dk.to_device(
+        {"seq": features, "images": images}, META, memory_format=torch.channels_last
+    )
+    assert moved["seq"].data.device == META
+    assert moved["images"].is_contiguous(memory_format=torch.channels_last)
+    # dtype casts floating-point tensors only: token ids stay integers, and exact.
+    cast = dk.to_device({"tokens": tokens, "features": features}, CPU, dtype=torch.float16)
+    assert cast["tokens"].data.dtype == torch.int64
+    assert cast["tokens"].data.tolist() == [50257, 7, 1]
+    assert cast["features"].data.dtype == torch.float16
+    assert cast["features"].batch_sizes.dtype == torch.int64  # on the host, as .to() keeps it
+    assert cast["features"].batch_sizes.device == CPU
+    # copy=True: nothing shared with the input, batch_sizes included.
+    copied = dk.to_device(tokens, CPU, copy=True)
+    assert type(copied) is torch.nn.utils.rnn.PackedSequence
+    for mine, theirs in zip(copied, tokens, strict=True):
+        if theirs is not None:
+            assert mine.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
 
 
 def test_the_to_signature_is_read_once_per_type(to_accelerator: bool) -> None:
@@ -434,6 +773,70 @@ def test_a_to_method_returning_none_is_refused() -> None:
         dk.to_device([1, InPlace()], META)
 
 
+class Distance:
+    def __init__(self, metres: float) -> None:
+        self.metres = metres
+
+    def to(self, unit: str) -> str:  # a .to() that converts units, not devices
+        return f"{self.metres} {unit}"
+
+
+def test_a_to_method_that_means_something_else_is_not_trusted() -> None:
+    msg = (
+        "Cannot move data['d']: Distance.to() returned a str for the Distance there, not a "
+        "Distance, so it is not the moved object. Register how to move it with "
+        "@devicekit.register_transfer(Distance), returning a Distance."
+    )
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        dk.to_device({"d": Distance(3.0)}, META)
+
+
+class Boxes:
+    """A user type that moves with its own .to()."""
+
+    def __init__(self, xyxy: torch.Tensor) -> None:
+        self.xyxy = xyxy
+
+    def to(self, device: Any, *, non_blocking: bool = False) -> Boxes:
+        return Boxes(self.xyxy.to(device, non_blocking=non_blocking))
+
+
+class Counted:
+    """Moves itself with .to(), counting the calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def to(self, device: Any, *, non_blocking: bool = False) -> Counted:
+        self.calls += 1
+        return self
+
+
+def test_a_to_method_or_rule_runs_once_per_object() -> None:
+    counted = Counted()
+    shared = torch.ones(2)  # a tensor found twice
+    ruled = Boxes(torch.ones(1, 4))
+    rule_calls: list[int] = []
+
+    @dk.register_transfer(Boxes)
+    def move_boxes(obj: Boxes, device: torch.device, **options: Any) -> Boxes:
+        rule_calls.append(1)
+        return Boxes(obj.xyxy.to(device))
+
+    batch = {"a": [shared, counted, ruled], "b": (shared, counted, ruled)}
+    try:
+        moved = dk.to_device(batch, META)
+    finally:
+        dk.unregister_transfer(Boxes)
+    # .to() ran once, on a copy: the input's own count is untouched.
+    assert counted.calls == 0
+    assert moved["a"][1].calls == 1
+    assert moved["a"][1] is moved["b"][1]
+    assert rule_calls == [1]
+    assert moved["a"][0] is moved["b"][0]
+    assert moved["a"][2] is moved["b"][2]
+
+
 def test_registered_rules_win_over_to_and_containers(to_accelerator: bool) -> None:
     seen: list[dict[str, Any]] = []
 
@@ -452,7 +855,10 @@ def test_registered_rules_win_over_to_and_containers(to_accelerator: bool) -> No
     class SubBoxes(Boxes):
         pass
 
-    moved = dk.to_device({"b": Boxes(torch.ones(1, 4)), "s": SubBoxes(torch.ones(1, 4))}, META)
+    try:
+        moved = dk.to_device({"b": Boxes(torch.ones(1, 4)), "s": SubBoxes(torch.ones(1, 4))}, META)
+    finally:
+        dk.unregister_transfer(Boxes)
     assert type(moved["b"]) is Boxes
     assert moved["b"].xyxy.device == META
     assert moved["s"].xyxy.device == META  # subclasses use their base's rule
@@ -477,7 +883,10 @@ def test_registering_a_rule_replaces_cached_decisions() -> None:
         moved.device = device  # type: ignore[attr-defined]
         return moved
 
-    assert dk.to_device([late], META)[0].device == META
+    try:
+        assert dk.to_device([late], META)[0].device == META
+    finally:
+        dk.unregister_transfer(Late)
 
 
 def test_a_registered_rule_returning_none_is_refused() -> None:
@@ -489,15 +898,11 @@ def test_a_registered_rule_returning_none_is_refused() -> None:
         return None
 
     msg = "Cannot move data['x']: the rule registered for Broken returned None"
-    with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({"x": Broken()}, META)
-
-
-def test_register_transfer_refuses_what_is_not_a_user_class() -> None:
-    with pytest.raises(TypeError, match=re.escape("Expected a class to register")):
-        dk.register_transfer("Boxes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=re.escape("Register a tensor subclass instead.")):
-        dk.register_transfer(torch.Tensor)
+    try:
+        with pytest.raises(dk.TransferError, match=re.escape(msg)):
+            dk.to_device({"x": Broken()}, META)
+    finally:
+        dk.unregister_transfer(Broken)
 
 
 # strict=True.
@@ -517,6 +922,18 @@ def test_strict_accepts_plain_scalars_modules_and_optimizers() -> None:
     data = [None, True, 1, 2.0, 3j, "s", b"b", model, torch.optim.SGD(model.parameters())]
     moved = dk.to_device(data, CPU, strict=True)
     assert moved[:7] == data[:7]
+
+
+def test_strict_takes_dtypes_devices_and_ranges_as_plain_values() -> None:
+    config = {"dtype": torch.float16, "device": torch.device("cpu"), "steps": range(3)}
+    assert dk.to_device(config, META, strict=True) == config
+
+
+def test_strict_keeps_numpy_scalars_as_it_keeps_python_numbers() -> None:
+    batch = [np.float32(1.0), np.int64(3), np.bool_(True), torch.ones(1)]
+    moved = dk.to_device(batch, META, strict=True)
+    assert moved[:3] == batch[:3]
+    assert moved[3].device == META
 
 
 # Structural errors.
@@ -611,6 +1028,18 @@ def test_errors_from_user_code_keep_their_type_and_gain_the_path() -> None:
 def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         dk.to_device(torch.ones(1), CPU, **options)
+
+
+@pytest.mark.parametrize(("name", "value"), [("copy", "False"), ("strict", "no"), ("copy", 0)])
+def test_yes_no_options_take_booleans_only(name: str, value: object) -> None:
+    msg = f"Expected {name} to be True or False, got {value!r}."
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        dk.to_device([torch.ones(1)], META, **{name: value})  # type: ignore[arg-type]
+
+
+def test_options_of_the_wrong_kind_are_named() -> None:
+    with pytest.raises(ValueError, match=re.escape("got array([ True]).")):
+        dk.to_device(torch.ones(1), META, non_blocking=np.array([True]))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,8 @@ from devicekit import _tree
 from devicekit._kinds import LIST, MOVE, READ, container_node
 from devicekit.testing import assert_batches_equal, batches
 
+from .helpers import META
+
 Pair = namedtuple("Pair", ["left", "right"])
 
 
@@ -180,6 +182,17 @@ def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: i
     assert _tree.paths(alone)[0] == [f"[{i}]" for i in range(length)]
 
 
+def test_a_long_list_of_scalars_is_taken_whole_not_element_by_element() -> None:
+    ids = list(range(100_000))
+    flat = _tree.flatten({"ids": ids, "t": torch.ones(1)})
+    assert flat.active == [len(ids)]  # only the tensor is looked at again
+    assert len(flat.spec) == 2  # the list closed in one step, then the dict
+    moved = dk.to_device({"ids": ids, "more": [*ids[:100], torch.ones(1)]}, META)
+    assert moved["ids"] == ids
+    assert moved["ids"] is not ids
+    assert moved["more"][-1].device == META  # a tensor at the end is still found
+
+
 def test_paths_name_every_leaf_and_container_of_a_nested_batch() -> None:
     data = {"a": [Pair(1, {"b": (2, 3)}), []], "c": {5}, "d": 6}
     flat = _tree.flatten(data)
@@ -255,25 +268,6 @@ def test_skipped_keys_are_inert_leaves_of_the_walk() -> None:
     }
     rebuilt = _tree.map_flat(each(renamed), {"raw": raw, "x": Token("t")}, skip=frozenset({"raw"}))
     assert rebuilt["raw"] is raw
-
-
-@pytest.mark.parametrize(
-    ("keys", "message"),
-    [
-        ([["a"]], "hashable keys, got list [['a']]: each of its items must be a hashable key."),
-        ([{}], "got list [{}]: each of its items must be a hashable key."),
-    ],
-)
-def test_skip_keys_that_are_not_keys_are_refused(keys: Any, message: str) -> None:
-    with pytest.raises(TypeError, match=re.escape(message)):
-        dk.to_device({"a": torch.ones(1)}, "meta", skip_keys=keys)
-
-
-def test_one_key_that_is_not_a_string_may_be_alone() -> None:
-    batch = {5: torch.ones(1), "x": torch.ones(1)}
-    moved = dk.to_device(batch, "meta", skip_keys=5)
-    assert moved[5] is batch[5]
-    assert moved["x"].device == torch.device("meta")
 
 
 def test_errors_in_the_leaf_function_gain_the_leaf_path_on_both_maps() -> None:
