@@ -9,15 +9,14 @@ matching GPUs by UUID, never by assuming the two numberings agree.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["NvmlGpu", "parse_visible_devices", "read_nvml", "visible_gpus"]
 
 
-@dataclasses.dataclass(frozen=True)
-class NvmlGpu:
+class NvmlGpu(NamedTuple):
     """One GPU, or one MIG instance of a GPU, as NVML reports it."""
 
     uuid: str
@@ -101,8 +100,7 @@ def _read_mig(nvml: Any, handle: Any, parent: NvmlGpu) -> tuple[NvmlGpu, ...]:
             continue
         memory = nvml.nvmlDeviceGetMemoryInfo(mig)
         instances.append(
-            dataclasses.replace(
-                parent,
+            parent._replace(
                 uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
                 total_memory=int(memory.total),
                 free_memory=int(memory.free),
@@ -113,15 +111,28 @@ def _read_mig(nvml: Any, handle: Any, parent: NvmlGpu) -> tuple[NvmlGpu, ...]:
     return tuple(instances)
 
 
+@functools.cache
+def _binding() -> Any:
+    """The ``pynvml`` module, or None where it is not installed: looked for once a process.
+
+    A failed import searches the whole path again each time: DeviceManager() took
+    0.17 ms with it, 0.07 ms without, on a machine without pynvml.
+    """
+    try:
+        import pynvml  # noqa: PLC0415 - optional, and only imported when devices are listed
+    except ImportError:
+        return None
+    return pynvml
+
+
 def read_nvml() -> list[NvmlGpu] | None:
     """Every GPU NVML sees, in NVML's (PCI bus) order; None where NVML cannot be read.
 
     Needs the ``nvidia-ml-py`` package (the ``nvml`` extra) and an NVIDIA
     driver. Creates no CUDA context.
     """
-    try:
-        import pynvml  # noqa: PLC0415 - optional, and only imported when devices are listed
-    except ImportError:
+    pynvml = _binding()
+    if pynvml is None:
         return None
     try:
         pynvml.nvmlInit()
@@ -132,7 +143,7 @@ def read_nvml() -> list[NvmlGpu] | None:
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             gpu = _read_gpu(pynvml, handle)
-            gpus.append(dataclasses.replace(gpu, mig=_read_mig(pynvml, handle, gpu)))
+            gpus.append(gpu._replace(mig=_read_mig(pynvml, handle, gpu)))
     except pynvml.NVMLError:
         return None
     finally:

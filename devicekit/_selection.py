@@ -16,9 +16,9 @@ tests/test_selection.py.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Literal, TypeAlias, cast
+from types import MappingProxyType
+from typing import Literal, NamedTuple, TypeAlias, cast
 
 import torch
 
@@ -51,8 +51,7 @@ _HOST_TYPES = ("cpu", "meta")
 _AUTO_FREE_TOLERANCE = 0.05
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
+class Family(NamedTuple):
     """One device family as its backend listed it: ``cuda`` (ROCm too), ``xpu``, ``mps``."""
 
     name: str
@@ -61,12 +60,11 @@ class Family:
     note: str | None = None  # why it found nothing, where it knows
 
 
-@dataclasses.dataclass(frozen=True)
-class Seen:
+class Seen(NamedTuple):
     """What the manager saw of the machine and of its environment, for one choice."""
 
     families: tuple[Family, ...]
-    claimed: Mapping[torch.device, int | None] = dataclasses.field(default_factory=dict)
+    claimed: Mapping[torch.device, int | None] = MappingProxyType({})
     """Devices other jobs claim, with the claiming pid where known."""
     devicekit_device: str = ""  # DEVICEKIT_DEVICE, stripped
     local_rank: int | None = None
@@ -83,8 +81,7 @@ class Seen:
         return tuple(info for family in self.families for info in family.devices)
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """What the manager was asked for: its options, and where its waiting stands."""
 
     device: DeviceLike | None = None
@@ -97,8 +94,7 @@ class Request:
     waited: float | None = None  # seconds waited already, said in the reason
 
 
-@dataclasses.dataclass(frozen=True)
-class Chosen:
+class Chosen(NamedTuple):
     """The device chosen, and why."""
 
     device: torch.device
@@ -108,16 +104,14 @@ class Chosen:
     fell_back: str | None = None  # why the CPU, as fallback="cpu" allows: warned of once
 
 
-@dataclasses.dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     """Nothing qualifies now; a device that can qualify later was seen."""
 
     why: str
     passed_over: tuple[str, ...] = ()  # a sentence each, for the one message of the wait
 
 
-@dataclasses.dataclass(frozen=True)
-class Refused:
+class Refused(NamedTuple):
     """Nothing can be chosen: the message of the DeviceUnavailableError to raise."""
 
     message: str
@@ -158,7 +152,7 @@ class _Choice:
             if isinstance(found, Refused):
                 return Refused(f"DEVICEKIT_DEVICE={shown(spec)} cannot be used: {found.message}")
             if isinstance(found, Chosen):
-                return dataclasses.replace(found, reason="DEVICEKIT_DEVICE asks for it")
+                return found._replace(reason="DEVICEKIT_DEVICE asks for it")
             return found
         if request.policy == "local-rank" or (
             request.policy == "auto" and seen.local_rank is not None
@@ -311,7 +305,7 @@ class _Choice:
         """
         if not self.qualifies(info):
             return self.unusable(f"LOCAL_RANK={rank} selects {info.device}, but {self.skipped[-1]}")
-        return dataclasses.replace(self.chosen(info.device, reason), current=True)
+        return self.chosen(info.device, reason)._replace(current=True)
 
     # Where nothing qualifies.
 
@@ -343,7 +337,7 @@ class _Choice:
             msg = f"Expected a usable {looked} device, but {why}. {reasons}".rstrip()
             return Refused(msg + f" Devices here: {self.listed()}.")
         chosen = self.chosen(torch.device("cpu"), f"{why}, so the CPU is the fallback")
-        return dataclasses.replace(chosen, fell_back=why)
+        return chosen._replace(fell_back=why)
 
     def passed_over(self) -> list[str]:
         return passed_over(self.seen, self.request.prefer, self.skipped)

@@ -8,7 +8,6 @@ claiming, warning, making a rank's device current).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -293,4 +292,4 @@ def test_the_choice_reads_nothing_but_its_arguments(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("DEVICEKIT_DEVICE", "cuda:1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert choose(TWO, Request()) == CASES[0][3]
-    assert dataclasses.replace(TWO, local_rank=1) != TWO  # the snapshot is what differs
+    assert TWO._replace(local_rank=1) != TWO  # the snapshot is what differs
