@@ -41,16 +41,18 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def interop(session: nox.Session) -> None:
-    """to_device and the checks on transformers', tensordict's and torch_geometric's objects.
+    """to_device and the checks on transformers', tensordict's and torch_geometric's objects,
+    and the documentation's sections that use them or accelerate and Fabric.
 
     The packages must be there: a missing one fails the session instead of skipping.
     """
-    install(session, "test,interop")
+    install(session, "test,interop,bench")
     session.run(
         "python",
         "-m",
         "pytest",
         "tests/test_interop.py",
+        "tests/test_docs.py",
         *session.posargs,
         env={"DEVICEKIT_REQUIRE_INTEROP": "1"},
     )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections import namedtuple
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from .reference import tensors_of
@@ -17,6 +20,17 @@ GiB = 2**30
 
 Pair = namedtuple("Pair", ["x", "y"])
 """A plain namedtuple, as users write them."""
+
+
+def require_package(name: str) -> Any:
+    """Import an optional package the test needs, or skip the test where it is missing.
+
+    Unless DEVICEKIT_REQUIRE_INTEROP is set, as CI and ``nox -s interop`` set it: there a
+    missing package fails the run instead of passing it by skipping.
+    """
+    if os.environ.get("DEVICEKIT_REQUIRE_INTEROP"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
 
 
 def cuda(index: int) -> torch.device:

@@ -14,6 +14,8 @@ import devicekit
 import devicekit.testing
 from devicekit import _kinds
 
+from .helpers import require_package
+
 DOCS = Path(__file__).parent.parent / "docs"
 
 
@@ -117,6 +119,11 @@ def _run_blocks(text: str, name: str) -> list[str]:
 
 SECTIONS = _sections()
 
+# What the pages import beyond the ``test`` extra: the ``interop`` extra's packages and the
+# ``bench`` extra's peers that the migration guides run.
+_OPTIONAL = ("transformers", "tensordict", "torch_geometric", "accelerate", "lightning_fabric")
+_IMPORTED = re.compile(r"^\s*(?:>>> |\.\.\. )?(?:from|import) (\w+)", re.MULTILINE)
+
 
 def test_the_sections_were_found() -> None:
     assert len(SECTIONS) > 40
@@ -126,6 +133,8 @@ def test_the_sections_were_found() -> None:
 def test_a_section_runs_on_its_own_after_its_page_s_introduction(
     name: str, intro: str, section: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    for package in set(_IMPORTED.findall(intro + section)) & set(_OPTIONAL):
+        require_package(package)
     monkeypatch.chdir(tmp_path)  # what a page writes lands here
     for variable in ("DEVICEKIT_DEVICE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DEVICEKIT_CLAIM_DIR"):
         monkeypatch.delenv(variable, raising=False)
@@ -150,3 +159,14 @@ def test_every_block_of_code_pastes_into_the_interactive_interpreter() -> None:
                 if kind == "testcode" and not line.strip() and following[:1] in (" ", "\t"):
                     broken.append(f"{page.relative_to(DOCS)}: before {following.strip()!r}")
     assert broken == []
+
+
+def test_the_sections_that_need_optional_packages_are_found() -> None:
+    # Those are skipped where the package is missing: a miss here would fail CI's first run.
+    needs = {
+        name: set(_IMPORTED.findall(intro + section)) & set(_OPTIONAL)
+        for name, intro, section in SECTIONS
+    }
+    assert {"transformers", "torch_geometric"} <= set.union(*needs.values())
+    assert needs["migration/accelerate.rst#1"] == {"accelerate"}
+    assert needs["migration/fabric.rst#3"] == {"lightning_fabric"}

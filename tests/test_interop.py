@@ -8,8 +8,6 @@ there a missing package fails the run instead of passing it by skipping.
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
 from typing import Any
 
@@ -20,21 +18,14 @@ from torch.utils.data import DataLoader
 import devicekit as dk
 from devicekit import _loader
 
-from .helpers import CPU, META, PinRecorder
-
-
-def _require(name: str) -> Any:
-    if os.environ.get("DEVICEKIT_REQUIRE_INTEROP"):
-        return importlib.import_module(name)
-    return pytest.importorskip(name)
-
+from .helpers import CPU, META, PinRecorder, require_package
 
 # transformers: every model's output is a ModelOutput, an OrderedDict whose attributes
 # mirror its items.
 
 
 def test_a_model_output_gives_the_moved_tensor_through_every_view() -> None:
-    outputs = _require("transformers.modeling_outputs")
+    outputs = require_package("transformers.modeling_outputs")
     hidden = torch.ones(2, 3)
     output = outputs.BaseModelOutput(last_hidden_state=hidden)
     moved = dk.to_device(output, META)
@@ -51,7 +42,7 @@ def test_a_model_output_gives_the_moved_tensor_through_every_view() -> None:
 
 
 def test_a_copied_model_output_shares_nothing_with_the_input() -> None:
-    outputs = _require("transformers.modeling_outputs")
+    outputs = require_package("transformers.modeling_outputs")
     output = outputs.BaseModelOutput(last_hidden_state=torch.zeros(2))
     copied = dk.to_device(output, CPU, copy=True)
     copied.last_hidden_state.add_(1)  # written through the attribute
@@ -62,7 +53,7 @@ def test_a_copied_model_output_shares_nothing_with_the_input() -> None:
 
 def _gpt2_output() -> tuple[Any, Any]:
     """A tiny GPT-2 from its config, and its output for one batch: logits and a cache."""
-    transformers = _require("transformers")
+    transformers = require_package("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=50, n_positions=16)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
@@ -107,7 +98,7 @@ def test_a_cache_cannot_be_copied_or_cast_and_says_so() -> None:
 
 
 def test_a_batch_encoding_is_rebuilt_item_by_item_not_moved_by_its_own_to() -> None:
-    transformers = _require("transformers")
+    transformers = require_package("transformers")
     ids = torch.tensor([[101, 50257]])
     encoding = transformers.BatchEncoding({"input_ids": ids, "lengths": [torch.tensor([2])]})
     moved = dk.to_device(encoding, META, dtype=torch.float16)
@@ -124,7 +115,7 @@ def test_a_batch_encoding_is_rebuilt_item_by_item_not_moved_by_its_own_to() -> N
 
 
 def test_a_tensordict_moves_with_its_own_to_and_keeps_integers() -> None:
-    tensordict = _require("tensordict")
+    tensordict = require_package("tensordict")
     labels = torch.tensor([70001, 3])
     batch = tensordict.TensorDict(
         {"obs": torch.ones(2, 3), "labels": labels, "next": {"reward": torch.ones(2, 1)}},
@@ -143,7 +134,7 @@ def test_a_tensordict_moves_with_its_own_to_and_keeps_integers() -> None:
 
 
 def test_a_tensordict_batch_arrives_through_the_loader() -> None:
-    tensordict = _require("tensordict")
+    tensordict = require_package("tensordict")
     batches = [
         tensordict.TensorDict({"obs": torch.full((2, 3), float(i))}, batch_size=[2])
         for i in range(3)
@@ -155,7 +146,7 @@ def test_a_tensordict_batch_arrives_through_the_loader() -> None:
 
 
 def test_a_tensorclass_keeps_its_integer_labels_and_its_paths_are_its_fields() -> None:
-    tensordict = _require("tensordict")
+    tensordict = require_package("tensordict")
 
     @tensordict.tensorclass
     class Sample:
@@ -176,7 +167,7 @@ def test_a_tensorclass_keeps_its_integer_labels_and_its_paths_are_its_fields() -
 
 
 def _graph() -> Any:
-    data = _require("torch_geometric.data")
+    data = require_package("torch_geometric.data")
     return data.Data(x=torch.ones(3, 2), edge_index=torch.tensor([[0, 1], [1, 2]]))
 
 
@@ -192,7 +183,7 @@ def test_a_graph_is_moved_on_a_copy_and_the_input_never_changes() -> None:
 
 
 def test_a_batch_and_a_heterogeneous_graph_are_moved_on_copies() -> None:
-    data = _require("torch_geometric.data")
+    data = require_package("torch_geometric.data")
     batch = data.Batch.from_data_list([_graph(), _graph()])
     hetero = data.HeteroData()
     hetero["paper"].x = torch.ones(2, 4)
@@ -221,7 +212,7 @@ def test_a_graph_takes_dtype_on_its_features_only() -> None:
 
 
 def test_graph_paths_are_the_names_users_write() -> None:
-    data = _require("torch_geometric.data")
+    data = require_package("torch_geometric.data")
     graph = _graph()
     assert dk.find_devices({"graph": graph}) == {CPU: ["['graph'].x", "['graph'].edge_index"]}
     hetero = data.HeteroData()
@@ -240,15 +231,15 @@ def test_requiring_interop_packages_fails_where_one_is_missing(
 ) -> None:
     monkeypatch.setenv("DEVICEKIT_REQUIRE_INTEROP", "1")
     with pytest.raises(ModuleNotFoundError, match=re.escape("no_such_package_here")):
-        _require("no_such_package_here")
+        require_package("no_such_package_here")
 
 
 def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # As torch's pin-memory thread does: a TensorDict, a graph batch, a PackedSequence.
-    tensordict = _require("tensordict")
-    geometric = _require("torch_geometric.data")
+    tensordict = require_package("tensordict")
+    geometric = require_package("torch_geometric.data")
     recorder = PinRecorder()
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: recorder(self))
     features = torch.ones(4, 3)
@@ -275,9 +266,9 @@ def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
 
 
 def test_samples_of_tensordict_and_graph_batches_are_counted() -> None:
-    tensordict = _require("tensordict")
-    geometric = _require("torch_geometric.data")
-    loader_module = _require("torch_geometric.loader")
+    tensordict = require_package("tensordict")
+    geometric = require_package("torch_geometric.data")
+    loader_module = require_package("torch_geometric.loader")
     batches = [tensordict.TensorDict({"x": torch.ones(4, 3)}, batch_size=[4])] * 3
     loader = dk.DeviceDataLoader(batches, CPU)
     for _batch in loader:
@@ -295,7 +286,7 @@ def test_samples_of_tensordict_and_graph_batches_are_counted() -> None:
 
 @pytest.mark.parametrize("device", [None, "cpu"], ids=["no-device", "with-device"])
 def test_skip_keys_reach_inside_a_tensordict_at_any_depth(device: str | None) -> None:
-    tensordict = _require("tensordict")
+    tensordict = require_package("tensordict")
     raw, inner_raw = torch.ones(2), torch.zeros(2)
     inner = tensordict.TensorDict({"raw": inner_raw, "y": torch.ones(2)}, batch_size=[2])
     batch = tensordict.TensorDict(
