@@ -73,6 +73,7 @@ def _epochs(text: str) -> int:
 
 _COMMANDS: Final = {
     "info": "List the devices, the one selected, and why.",
+    "doctor": "Name the environment mistakes that put ranks on the wrong GPU, and the fix.",
     "demo": "Train a small CNN on synthetic data through devicekit.",
     "bench": "Measure devicekit's transfers on this machine.",
 }
@@ -96,7 +97,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         )
         for name, text in _COMMANDS.items()
     }
-    for name in ("info", "bench"):
+    for name in ("info", "doctor", "bench"):
         commands[name].add_argument(
             "--json", action="store_true", help="print a JSON report instead"
         )
@@ -108,6 +109,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--slow-data",
         action="store_true",
         help="make each batch slow to load, to see an input-bound loop and its verdict",
+    )
+    demo.add_argument(
+        "--fit-batch",
+        action="store_true",
+        help="first find the largest batch that fits (up to 1024), then train at it",
     )
     return parser, commands
 

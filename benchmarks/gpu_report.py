@@ -23,11 +23,14 @@ with the date, commit, CPU model, GPU, driver, PyTorch and peer versions, then
 6. two real training loops (a torchvision ResNet-18 on 224 px uint8 images and a small
    CNN on 64 px float images): images precomputed in memory, shuffled, ``drop_last``, 6
    persistent workers, bf16 autocast, channels_last, 5 warm-up steps then 60 timed
-   steps, a fresh seeded model per variant, best of 2; with the bare loader's rate.
+   steps, a fresh seeded model per variant, best of 2; with the bare loader's rate;
+7. to_device inside torch.compile: compilations over fresh batches;
+8. fit_batch with the process limited to 4 GiB of the GPU: the size found against the
+   exact largest, 200 steps at it, and the memory left allocated after the search.
 
 Each section runs under a watchdog (:data:`BUDGET_S`); one that fails or runs out of
 time is reported as such, and every other section still is. On an H100 it takes about
-4-5 minutes (tests 2 min, loops 1.5 min, the rest 1 min), 8 minutes at the most.
+5-6 minutes (tests 2 min, loops 1.5 min, the rest 2 min), 590 s at the most.
 
 ``--smoke`` runs every section on the CPU with tiny sizes, through the same pipeline an
 accelerator takes: the meta device is moved to as to an accelerator (packing), a
@@ -77,7 +80,7 @@ from devicekit._transfer import as_accelerator
 
 Mover = Callable[[Any, torch.device], Any]
 BUDGET_S: dict[str, float] = {
-    # seconds per section, 470 in all: the tests' two subprocesses have 130 and 60
+    # seconds per section, 590 in all: the tests' two subprocesses have 130 and 60
     "tests": 200,
     "transfers": 45,
     "packing": 30,
@@ -85,6 +88,7 @@ BUDGET_S: dict[str, float] = {
     "overlap": 55,
     "loops": 110,
     "compiled": 60,
+    "fit": 60,
 }
 TEST_RUNS_S = (130, 60)
 
@@ -802,6 +806,100 @@ def compiled(setting: Setting) -> list[str]:
     ]
 
 
+FIT_MEMORY_GIB = 4.0  # what the fit section lets its process use of the GPU
+FIT_STEPS = 200
+
+
+def _exact_largest(found: dk.BatchFit, fits: Callable[[int], bool]) -> tuple[int, int]:
+    """The largest size that fits, bisected to one sample between the search's bounds."""
+    low = found.batch_size
+    high = min((t.batch_size for t in found.tries if not t.fitted), default=low + 1)
+    steps = 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        steps += 1
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low, steps
+
+
+def fit(setting: Setting) -> list[str]:
+    """fit_batch under a memory limit: the size against the exact largest, then a run at it.
+
+    On a GPU, ``set_per_process_memory_fraction`` gives the process FIT_MEMORY_GIB; a CNN
+    on 64 px images is trained with SGD (no optimizer state: what is allocated after the
+    search is what was before it). The exact largest size that fits is found by bisection
+    to one sample from the search's own bounds (memory grows with the batch, so every
+    smaller size fits too). The smoke run's step runs "out of memory" above 100.
+    """
+    device = setting.device
+    torch.manual_seed(0)
+    model = dk.to_device(_small_cnn(), device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    side = 8 if setting.smoke else 64
+
+    def step(batch_size: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if setting.smoke and batch_size > 100:
+            msg = "CUDA out of memory (the smoke run's stand-in)"
+            raise torch.OutOfMemoryError(msg)
+        images = torch.randn(batch_size, 3, side, side, device=device)
+        labels = torch.randint(0, 10, (batch_size,), device=device)
+        nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+    def fits(batch_size: int) -> bool:
+        try:
+            step(batch_size)
+        except torch.OutOfMemoryError:
+            fitted = False
+        else:
+            fitted = True
+        optimizer.zero_grad(set_to_none=True)
+        if setting.gpu:
+            torch.cuda.empty_cache()
+        return fitted
+
+    if setting.gpu:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(FIT_MEMORY_GIB * 2**30 / total, device)
+    try:
+        setting.sync()
+        before = torch.cuda.memory_allocated(device) if setting.gpu else 0
+        start = time.perf_counter()
+        found = dk.fit_batch(step, start=8, limit=1 << 16, device=device)
+        setting.sync()
+        search_s = time.perf_counter() - start
+        after = torch.cuda.memory_allocated(device) if setting.gpu else 0
+        low, exact_tries = _exact_largest(found, fits)
+        steps = 20 if setting.smoke else FIT_STEPS
+        run_ok = all(fits(found.batch_size) for _ in range(steps))
+    finally:
+        if setting.gpu:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    rows = [
+        ["size found", str(found.batch_size)],
+        ["exact largest (bisection)", f"{low} ({exact_tries} more steps)"],
+        ["found / exact", f"{found.batch_size / low:.1%} (target >= 90%)"],
+        ["tries, seconds", f"{len(found.tries)}, {search_s:.1f} s"],
+        [f"{steps} steps at the size found", "no out of memory" if run_ok else "OUT OF MEMORY"],
+        [
+            "memory_allocated after - before",
+            f"{(after - before) / 2**20:+.2f} MiB (target within 1)",
+        ],
+    ]
+    limit = "the stand-in's 100" if setting.smoke else f"{FIT_MEMORY_GIB:g} GiB"
+    return [
+        f"## fit_batch ({limit}, a CNN on {side} px images, SGD)",
+        "",
+        *table(["what", "figure"], rows),
+        "",
+        "```",
+        found.explain(),
+        "```",
+        "",
+    ]
+
+
 def _version(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -877,6 +975,7 @@ SECTIONS: dict[str, Callable[[Setting], list[str]]] = {
     "overlap": overlap,
     "loops": training_loops,
     "compiled": compiled,
+    "fit": fit,
 }
 
 

@@ -7,7 +7,13 @@ arbitrarily nested batches), and explain device problems in the user's own terms
 from devicekit._audit import TransferEvent, TransferLog, track_transfers
 from devicekit._backends import Backend, DeviceInfo, GpuProcess
 from devicekit._checkpoint import load, save
-from devicekit._checks import GuardHandle, check_same_device, find_devices, guard
+from devicekit._checks import (
+    GuardHandle,
+    check_same_device,
+    find_devices,
+    find_unmoved,
+    guard,
+)
 from devicekit._current import current_device
 from devicekit._errors import (
     DeviceKitError,
@@ -18,6 +24,7 @@ from devicekit._errors import (
 from devicekit._kinds import register_transfer, unregister_transfer
 from devicekit._loader import DeviceDataLoader
 from devicekit._manager import DeviceManager
+from devicekit._memory import BatchFit, fit_batch
 from devicekit._stats import LoaderStats
 from devicekit._transfer import to_device
 
@@ -25,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "BatchFit",
     "DeviceDataLoader",
     "DeviceInfo",
     "DeviceKitError",
@@ -41,6 +49,8 @@ __all__ = [
     "check_same_device",
     "current_device",
     "find_devices",
+    "find_unmoved",
+    "fit_batch",
     "guard",
     "load",
     "register_transfer",

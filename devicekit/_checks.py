@@ -19,8 +19,16 @@ from devicekit import _tree
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import DeviceMismatchError
 from devicekit._kinds import READ
+from devicekit._unmoved import Stray, strays
 
-__all__ = ["GuardHandle", "check_same_device", "describe_devices", "find_devices", "guard"]
+__all__ = [
+    "GuardHandle",
+    "check_same_device",
+    "describe_devices",
+    "find_devices",
+    "find_unmoved",
+    "guard",
+]
 
 # How many paths a message lists per device before it only counts the rest.
 _PATHS_SHOWN = 3
@@ -30,16 +38,75 @@ def _tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in ``data`` with its path, as the READ view of the table sees them.
 
     That is every tensor to_device would move, inside modules, optimizers and objects
-    that move themselves too (a PackedSequence's ``.data``, a graph's ``.x``).
+    that move themselves too (a PackedSequence's ``.data``, a graph's ``.x``), and the
+    tensors a module holds that Module.to() leaves behind (:func:`find_unmoved`).
     """
     flat = _tree.flatten(data, view=READ)
     tensors = [index for index in flat.active if isinstance(flat.leaves[index], torch.Tensor)]
-    if not tensors:  # a million ints, a config: nothing to name, so no path is made
+    modules = [
+        (number, entry[2])
+        for number, entry in enumerate(flat.spec)
+        if isinstance(entry[2], torch.nn.Module)
+    ]
+    if not tensors and not modules:  # a million ints, a config: no path is made
         return
-    leaf_paths, _ = _tree.paths(flat)
+    leaf_paths, container_paths = _tree.paths(flat)
     for index in tensors:
-        path = leaf_paths[index]
-        yield (root + path if root or not path.startswith(".") else path[1:]), flat.leaves[index]
+        yield _rooted(root, leaf_paths[index]), flat.leaves[index]
+    for number, module in modules:
+        for stray in strays(module):
+            yield _rooted(root, f"{container_paths[number]}.{stray.path}"), stray.tensor
+
+
+def _rooted(root: str, path: str) -> str:
+    return root + path if root or not path.startswith(".") else path[1:]
+
+
+def find_unmoved(module: torch.nn.Module, /) -> dict[str, torch.device]:
+    """The tensors a module tree holds that ``Module.to()`` will not move, with their devices.
+
+    A plain tensor attribute (``self.scale = torch.ones(3)``), the tensors of a
+    ``torch.distributions`` object built in ``__init__``, a list or dict of tensors, a
+    module kept in a plain list, a second name for a buffer: ``model.to("cuda")`` leaves
+    each where it was, and the forward then fails deep inside PyTorch. They are named as
+    you write them, submodules' by their qualified names; registered parameters, buffers
+    and submodules, which move, are never listed. A clean model gives an empty dict.
+
+    >>> import torch, devicekit as dk
+    >>> class Scaled(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.linear = torch.nn.Linear(3, 3)
+    ...         self.scale = torch.ones(3)  # a plain attribute: left behind
+    ...         self.prior = torch.distributions.Normal(torch.zeros(3), torch.ones(3))
+    >>> for path, device in dk.find_unmoved(dk.to_device(Scaled(), "meta")).items():
+    ...     print(path, device)
+    scale cpu
+    prior.loc cpu
+    prior.scale cpu
+    >>> dk.find_unmoved(torch.nn.Linear(3, 3))
+    {}
+
+    The fix: ``self.register_buffer("scale", torch.ones(3), persistent=False)`` for an
+    attribute; for a distribution, buffers for its tensors and the distribution built in
+    ``forward()``; ``torch.nn.ModuleList`` for modules in a list.
+
+    Args:
+        module: The root of the module tree.
+
+    Returns:
+        Each such tensor's path, with its device, in the order the walk meets them.
+
+    Raises:
+        TypeError: ``module`` is not a :class:`torch.nn.Module`.
+    """
+    if not isinstance(module, torch.nn.Module):  # for untyped callers
+        msg = (  # type: ignore[unreachable]
+            "Expected a torch.nn.Module to look through, got "
+            f"{type(module).__name__} {shown(module)}."
+        )
+        raise TypeError(msg)
+    return {stray.path: stray.tensor.device for stray in strays(module)}
 
 
 def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
@@ -237,6 +304,40 @@ def _first_tensor(module: torch.nn.Module, *, own: bool) -> Callable[[], torch.T
     return lambda: next((t for _, t in _tensors_of(module, own=own)), None)
 
 
+class _Strays:
+    """What Module.to() left on a guarded module: found once, read again on every call.
+
+    Found again where the module gained or lost an attribute since (its ``__dict__``'s
+    size), or where a tensor's place no longer reads (an attribute deleted): a clean
+    module costs a comparison a call.
+    """
+
+    __slots__ = ("found", "module", "own", "size")
+
+    def __init__(self, module: torch.nn.Module, *, own: bool) -> None:
+        self.module, self.own = module, own
+        self._find()  # when the guard is installed: a forward call walks nothing
+
+    def elsewhere(self, home: torch.device) -> list[tuple[Stray, torch.device]]:
+        """The strays not on ``home`` now, with their devices."""
+        if len(self.module.__dict__) != self.size:
+            self._find()
+        try:
+            current = [(stray, stray.read()) for stray in self.found]
+        except (AttributeError, LookupError, TypeError):  # a place that is gone: look again
+            self._find()
+            current = [(stray, stray.tensor) for stray in self.found]
+        return [
+            (stray, value.device)
+            for stray, value in current
+            if isinstance(value, torch.Tensor) and value.device != home
+        ]
+
+    def _find(self) -> None:
+        self.found: list[Stray] = strays(self.module, own=self.own)
+        self.size = len(self.module.__dict__)
+
+
 def _check_inputs(
     module: torch.nn.Module,
     label: str,
@@ -245,20 +346,24 @@ def _check_inputs(
     *,
     own: bool,
     first: Callable[[], torch.Tensor | None],
+    left: _Strays,
 ) -> None:
     tensor = first()
     if tensor is None:
         return
     home = tensor.device
-    # The usual forward(x) costs one comparison.
+    # The usual forward(x) costs one comparison, and one for what Module.to() left.
     single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
     if single and args[0].device == home:
+        if left.found or len(module.__dict__) != left.size:
+            _check_strays(module, label, home, own=own, left=left)
         return
     where: dict[torch.device, list[str]] = {}
     for path, tensor in _input_paths(module, args, kwargs):
         if tensor.device != home:
             where.setdefault(tensor.device, []).append(path)
     if not where:
+        _check_strays(module, label, home, own=own, left=left)
         return
     params = [name for name, t in _tensors_of(module, own=own) if t.device == home]
     (device, paths), *_ = where.items()
@@ -269,6 +374,27 @@ def _check_inputs(
         f"devicekit.to_device(..., {str(home)!r}), or the module to the inputs' device."
     )
     raise DeviceMismatchError(msg, {home: [f"{label}.{name}" for name in params], **where})
+
+
+def _check_strays(
+    module: torch.nn.Module, label: str, home: torch.device, *, own: bool, left: _Strays
+) -> None:
+    """Name a tensor Module.to() left on another device than the parameters, and the fix."""
+    elsewhere = left.elsewhere(home)
+    if not elsewhere:
+        return
+    stray, device = elsewhere[0]
+    params = [name for name, t in _tensors_of(module, own=own) if t.device == home]
+    named = [f"{label}.{each.path}" for each, _ in elsewhere]
+    more = f" (and {len(named) - 1} more: {', '.join(named[1:4])})" if len(named) > 1 else ""
+    msg = (
+        f"{label}.{stray.path} is on {device} but the parameters of {label} (e.g. "
+        f"{', '.join(params[:2])}) are on {home}{more}. {stray.fix()}."
+    )
+    found: dict[torch.device, list[str]] = {home: [f"{label}.{name}" for name in params]}
+    for each, where in elsewhere:
+        found.setdefault(where, []).append(f"{label}.{each.path}")
+    raise DeviceMismatchError(msg, found)
 
 
 def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
@@ -317,6 +443,7 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
     for name, sub in targets:
         label = f"{root}.{name} ({type(sub).__name__})" if name else root
         first_of_sub = _first_tensor(sub, own=recurse)
+        left_on_sub = _Strays(sub, own=recurse)
 
         def check(
             sub: torch.nn.Module,
@@ -325,10 +452,11 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
             *,
             label: str = label,
             first: Callable[[], torch.Tensor | None] = first_of_sub,
+            left: _Strays = left_on_sub,
         ) -> None:
             # Guarding the whole module compares with all its parameters; guarding each
             # layer compares each with its own, which finds the one left behind.
-            _check_inputs(sub, label, args, kwargs, own=recurse, first=first)
+            _check_inputs(sub, label, args, kwargs, own=recurse, first=first, left=left)
 
         handles.append(sub.register_forward_pre_hook(check, with_kwargs=True))
     return GuardHandle(handles)

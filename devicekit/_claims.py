@@ -32,11 +32,12 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Literal, overload
 
 if sys.platform != "win32":
     import fcntl
 
-__all__ = ["Claim", "claim_dir", "holders", "take"]
+__all__ = ["Claim", "claim_dir", "directory_problem", "holders", "take"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _ADVICE = (
@@ -121,12 +122,35 @@ def _check_sticky(directory: Path, mode: int) -> None:
         raise _refused(directory, msg, errno.EPERM)
 
 
-def _open_directory() -> int:
-    """The claim directory, opened (made where missing, open to all as /tmp is) and checked."""
+def directory_problem() -> str | None:
+    """What is wrong with the claim directory, in the sentence claiming would raise; or None.
+
+    Reads and makes nothing: a directory still to be made is no problem.
+    """
+    try:
+        descriptor = _open_directory(make=False)
+    except OSError as err:
+        return err.strerror
+    if descriptor is not None:
+        os.close(descriptor)
+    return None
+
+
+@overload
+def _open_directory(*, make: Literal[True] = True) -> int: ...
+@overload
+def _open_directory(*, make: bool) -> int | None: ...
+def _open_directory(*, make: bool = True) -> int | None:
+    """The claim directory, opened (made where missing, open to all as /tmp is) and checked.
+
+    With ``make=False`` a missing directory is None, and nothing is made.
+    """
     directory = claim_dir()
     try:
         found = os.lstat(directory)
     except FileNotFoundError:
+        if not make:
+            return None
         found = None
     except OSError as err:
         why = (

@@ -17,12 +17,15 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from devicekit._checks import guard
 from devicekit._loader import DeviceDataLoader
+from devicekit._memory import BatchFit, fit_batch
 from devicekit._transfer import to_device
 
-__all__ = ["EpochReport", "SmallCNN", "synthetic_images", "train"]
+__all__ = ["FIT_LIMIT", "EpochReport", "SmallCNN", "fit_demo_batch", "synthetic_images", "train"]
 
 CLASSES = 10
 IMAGE_SIZE = 16
+FIT_LIMIT = 1024
+"""The largest batch ``--fit-batch`` tries: the small CNN fits far more on any GPU."""
 SLOW_DATA_S = 0.030
 """What ``--slow-data`` adds to making each batch: more than a step takes on most machines."""
 
@@ -80,6 +83,29 @@ def _slowly(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor
     time.sleep(SLOW_DATA_S)
     collated: list[torch.Tensor] = default_collate(batch)
     return collated
+
+
+def fit_demo_batch(device: torch.device) -> BatchFit:
+    """The largest batch of the demo's training step that fits on ``device``.
+
+    Up to :data:`FIT_LIMIT`. Each try is one real step (forward, backward, the
+    optimizer's step) on synthetic images, as :func:`~devicekit.fit_batch` asks; the
+    model and optimizer are the demo's.
+    """
+    torch.manual_seed(0)
+    limit = FIT_LIMIT
+    images = synthetic_images(limit)
+    model = to_device(SmallCNN(), device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    def step(batch_size: int) -> None:
+        optimizer.zero_grad(set_to_none=True)  # a failed try's gradients go with it
+        batch = to_device(images[:batch_size], device)
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()  # type: ignore[no-untyped-call]  # untyped in PyTorch's stubs
+        optimizer.step()
+
+    return fit_batch(step, start=64, limit=limit, device=device)
 
 
 def train(

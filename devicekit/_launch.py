@@ -8,15 +8,17 @@ like) read these functions, never ``os.environ`` directly.
 from __future__ import annotations
 
 import os
-from typing import Final
+from typing import Final, NamedTuple
 
 from devicekit._devices import shown
 
 __all__ = [
+    "LAUNCHERS",
     "VISIBILITY_VARIABLES",
+    "Launcher",
+    "LocalRank",
     "devicekit_device",
     "local_rank",
-    "local_world_size",
     "visibility_set",
 ]
 
@@ -47,25 +49,62 @@ def whole_number(value: str) -> int | None:
     return int(value) if value.isascii() and value.isdecimal() and len(value) <= 9 else None
 
 
-def local_world_size() -> int | None:
-    """Torchrun's LOCAL_WORLD_SIZE, the processes on this node; None where unset or odd."""
-    return whole_number(os.environ.get("LOCAL_WORLD_SIZE", ""))
+class Launcher(NamedTuple):
+    """How one launcher tells a process its rank on the node, and the node's process count."""
+
+    name: str  # as messages name it
+    rank: str  # the variable of the local rank
+    size: str  # the variable of the processes on the node
+    per_node: str  # its option that starts {} processes per node, as advice shows it
 
 
-def local_rank() -> int | None:
-    """This process's rank on its node (torchrun's LOCAL_RANK); None where unset.
+LAUNCHERS: Final = (
+    Launcher("torchrun", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "torchrun --nproc_per_node={}"),
+    Launcher("Slurm", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "srun --ntasks-per-node={}"),
+    Launcher(
+        "Open MPI",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "mpirun --npernode {}",
+    ),
+    Launcher("MPICH or Intel MPI", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "mpiexec -ppn {}"),
+    Launcher("Cray PALS", "PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE", "mpiexec --ppn {}"),
+)
+"""In the order they are read: torchrun inside a Slurm job sets both, and its is the rank."""
+
+
+class LocalRank(NamedTuple):
+    """This process's rank on its node, as its launcher set it."""
+
+    rank: int
+    launcher: Launcher
+    size: int | None  # the processes on the node, where the launcher says
+
+    @property
+    def said(self) -> str:
+        """``LOCAL_RANK=1``: the variable and its value, as messages show them."""
+        return f"{self.launcher.rank}={self.rank}"
+
+
+def local_rank() -> LocalRank | None:
+    """This process's rank on its node, from the first launcher variable set; None if none.
+
+    ``LOCAL_RANK`` (torchrun), then ``SLURM_LOCALID`` (srun), ``OMPI_COMM_WORLD_LOCAL_RANK``
+    (Open MPI), ``MPI_LOCALRANKID`` (MPICH, Intel MPI), ``PALS_LOCAL_RANKID`` (Cray PALS).
 
     Raises:
-        ValueError: LOCAL_RANK is set but not a whole number of 0 or more.
+        ValueError: The variable is set but not a whole number of 0 or more.
     """
-    value = os.environ.get("LOCAL_RANK")
-    if value is None:
-        return None
-    rank = whole_number(value)
-    if rank is None:
-        msg = (
-            "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, "
-            f"got {shown(value)}."
-        )
-        raise ValueError(msg)
-    return rank
+    for launcher in LAUNCHERS:
+        value = os.environ.get(launcher.rank)
+        if value is None:
+            continue
+        rank = whole_number(value)
+        if rank is None:
+            msg = (
+                f"Expected {launcher.rank} (set by {launcher.name}) to be a whole number of 0 "
+                f"or more, got {shown(value)}."
+            )
+            raise ValueError(msg)
+        return LocalRank(rank, launcher, whole_number(os.environ.get(launcher.size, "")))
+    return None

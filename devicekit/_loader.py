@@ -2,15 +2,16 @@
 
 On an accelerator a loader iterates as a pipeline:
 
-1. Batches come from the wrapped loader, iterated once per epoch. Where devicekit must
-   pin them (the wrapped loader does not, and ``pin_memory`` is not False), a
-   background *feed* thread takes them and pins their large tensors, a bounded number
-   ahead, so the training thread never pays for pinning; small tensors need no pinning,
-   since they travel packed through a pinned staging buffer. Where the wrapped loader
-   pins, or nothing is to be pinned, there is no thread: the training thread takes
-   each batch itself, as a handwritten loop does.
-2. The training thread issues each batch's copy on the loader's side stream,
-   ``prefetch`` batches ahead, and records an event after each.
+1. Batches come from the wrapped loader, iterated once per epoch by a background
+   *feed* thread, a bounded number ahead, which pins their large tensors where
+   devicekit must (the wrapped loader does not, and ``pin_memory`` is not False), so
+   the training thread never pays for reading or pinning; small tensors need no
+   pinning, since they travel packed through a pinned staging buffer. Reads that draw
+   random numbers are the exception: made in the training thread (see ``_ahead``).
+2. The training thread issues each batch's copy on the loader's side stream, up to
+   ``prefetch`` batches ahead, and records an event after each. It starts the copies of
+   the batches the feed has ready, never waits for one while it holds a batch: a batch
+   that is ready is handed over at once, whatever the next one costs to read.
 3. Handing a batch over, the consumer's stream waits for that batch's event, so the
    batch is complete before any kernel reads it.
 
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import itertools
 import queue
 import random
 import sys
@@ -81,6 +81,7 @@ PinMemory: TypeAlias = bool | Literal["auto"]
 # was told to stop.
 _STOP_POLL_S: Final = 0.1
 _END: Final = object()
+_NOT_READY: Final = object()  # a feed's next batch is still being read
 _READS_CHECKED: Final = 2
 """An epoch's reads watched for random draws before it reads ahead (see ``_ahead``): the
 first read of a shuffled DataLoader draws the sampler's seed, however plain its data."""
@@ -154,6 +155,10 @@ def drew_since(before: tuple[Any, ...]) -> bool:
         or numpy_before["has_gauss"] != numpy_after["has_gauss"]
         or (numpy_before["state"]["key"] != numpy_after["state"]["key"]).any()
     )
+
+
+def _as_it_is(batch: Any) -> Any:
+    return batch
 
 
 def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
@@ -317,6 +322,27 @@ class _BackgroundFeed:
             raise item.error
         return item
 
+    def ready(self) -> Any:
+        """The next item where the thread has it already, else ``_NOT_READY``; never waits.
+
+        Raises:
+            StopIteration: The source ended.
+            Exception: What the source raised, in its place.
+        """
+        if self._ended:
+            raise StopIteration
+        try:
+            item = self._items.get_nowait()
+        except queue.Empty:
+            return _NOT_READY
+        if item is _DONE:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.error
+        return item
+
     def close(self) -> None:
         """Tell the thread to stop and drop what it prepared; does not wait for it."""
         self._ended = True
@@ -354,8 +380,17 @@ def _prefetched(
     depth: int,
     finish: Callable[[Any], Any],
     record: EpochRecorder,
+    *,
+    ready: Callable[[], Any] | None = None,
+    first: Any = _NOT_READY,
 ) -> Iterator[Any]:
-    """The pipeline: copies ``depth`` batches ahead, hands them over in order.
+    """The pipeline: copies up to ``depth`` batches ahead, hands them over in order.
+
+    A batch whose copy has started is handed over as soon as it is asked for: later
+    batches are taken only where ``ready()`` has them already (a feed that reads ahead),
+    never waited for while one is in hand, so a source whose next batch is slow, or
+    depends on the step's result, holds nothing back. Where nothing is in flight, the
+    next batch is waited for. ``first``, where given, was read already.
 
     An exception from the source or from starting a copy surfaces in its place, after
     every batch before it; one from ``finish`` (the transform) surfaces at once. Each
@@ -365,24 +400,41 @@ def _prefetched(
     failure: list[Exception] = []  # the source's: raised once the batches before it are out
     ended = False
 
-    def top_up() -> None:
+    def take(read: Callable[[], Any]) -> bool:
+        """Start the copy of what ``read`` gives; whether it gave a batch."""
         nonlocal ended
-        while not ended and len(in_flight) < depth:
-            try:
-                # No local holds the batch or its ticket: the source's exception, kept
-                # until raised (and maybe by the caller after), would keep them alive.
-                in_flight.append(_started(prefetcher, next(batches)))
-            except StopIteration:  # noqa: PERF203 - at most once an epoch: it ends the loop
-                ended = True
-            except Exception as error:  # re-raised below, unchanged, in its place
-                failure.append(error)
-                ended = True
+        try:
+            # No local holds the batch or its ticket: the source's exception, kept until
+            # raised (and maybe by the caller after), would keep them alive.
+            item = read()
+            if item is _NOT_READY:
+                return False
+            in_flight.append(_started(prefetcher, item))
+        except StopIteration:
+            ended = True
+            return False
+        except Exception as error:  # re-raised below, unchanged, in its place
+            failure.append(error)
+            ended = True
+            return False
+        return True
+
+    def top_up() -> None:  # what is ready, no more: the batch in hand is never held back
+        while ready is not None and not ended and len(in_flight) < depth and take(ready):
+            pass
 
     # An epoch left early never came back for its last batch: order this epoch's first
     # copies after whatever the consumer queued since, as every later resume does.
     prefetcher.consumer_done()
-    top_up()
-    while in_flight:
+    if first is not _NOT_READY:
+        in_flight.append(_started(prefetcher, first))
+        del first
+    while True:
+        if not in_flight and not ended:
+            take(batches.__next__)  # nothing in flight: wait for the source
+        top_up()
+        if not in_flight:
+            break
         ticket = in_flight.popleft()
         record.timers.append(prefetcher.timer(ticket))
         batch = prefetcher.hand_over(ticket)
@@ -732,17 +784,17 @@ class DeviceDataLoader(Generic[B]):
                 checks -= 1
             yield from _prefetched(iter((batch,)), prefetcher, 1, self._finish, record)
             del batch
-        rest = batches
-        feed = None
-        if self._pins():
-            feed = _BackgroundFeed(batches, prefetcher.pin, self._prefetch, device)
-            self._feeds.add(feed)
-            rest = feed
-        ahead = itertools.chain((batch,), rest)  # drops the batch once it is taken
+        # The rest is read by a feed thread, pinned there where devicekit pins, so that a
+        # batch ready on the device is handed over whatever the next one's read costs.
+        pin = prefetcher.pin if self._pins() else _as_it_is
+        feed = _BackgroundFeed(batches, pin, self._prefetch, device)
+        self._feeds.add(feed)
+        pipeline = _prefetched(
+            feed, prefetcher, self._prefetch, self._finish, record, ready=feed.ready, first=batch
+        )
         del batch
         try:
-            yield from _prefetched(ahead, prefetcher, self._prefetch, self._finish, record)
+            yield from pipeline
         finally:
             # The end, an error, or a loop left early: the thread stops, the prefetched go.
-            if feed is not None:
-                feed.close()
+            feed.close()

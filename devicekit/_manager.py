@@ -333,7 +333,6 @@ class DeviceManager:
             claimed,
             devicekit_device=_launch.devicekit_device(),
             local_rank=_launch.local_rank(),
-            local_world_size=_launch.local_world_size(),
             split=frozenset(t for t in _launch.VISIBILITY_VARIABLES if _launch.visibility_set(t)),
             cuda_index=torch.cuda.current_device() if cuda_started() else 0,
             loaded=has_backend,

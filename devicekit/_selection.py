@@ -25,7 +25,7 @@ import torch
 from devicekit._backends import DeviceInfo
 from devicekit._devices import DeviceLike, parse_device, shown
 from devicekit._errors import DeviceKitError
-from devicekit._launch import VISIBILITY_VARIABLES, whole_number
+from devicekit._launch import LAUNCHERS, VISIBILITY_VARIABLES, LocalRank, whole_number
 from devicekit._units import count, duration, gib, percent
 
 __all__ = [
@@ -67,8 +67,7 @@ class Seen(NamedTuple):
     claimed: Mapping[torch.device, int | None] = MappingProxyType({})
     """Devices other jobs claim, with the claiming pid where known."""
     devicekit_device: str = ""  # DEVICEKIT_DEVICE, stripped
-    local_rank: int | None = None
-    local_world_size: int | None = None
+    local_rank: LocalRank | None = None
     split: frozenset[str] = frozenset()
     """Device types whose devices a launcher gave this process (CUDA_VISIBLE_DEVICES...)."""
     cuda_index: int = 0  # what "cuda" names: the current CUDA device, 0 before CUDA starts
@@ -265,46 +264,48 @@ class _Choice:
         return self.chosen(chosen.device, f"the first with about the most free memory ({free})")
 
     def by_local_rank(self) -> Outcome:
-        seen, rank = self.seen, self.seen.local_rank
-        if rank is None:
+        seen, local = self.seen, self.seen.local_rank
+        if local is None:
+            variables = ", ".join(launcher.rank for launcher in LAUNCHERS)
             return Refused(
-                "Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."
+                f"Expected a launcher's local rank ({variables}) for policy='local-rank', "
+                "but none is set."
             )
         family = self.accelerators()
         if family is None:
-            return self.fall_back(f"LOCAL_RANK={rank}, but no accelerator was found")
+            return self.fall_back(f"{local.said}, but no accelerator was found")
         name, found = family
         device_type = found[0].device.type
         split = device_type in seen.split
-        ranks = seen.local_world_size
+        rank, ranks = local.rank, local.size
         variable = VISIBILITY_VARIABLES.get(device_type, ("CUDA_VISIBLE_DEVICES",))[0]
         if not split and ranks is not None and ranks > len(found):
             return Refused(
                 f"Expected at most {_processes(len(found))} on this node, one per {name} "
-                f"device, but LOCAL_WORLD_SIZE={ranks}: "
-                + _shared(f"Start {len(found)}", len(found), variable)
+                f"device, but {local.launcher.size}={ranks}: "
+                + _shared(f"Start {len(found)}", len(found), variable, local)
             )
         if len(found) == 1 and (split or rank == 0):
             # One visible device per process: the launcher already split them.
             return self.of_rank(
-                found[0], rank, f"LOCAL_RANK={rank}, and this process sees one {name} device"
+                found[0], local, f"{local.said}, and this process sees one {name} device"
             )
         if rank >= len(found):
             return Refused(
-                f"Expected LOCAL_RANK to be below the number of {name} devices this process "
-                f"sees ({len(found)}), got {rank}: "
-                + _shared(f"Start at most {_processes(len(found))}", len(found), variable)
+                f"Expected {local.launcher.rank} to be below the number of {name} devices "
+                f"this process sees ({len(found)}), got {rank}: "
+                + _shared(f"Start at most {_processes(len(found))}", len(found), variable, local)
             )
-        return self.of_rank(found[rank], rank, f"LOCAL_RANK={rank} (torchrun) selects it")
+        return self.of_rank(found[rank], local, f"{local.said} ({local.launcher.name}) selects it")
 
-    def of_rank(self, info: DeviceInfo, rank: int, reason: str) -> Outcome:
+    def of_rank(self, info: DeviceInfo, local: LocalRank, reason: str) -> Outcome:
         """The device of ``rank``, to be made the process's current device.
 
         Before NCCL's first call, so that every rank works on its own GPU rather than
         all of them on ``cuda:0`` (PyTorch warns that a barrier would "guess" otherwise).
         """
         if not self.qualifies(info):
-            return self.unusable(f"LOCAL_RANK={rank} selects {info.device}, but {self.skipped[-1]}")
+            return self.unusable(f"{local.said} selects {info.device}, but {self.skipped[-1]}")
         return self.chosen(info.device, reason)._replace(current=True)
 
     # Where nothing qualifies.
@@ -382,12 +383,12 @@ def passed_over(seen: Seen, prefer: tuple[str, ...], skipped: list[str]) -> list
     return reasons
 
 
-def _shared(start: str, devices: int, variable: str) -> str:
+def _shared(start: str, devices: int, variable: str, local: LocalRank) -> str:
     """The end of the refusals of ranks that would share a device: why, and what to do."""
+    option = local.launcher.per_node.format(devices)
     return (
         "ranks would share a device, which NCCL refuses ('Duplicate GPU detected'). "
-        f"{start} per node (torchrun --nproc_per_node={devices}), or give each process its "
-        f"own {variable}."
+        f"{start} per node ({option}), or give each process its own {variable}."
     )
 
 

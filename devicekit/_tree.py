@@ -133,9 +133,11 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
                 continue
             if (child_node is LIST or child_node is TUPLE) and len(child) >= _SCAN_FROM:
                 kind = _one_kind(child, nodes, learn)
-                if kind is not False:  # its elements become leaves in one step
-                    if kind is None:
-                        active += range(len(leaves), len(leaves) + len(child))
+                if kind is INERT:  # token ids: one inert leaf, a copy, as map_leaves makes
+                    leaves.append(list(child) if child_node is LIST else child)
+                    continue
+                if kind is None:  # its elements become leaves in one step
+                    active += range(len(leaves), len(leaves) + len(child))
                     leaves += child
                     spec.append((len(leaves), child_node, child, len(child)))
                     continue

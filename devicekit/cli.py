@@ -21,7 +21,8 @@ import torch
 
 import devicekit
 from devicekit import _bench
-from devicekit._demo import train
+from devicekit._demo import fit_demo_batch, train
+from devicekit._doctor import diagnose, look
 from devicekit._errors import DeviceKitError
 from devicekit._manager import DeviceManager, claim_holders
 from devicekit._selection import who_uses
@@ -62,7 +63,15 @@ class _Run:
     epochs_done: int = 0
 
 
-def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, slow_data: bool, run: _Run) -> int:
+def _demo(
+    manager: DeviceManager,
+    epochs: int,
+    *,
+    as_json: bool,
+    slow_data: bool,
+    fit: bool,
+    run: _Run,
+) -> int:
     if manager.device.type == "meta":
         msg = (
             "Expected a device with memory for the demo to train on, got meta, whose "
@@ -72,11 +81,21 @@ def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, slow_data: bool
     if not as_json:
         print(f"devicekit {devicekit.__version__}: a small CNN on synthetic 16x16 images")
         print(f"device: {manager.device} ({manager.reason})", flush=True)
+    found = fit_demo_batch(manager.device) if fit else None
+    if found is not None and not as_json:
+        print(found.explain(), flush=True)
+    batch_size = 64 if found is None else found.batch_size
     progress = None if as_json else _progress(epochs)
     reports = []
     # Over a progress line, the epoch's line goes back to the start and covers it.
     start, pad = ("\r", " " * 20) if progress is not None else ("", "")
-    for report in train(manager.device, epochs=epochs, slow_data=slow_data, on_batch=progress):
+    for report in train(
+        manager.device,
+        epochs=epochs,
+        batch_size=batch_size,
+        slow_data=slow_data,
+        on_batch=progress,
+    ):
         reports.append(report)
         run.epochs_done = report.epoch
         if not as_json:
@@ -87,11 +106,17 @@ def _demo(manager: DeviceManager, epochs: int, *, as_json: bool, slow_data: bool
                 flush=True,
             )
     if as_json:
-        summary = {
+        summary: dict[str, object] = {
             "device": str(manager.device),
             "reason": manager.reason,
             "epochs": [dataclasses.asdict(report) for report in reports],
         }
+        if found is not None:
+            summary["fit_batch"] = {
+                "batch_size": found.batch_size,
+                "tries": [each._asdict() for each in found.tries],
+                "reason": found.reason,
+            }
         print(json.dumps(summary, indent=2))
     else:
         samples = sum(report.samples for report in reports)
@@ -221,7 +246,21 @@ def _drop_output() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
+def _doctor(*, as_json: bool) -> int:
+    """The doctor's findings, a line each; status 1 where one would break a run."""
+    findings = diagnose(look())
+    if as_json:
+        print(json.dumps([dataclasses.asdict(finding) for finding in findings], indent=2))
+    elif findings:
+        print("\n".join(finding.line() for finding in findings))
+    else:
+        print("No problem found: nothing in this environment puts a rank on the wrong GPU.")
+    return 1 if any(finding.severity == "error" for finding in findings) else 0
+
+
 def _run(args: argparse.Namespace, run: _Run) -> int:
+    if args.command == "doctor":
+        return _doctor(as_json=args.json)
     if args.command == "bench":
         measured = _bench.measure()
         print(json.dumps(measured, indent=2) if args.json else "\n".join(_bench.report(measured)))
@@ -232,6 +271,7 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
             args.epochs,
             as_json=args.json,
             slow_data=args.slow_data,
+            fit=args.fit_batch,
             run=run,
         )
     manager = _manager()

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 
 import devicekit as dk
 from devicekit import _kinds
+from devicekit._launch import LAUNCHERS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -62,6 +63,14 @@ def no_transfer_rule_left_behind() -> Iterator[None]:
             "test (try/finally, or a fixture), so that later tests are unaffected.",
             pytrace=False,
         )
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts outside any launcher: a CI job run under Slurm or MPI sets these."""
+    for launcher in LAUNCHERS:
+        monkeypatch.delenv(launcher.rank, raising=False)
+        monkeypatch.delenv(launcher.size, raising=False)
 
 
 @pytest.fixture

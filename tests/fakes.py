@@ -40,7 +40,7 @@ class FakeGpus:
                 torch.device(self.device_type, index),
                 self.name,
                 index,
-                f"Fake GPU {index}",
+                "Fake GPU",  # one model, as most machines have
                 int(self.total * GiB),
                 None if free is None else int(free * GiB),
                 (9, 0),

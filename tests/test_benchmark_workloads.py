@@ -61,6 +61,7 @@ SECTION_TITLES = (
     "## Bandwidth",
     "## Loader overlap",
     "## Real training loops",
+    "## fit_batch",
 )
 
 
@@ -134,3 +135,14 @@ def test_a_failing_section_leaves_every_other_in_the_report(
     assert "RuntimeError: a broken section" in report
     assert "## bandwidth: FAILED" in report
     assert "ran past its 0.5 s budget" in report
+
+
+checks_bench = _load_benchmark("bench_checks")
+
+
+def test_the_checks_benchmark_times_what_it_names() -> None:
+    model = checks_bench.thousand_modules()
+    assert sum(1 for _ in model.modules()) >= 1000
+    assert dk.find_unmoved(model) == {}  # a clean model: the walk is all that is timed
+    batch = checks_bench.long_scalar_list(100)
+    assert dk.find_devices(batch) == {torch.device("cpu"): ["['x']"]}  # the ints are no tensors

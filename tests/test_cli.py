@@ -321,7 +321,8 @@ def test_help_and_usage_errors_answer_before_pytorch_is_imported() -> None:
 
 
 @pytest.mark.parametrize(
-    ("typed", "meant"), [("inf", "info"), ("dmeo", "demo"), ("bnech", "bench")]
+    ("typed", "meant"),
+    [("inf", "info"), ("dmeo", "demo"), ("bnech", "bench"), ("docter", "doctor")],
 )
 def test_a_mistyped_command_gets_the_closest_one(
     typed: str, meant: str, capsys: pytest.CaptureFixture[str]
@@ -332,5 +333,34 @@ def test_a_mistyped_command_gets_the_closest_one(
     error = capsys.readouterr().err.splitlines()[-1]
     assert error == (
         f"devicekit: error: unknown command {typed!r}: did you mean {meant!r}? "
-        "(choose from 'info', 'demo', 'bench')"
+        "(choose from 'info', 'doctor', 'demo', 'bench')"
     )
+
+
+def test_the_demo_fits_its_batch_first_where_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu", "--fit-batch"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:5] == [
+        "Batch size 1024 on cpu.",
+        "Tried: 64 fits, 128 fits, 256 fits, 512 fits, 1024 fits.",  # the CPU never runs out
+        "Chose 1024: the limit (1024) fit.",
+    ]
+    assert lines[5].startswith("epoch 1/1")
+
+
+def test_the_demo_s_json_holds_the_fit(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(devicekit._demo, "FIT_LIMIT", 128)  # fewer, smaller tries
+    argv = ["demo", "--epochs", "1", "--device", "cpu", "--fit-batch", "--json"]
+    assert _devicekit_cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fit_batch"] == {
+        "batch_size": 128,
+        "tries": [
+            {"batch_size": 64, "fitted": True, "peak_memory": None},
+            {"batch_size": 128, "fitted": True, "peak_memory": None},
+        ],
+        "reason": "the limit (128) fit",
+    }
+    assert len(report["epochs"]) == 1

@@ -11,6 +11,7 @@ and each must leave no thread behind.
 
 from __future__ import annotations
 
+import queue
 import random
 import signal
 import subprocess
@@ -145,10 +146,10 @@ def _expected(length: int, prefetch: int) -> list[int]:
 
 DEPTHS = range(5)
 LENGTHS = range(8)
-PINNING = [False, True]  # without and with the background feed thread
+PINNING = [False, True]  # where devicekit pins in the feed thread, and where it does not
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("prefetch", DEPTHS)
 def test_full_epochs_and_the_next_ones(
@@ -167,7 +168,7 @@ def test_full_epochs_and_the_next_ones(
         assert made[0].pinned_in == ({"devicekit-feed"} if pin and length > 1 else set())
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("prefetch", DEPTHS)
 def test_breaking_out_at_each_position(
@@ -186,7 +187,7 @@ def test_breaking_out_at_each_position(
     _no_thread_left()
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("prefetch", DEPTHS)
 def test_a_source_raising_at_each_position(
@@ -206,7 +207,7 @@ def test_a_source_raising_at_each_position(
     _no_thread_left()
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("prefetch", DEPTHS)
 def test_a_transform_raising_at_each_position(
@@ -230,7 +231,7 @@ def test_a_transform_raising_at_each_position(
         _no_thread_left()
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("prefetch", DEPTHS)
 def test_ctrl_c_in_the_loop_body_at_each_position(
@@ -308,7 +309,7 @@ def test_a_dataloader_starts_its_workers_once_per_epoch(
 AHEAD = [1, 2, 3]
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("prefetch", AHEAD)
 def test_peeking_at_a_batch_then_training(
     prefetch: int, pin: bool, monkeypatch: pytest.MonkeyPatch
@@ -322,7 +323,7 @@ def test_peeking_at_a_batch_then_training(
     _no_thread_left()
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("prefetch", AHEAD)
 def test_nested_loops_over_one_loader(
     prefetch: int, pin: bool, monkeypatch: pytest.MonkeyPatch
@@ -334,7 +335,7 @@ def test_nested_loops_over_one_loader(
     _no_thread_left()
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["in-thread", "feed-thread"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("prefetch", AHEAD)
 def test_two_live_iterators_taken_in_turn(
     prefetch: int, pin: bool, monkeypatch: pytest.MonkeyPatch
@@ -580,3 +581,83 @@ def test_a_seeded_run_repeats_and_matches_the_plain_loop(
         assert all(torch.equal(got, want) for (got, _), (want, _) in zip(run, plain, strict=True))
     # Reading that draws nothing past a shuffle's seed is read ahead by the feed.
     assert ("devicekit-feed" in made[0].pinned_in) == (draw == "none")
+
+
+# A ready batch is handed over at once: the loader never waits for a later read while it
+# holds one. A source whose next item waits for the step (an environment stepped by the
+# policy, active learning) shows it: each read after the first waits for the action the
+# loop posts after receiving the item before it. Had the loader read ahead before handing
+# over, the read would wait for an action never posted (it fails after ACTION_WAIT_S).
+
+ACTION_WAIT_S = WATCHDOG_S / 2
+
+
+class Environment:
+    """Yields a state, then waits for the loop's action to compute the next one."""
+
+    def __init__(self, steps: int, *, draws: bool) -> None:
+        self.steps, self.draws = steps, draws
+        self.actions: queue.Queue[int] = queue.Queue()
+
+    def __iter__(self) -> Iterator[int]:
+        state = 1
+        for _ in range(self.steps):
+            state += random.randrange(3) if self.draws else 0  # an exploration draw
+            yield state
+            try:
+                action = self.actions.get(timeout=ACTION_WAIT_S)
+            except queue.Empty:
+                msg = "the loader read the next state before handing over this one"
+                raise AssertionError(msg) from None
+            state = state * 3 % 1000 + action
+
+
+def _episode(loader: Iterable[int], environment: Environment, moved: int) -> list[int]:
+    """The states a loop sees, acting on each (``moved``: what the loader multiplies by)."""
+    random.seed(0)
+    states = []
+    for state in loader:
+        states.append(state // moved)
+        environment.actions.put(states[-1] % 7 + random.randrange(2))  # the policy draws too
+    return states
+
+
+@pytest.mark.parametrize("draws", [False, True], ids=["no-draws", "draws"])
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("prefetch", [1, 2, 4])
+def test_a_source_that_waits_for_the_step_never_deadlocks(
+    prefetch: int, pin: bool, draws: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = 6
+    plain = Environment(steps, draws=draws)
+    expected = _episode(plain, plain, 1)
+    environment = Environment(steps, draws=draws)
+    loader, made = _loader_for(environment, prefetch, pin, monkeypatch)
+    assert _episode(loader, environment, 10) == expected  # the states the plain loop saw
+    assert len(expected) == steps
+    assert made[0].handed == made[0].started  # every read was copied and handed over
+    _no_thread_left()
+
+
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("prefetch", [1, 2, 4])
+def test_the_first_batch_arrives_while_the_second_is_still_being_read(
+    prefetch: int, pin: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    received = threading.Event()  # set by the loop once it holds the first batch
+    reads_before: list[bool] = []
+
+    class SlowSecond:
+        def __iter__(self) -> Iterator[int]:
+            yield 0
+            reads_before.append(received.wait(timeout=ACTION_WAIT_S))  # a slow read
+            yield from range(1, 5)
+
+    loader, _ = _loader_for(SlowSecond(), prefetch, pin, monkeypatch)
+    got = []
+    for batch in loader:
+        received.set()
+        got.append(batch)
+    assert got == [0, 10, 20, 30, 40]
+    assert reads_before == [True]  # the second read ended once the first batch was out
+    _no_thread_left()

@@ -308,10 +308,56 @@ def test_more_ranks_than_gpus_is_refused_before_nccl_finds_out(
     assert dk.DeviceManager.from_env(backends=machine(70)).device == cuda(0)
 
 
-def test_local_rank_policy_needs_local_rank() -> None:
-    msg = "Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."
+def test_local_rank_policy_needs_a_launcher_s_local_rank() -> None:
+    msg = (
+        "Expected a launcher's local rank (LOCAL_RANK, SLURM_LOCALID, "
+        "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PALS_LOCAL_RANKID) for "
+        "policy='local-rank', but none is set."
+    )
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
         dk.DeviceManager(policy="local-rank", backends=machine(70))
+
+
+@pytest.mark.parametrize(
+    ("variable", "launcher"),
+    [
+        ("SLURM_LOCALID", "Slurm"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
+        ("MPI_LOCALRANKID", "MPICH or Intel MPI"),
+        ("PALS_LOCAL_RANKID", "Cray PALS"),
+    ],
+)
+def test_every_launcher_s_local_rank_selects_its_gpu(
+    monkeypatch: pytest.MonkeyPatch, variable: str, launcher: str
+) -> None:
+    # Under srun or mpirun every rank used to take cuda:0.
+    monkeypatch.setenv(variable, "2")
+    manager = dk.DeviceManager.from_env(backends=machine(70, 70, 70, 70))
+    assert manager.device == cuda(2)
+    assert manager.reason == f"{variable}=2 ({launcher}) selects it"
+    assert f"{variable}=2 ({launcher}) selects it" in manager.explain()
+    assert dk.DeviceManager(policy="local-rank", backends=machine(70, 70, 70, 70)).device == cuda(2)
+
+
+def test_torchrun_s_rank_is_read_first_inside_a_slurm_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun started by srun: SLURM_LOCALID is the node's one task, LOCAL_RANK the rank.
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert dk.DeviceManager.from_env(backends=machine(70, 70)).device == cuda(1)
+
+
+def test_a_launcher_s_bad_rank_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "first")
+    msg = (
+        "Expected OMPI_COMM_WORLD_LOCAL_RANK (set by Open MPI) to be a whole number of 0 or "
+        "more, got 'first'."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dk.DeviceManager.from_env(backends=machine(70, 70))
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3")
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape("OMPI_COMM_WORLD_LOCAL_SIZE=3")):
+        dk.DeviceManager.from_env(backends=machine(70, 70))
 
 
 def test_devicekit_device_is_one_rule_for_every_entry_point(
@@ -447,11 +493,11 @@ def test_explain_says_what_was_chosen_why_and_what_was_seen() -> None:
     no_xpu = FakeGpus([], name="xpu", device_type="xpu", note="no XPU here")
     manager = dk.DeviceManager(backends=[FakeGpus([10, 70, None]), no_xpu])
     assert manager.explain() == (
-        "Selected cuda:0 (Fake GPU 0): the first cuda device; free memory is unknown.\n"
+        "Selected cuda:0 (Fake GPU): the first cuda device; free memory is unknown.\n"
         "Devices seen:\n"
-        "  cuda:0   Fake GPU 0, 10.0 GiB free of 80.0 GiB, compute capability 9.0\n"
-        "  cuda:1   Fake GPU 1, 70.0 GiB free of 80.0 GiB, compute capability 9.0\n"
-        "  cuda:2   Fake GPU 2, 80.0 GiB, free memory unknown, compute capability 9.0\n"
+        "  cuda:0   Fake GPU, 10.0 GiB free of 80.0 GiB, compute capability 9.0\n"
+        "  cuda:1   Fake GPU, 70.0 GiB free of 80.0 GiB, compute capability 9.0\n"
+        "  cuda:2   Fake GPU, 80.0 GiB, free memory unknown, compute capability 9.0\n"
         "  no xpu: no XPU here"
     )
 
@@ -460,7 +506,7 @@ def test_devices_lists_every_family() -> None:
     manager = dk.DeviceManager(backends=machine(10, 70))
     assert [str(info.device) for info in manager.devices] == ["cuda:0", "cuda:1", "cpu"]
     assert manager.devices[0] == dk.DeviceInfo(
-        cuda(0), "cuda", 0, "Fake GPU 0", 80 * 2**30, 10 * 2**30, (9, 0), "GPU-0000"
+        cuda(0), "cuda", 0, "Fake GPU", 80 * 2**30, 10 * 2**30, (9, 0), "GPU-0000"
     )
 
 

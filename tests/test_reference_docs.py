@@ -32,7 +32,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 def test_every_command_has_its_section() -> None:
     commands = _commands(_devicekit_cli.build_parser()[0])
-    assert set(commands) == {"info", "demo", "bench"}  # the walk found them
+    assert set(commands) == {"info", "demo", "bench", "doctor"}  # the walk found them
     for name in commands:
         assert re.search(rf"^``{name}``\n-+$", CLI_PAGE, re.MULTILINE), name
 
@@ -109,6 +109,7 @@ def _variables_read() -> set[str]:
     source = "\n".join(path.read_text(encoding="utf-8") for path in modules)
     read = set(re.findall(r"environ(?:\.get)?\(?\[?\s*\"([A-Z][A-Z0-9_]+)\"", source))
     read |= {name for names in _launch.VISIBILITY_VARIABLES.values() for name in names}
+    read |= {name for launcher in _launch.LAUNCHERS for name in (launcher.rank, launcher.size)}
     return read
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from devicekit._backends import DeviceInfo
+from devicekit._launch import LAUNCHERS, LocalRank
 from devicekit._selection import Chosen, Family, Refused, Request, Seen, Wait, choose
 
 from .helpers import CPU, GiB, cuda
@@ -31,6 +32,13 @@ def gpu(index: int, free: float | None = 79.0, busy: float | None = 0.0) -> Devi
         f"GPU-{index}",
         busy,
     )
+
+
+TORCHRUN, SLURM, OPEN_MPI, MPICH, PALS = LAUNCHERS
+
+
+def rank(number: int, size: int | None = None, launcher: Any = TORCHRUN) -> LocalRank:
+    return LocalRank(number, launcher, size)
 
 
 def machine(*gpus: DeviceInfo, **seen: Any) -> Seen:
@@ -220,19 +228,19 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
     ),
     (
         "LOCAL_RANK picks its GPU, made current",
-        machine(gpu(0), gpu(1), local_rank=1),
+        machine(gpu(0), gpu(1), local_rank=rank(1)),
         Request(),
         Chosen(cuda(1), "LOCAL_RANK=1 (torchrun) selects it", current=True),
     ),
     (
         "LOCAL_RANK with one GPU given to the process",
-        machine(gpu(0), local_rank=3, split=frozenset({"cuda"})),
+        machine(gpu(0), local_rank=rank(3), split=frozenset({"cuda"})),
         Request(),
         Chosen(cuda(0), "LOCAL_RANK=3, and this process sees one cuda device", current=True),
     ),
     (
         "more ranks than GPUs",
-        machine(gpu(0), gpu(1), local_rank=0, local_world_size=4),
+        machine(gpu(0), gpu(1), local_rank=rank(0, 4)),
         Request(),
         Refused(
             "Expected at most 2 processes on this node, one per cuda device, but "
@@ -243,7 +251,7 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
     ),
     (
         "a rank beyond the GPUs",
-        machine(gpu(0), gpu(1), local_rank=2),
+        machine(gpu(0), gpu(1), local_rank=rank(2)),
         Request(),
         Refused(
             "Expected LOCAL_RANK to be below the number of cuda devices this process sees "
@@ -254,7 +262,7 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
     ),
     (
         "a rank's GPU that another job keeps busy",
-        machine(gpu(0), gpu(1, busy=0.9), local_rank=1),
+        machine(gpu(0), gpu(1, busy=0.9), local_rank=rank(1)),
         Request(max_busy=0.5),
         Refused(
             "LOCAL_RANK=1 selects cuda:1, but cuda:1: 90% busy, more than the 50% "
@@ -265,11 +273,59 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
         "policy local-rank without LOCAL_RANK",
         TWO,
         Request(policy="local-rank"),
-        Refused("Expected LOCAL_RANK to be set (torchrun sets it) for policy='local-rank'."),
+        Refused(
+            "Expected a launcher's local rank (LOCAL_RANK, SLURM_LOCALID, "
+            "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PALS_LOCAL_RANKID) for "
+            "policy='local-rank', but none is set."
+        ),
+    ),
+    (
+        "Slurm's SLURM_LOCALID picks its GPU",
+        machine(gpu(0), gpu(1), local_rank=rank(1, 2, SLURM)),
+        Request(),
+        Chosen(cuda(1), "SLURM_LOCALID=1 (Slurm) selects it", current=True),
+    ),
+    (
+        "Open MPI's local rank picks its GPU",
+        machine(gpu(0), gpu(1), gpu(2), local_rank=rank(2, None, OPEN_MPI)),
+        Request(),
+        Chosen(cuda(2), "OMPI_COMM_WORLD_LOCAL_RANK=2 (Open MPI) selects it", current=True),
+    ),
+    (
+        "MPICH's local rank with one GPU given to the process",
+        machine(gpu(0), local_rank=rank(5, 8, MPICH), split=frozenset({"cuda"})),
+        Request(),
+        Chosen(
+            cuda(0),
+            "MPI_LOCALRANKID=5, and this process sees one cuda device",
+            current=True,
+        ),
+    ),
+    (
+        "more Cray PALS ranks than GPUs, named by its own variables",
+        machine(gpu(0), gpu(1), local_rank=rank(0, 4, PALS)),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "PALS_LOCAL_SIZE=4: ranks would share a device, which NCCL refuses ('Duplicate "
+            "GPU detected'). Start 2 per node (mpiexec --ppn 2), or give each "
+            "process its own CUDA_VISIBLE_DEVICES."
+        ),
+    ),
+    (
+        "a Slurm rank beyond the GPUs",
+        machine(gpu(0), local_rank=rank(1, None, SLURM)),
+        Request(),
+        Refused(
+            "Expected SLURM_LOCALID to be below the number of cuda devices this process sees "
+            "(1), got 1: ranks would share a device, which NCCL refuses ('Duplicate GPU "
+            "detected'). Start at most 1 process per node (srun --ntasks-per-node=1), or "
+            "give each process its own CUDA_VISIBLE_DEVICES."
+        ),
     ),
     (
         "LOCAL_RANK without an accelerator",
-        machine(local_rank=0),
+        machine(local_rank=rank(0)),
         Request(),
         Chosen(
             CPU,
@@ -292,4 +348,4 @@ def test_the_choice_reads_nothing_but_its_arguments(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("DEVICEKIT_DEVICE", "cuda:1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert choose(TWO, Request()) == CASES[0][3]
-    assert TWO._replace(local_rank=1) != TWO  # the snapshot is what differs
+    assert TWO._replace(local_rank=rank(1)) != TWO  # the snapshot is what differs

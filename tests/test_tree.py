@@ -17,7 +17,7 @@ from devicekit import _tree
 from devicekit._kinds import LIST, MOVE, READ, container_node
 from devicekit.testing import assert_batches_equal, batches
 
-from .helpers import META
+from .helpers import CPU, META
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -144,12 +144,14 @@ def test_inert_leaves_pass_through_without_a_call() -> None:
 @pytest.mark.parametrize("length", [63, 64, 200])  # taken whole from 64 elements on
 def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: int) -> None:
     leaves = [Token(f"leaf {i}") for i in range(length)]
-    scalars = list(range(length))
+    scalars = tuple(range(length))
     mixed = [*leaves[:-1], None]  # one scalar among the leaves: walked one by one
-    data = {"leaves": leaves, "scalars": tuple(scalars), "mixed": mixed, "top": [leaves]}
+    data = {"leaves": leaves, "scalars": scalars, "mixed": mixed, "top": [leaves]}
     flat = _tree.flatten(data)
-    assert flat.leaves == [*leaves, *scalars, *mixed, *leaves]
-    start = 2 * length  # the scalars are not active; the leaves and the mixed ones are
+    whole = length >= 64  # a long run of scalars is one inert leaf, never looked at again
+    shown = [scalars] if whole else [*scalars]
+    assert flat.leaves == [*leaves, *shown, *mixed, *leaves]
+    start = length + len(shown)  # the scalars are not active; the leaves and the mixed ones are
     assert flat.active == [
         *range(length),
         *range(start, start + length - 1),
@@ -160,7 +162,7 @@ def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: i
     assert _tree.map_flat(each(renamed), data) == rebuilt
     assert rebuilt == {
         "leaves": [renamed(leaf) for leaf in leaves],
-        "scalars": tuple(scalars),
+        "scalars": scalars,
         "mixed": [*(renamed(leaf) for leaf in leaves[:-1]), None],
         "top": [[renamed(leaf) for leaf in leaves]],
     }
@@ -170,10 +172,11 @@ def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: i
     assert (alone.leaves, alone.active) == (leaves, list(range(length)))
     leaf_paths, container_paths = _tree.paths(flat)
     assert leaf_paths[length - 1] == f"['leaves'][{length - 1}]"
+    assert leaf_paths[length] == ("['scalars']" if whole else "['scalars'][0]")
     assert leaf_paths[-1] == f"['top'][0][{length - 1}]"
     assert container_paths == [
         "['leaves']",
-        "['scalars']",
+        *([] if whole else ["['scalars']"]),
         "['mixed']",
         "['top'][0]",
         "['top']",
@@ -185,12 +188,23 @@ def test_long_lists_of_leaves_or_scalars_flatten_as_element_by_element(length: i
 def test_a_long_list_of_scalars_is_taken_whole_not_element_by_element() -> None:
     ids = list(range(100_000))
     flat = _tree.flatten({"ids": ids, "t": torch.ones(1)})
-    assert flat.active == [len(ids)]  # only the tensor is looked at again
-    assert len(flat.spec) == 2  # the list closed in one step, then the dict
+    assert flat.leaves[0] == ids  # one inert leaf: a copy, as the list a move makes
+    assert flat.leaves[0] is not ids
+    assert flat.active == [1]  # only the tensor is looked at again
+    assert len(flat.spec) == 1  # the dict alone
     moved = dk.to_device({"ids": ids, "more": [*ids[:100], torch.ones(1)]}, META)
     assert moved["ids"] == ids
     assert moved["ids"] is not ids
     assert moved["more"][-1].device == META  # a tensor at the end is still found
+
+
+def test_the_checks_on_a_long_list_of_scalars_name_only_the_tensors() -> None:
+    # The checks walk as to_device does: the list is one leaf, not a million paths.
+    batch = {"ids": list(range(10**6)), "x": torch.ones(1, device=META)}
+    assert dk.find_devices(batch) == {META: ["['x']"]}
+    dk.check_same_device(batch)
+    nested = {"ids": [list(range(100)), torch.ones(1)], "x": torch.ones(1, device=META)}
+    assert dk.find_devices(nested) == {CPU: ["['ids'][1]"], META: ["['x']"]}
 
 
 def test_paths_name_every_leaf_and_container_of_a_nested_batch() -> None:

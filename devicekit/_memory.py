@@ -1,0 +1,407 @@
+"""fit_batch: the largest batch that fits in device memory, found once, agreed by every rank.
+
+The search runs the user's own training step at a size and watches only for running
+out of memory::
+
+    grow:    start, 2x start, 4x start, ...   until a step runs out of memory (or limit)
+    narrow:  between the last size that fit and the first that did not, halving the gap
+             until the size that fits is within a tenth of the one that did not
+    room:    with headroom, the size shrinks until its measured peak leaves that share free
+
+Each try is freed before the next: the step's exception is dropped before the next
+step starts (its traceback holds the failed step's frames, and their tensors), then
+garbage is collected and the allocator's cache emptied, and the peak statistics are
+reset. Under a process group every rank runs the same search and agrees on every try
+with one all-reduce (MIN), so all ranks take the same sizes and end on the same one;
+a rank whose step fails otherwise tells the others before it raises, so none waits.
+
+What the device can tell of its memory sits behind one small seam, :data:`MEMORY`, as
+the loader's streams do: the tests stand in for a GPU there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple, Protocol
+
+import torch
+
+from devicekit._current import current_device
+from devicekit._devices import DeviceLike, resolve_device, shown
+from devicekit._errors import DeviceKitError
+from devicekit._units import nbytes
+
+__all__ = ["MEMORY", "BatchFit", "DeviceMemory", "fit_batch", "out_of_memory"]
+
+_NEAR: Final = 0.10
+"""The search stops narrowing once the size that fits is within this share of the one
+that did not: at least 90% of the largest size that fits, in a few more tries."""
+_MOST: Final = 2**20
+"""The largest size tried without a ``limit``, on devices that never run out of memory."""
+_FIT, _OUT_OF_MEMORY, _FAILED = 1, 0, -1  # what a try came to, as ranks agree on it
+
+
+class DeviceMemory(Protocol):
+    """What fit_batch asks of a device's memory; None where the device cannot tell."""
+
+    def reset_peak(self) -> None:
+        """Start measuring the peak anew."""
+
+    def peak(self) -> int | None:
+        """The most bytes allocated since the last reset."""
+
+    def free(self) -> tuple[int, int] | None:
+        """Free and total bytes of the device now."""
+
+    def release(self) -> None:
+        """Give the allocator's cached blocks back to the device."""
+
+
+class _Accelerator:
+    """An accelerator's memory, through its PyTorch module (``torch.cuda``, ``torch.xpu``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.module: Any = getattr(torch, device.type)
+
+    def reset_peak(self) -> None:
+        reset = getattr(self.module, "reset_peak_memory_stats", None)
+        if reset is not None:
+            reset(self.device)
+
+    def peak(self) -> int | None:
+        measured = getattr(self.module, "max_memory_allocated", None)
+        return None if measured is None else int(measured(self.device))
+
+    def free(self) -> tuple[int, int] | None:
+        read = getattr(self.module, "mem_get_info", None)
+        if read is None:
+            return None
+        free, total = read(self.device)
+        return int(free), int(total)
+
+    def release(self) -> None:
+        empty = getattr(self.module, "empty_cache", None)
+        if empty is not None:
+            empty()
+
+
+class _Unmeasured:
+    """A device whose memory devicekit cannot read (the CPU, meta)."""
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak(self) -> int | None:
+        return None
+
+    def free(self) -> tuple[int, int] | None:
+        return None
+
+    def release(self) -> None:
+        pass
+
+
+MEMORY: dict[str, Callable[[torch.device], DeviceMemory]] = {}
+"""Memory readers by device type, besides the built-in ones: the tests register a stand-in."""
+
+
+def _memory_of(device: torch.device) -> DeviceMemory:
+    made = MEMORY.get(device.type)
+    if made is not None:
+        return made(device)
+    if device.type in ("cuda", "xpu"):
+        return _Accelerator(device)
+    return _Unmeasured()
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a device running out of memory, and nothing else.
+
+    ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU), and MPS's and older XPU builds'
+    RuntimeError by the exact start of their message.
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and str(error).startswith(
+        ("MPS backend out of memory", "XPU out of memory")
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFit:
+    """What :func:`fit_batch` found: the size to train at, and how it was found.
+
+    >>> import torch, devicekit as dk
+    >>> fit = dk.BatchFit(48, 2, (dk.BatchFit.Try(8, True), dk.BatchFit.Try(64, False)),
+    ...                   torch.device("cpu"), "the largest size that fit")
+    >>> fit.batch_size * fit.accumulation
+    96
+    """
+
+    class Try(NamedTuple):
+        """One step of the search: its size, whether it fit, its peak memory where known."""
+
+        batch_size: int
+        fitted: bool
+        peak_memory: int | None = None
+        """The most bytes allocated during the step; None where the device cannot tell."""
+
+    batch_size: int
+    """The per-step (per-rank) batch size to train at."""
+    accumulation: int
+    """Steps to accumulate gradients over to reach ``target``; 1 without it."""
+    tries: tuple[BatchFit.Try, ...]
+    """Every size run, in order, with its outcome and its peak memory where known."""
+    device: torch.device
+    reason: str
+    """Why this size, in a sentence (the last line of :meth:`explain`)."""
+
+    def explain(self) -> str:
+        """A few lines: the size, every try, and why this size.
+
+        >>> import torch, devicekit as dk
+        >>> print(dk.BatchFit(48, 1, (dk.BatchFit.Try(64, False), dk.BatchFit.Try(48, True)),
+        ...                   torch.device("cpu"), "the largest size that fit").explain())
+        Batch size 48 on cpu.
+        Tried: 64 out of memory, 48 fits.
+        Chose 48: the largest size that fit.
+        """
+        times = f" (accumulating {self.accumulation} steps)" if self.accumulation > 1 else ""
+        tried = ", ".join(_said(each) for each in self.tries)
+        return (
+            f"Batch size {self.batch_size}{times} on {self.device}.\n"
+            f"Tried: {tried}.\n"
+            f"Chose {self.batch_size}: {self.reason}."
+        )
+
+
+def _said(each: BatchFit.Try) -> str:
+    peak = "" if each.peak_memory is None else f" ({nbytes(each.peak_memory)} peak)"
+    return f"{each.batch_size} {'fits' if each.fitted else 'out of memory'}{peak}"
+
+
+def fit_batch(
+    step: Callable[[int], object],
+    /,
+    *,
+    start: int = 8,
+    limit: int | None = None,
+    target: int | None = None,
+    headroom: float = 0.0,
+    device: DeviceLike | None = None,
+) -> BatchFit:
+    """The largest batch size whose training step fits in the device's memory.
+
+    ``step(batch_size)`` runs one real step at that size: forward, backward and the
+    optimizer's step, on your data. The search grows from ``start`` until a step runs
+    out of memory (never past ``limit``), then narrows to within a tenth of the largest
+    size that fits, in about ``2 * log2(limit / start)`` steps at most. Only running out
+    of memory is caught: any other error of the step reaches you at once, unchanged.
+    Each failed try is freed before the next (``step`` should start with
+    ``optimizer.zero_grad(set_to_none=True)``, so that a failed step's gradients go too).
+
+    >>> import torch, devicekit as dk
+    >>> def step(batch_size):  # a stand-in: a real step runs out of memory by itself
+    ...     if batch_size > 100:
+    ...         raise torch.OutOfMemoryError("CUDA out of memory")
+    >>> fit = dk.fit_batch(step, limit=1024, device="cpu")
+    >>> fit.batch_size, len(fit.tries)
+    (96, 8)
+
+    Args:
+        step: Runs one training step at the batch size it is given.
+        start: The first size tried.
+        limit: The largest size tried; None for no limit but running out of memory
+            (and 1,048,576 on devices that never do, such as the CPU).
+        target: A global batch size: the found size is used up to it, and
+            ``accumulation`` says how many steps to accumulate (over every rank of a
+            process group) to reach it.
+        headroom: The share of the device's memory to keep free (0.1: 10%), for later
+            batches larger than the probe's: the size shrinks until its measured peak
+            leaves it free.
+        device: Where the step runs; None for :func:`~devicekit.current_device`.
+
+    Returns:
+        The size, the accumulation, and every try.
+
+    Raises:
+        DeviceKitError: Not even a batch of 1 fits: the message names the device, its
+            free memory and what was tried.
+        ValueError: An option is out of range.
+        TypeError: ``step`` is not callable.
+    """
+    _check(step, start, limit, target, headroom)
+    where = current_device() if device is None else resolve_device(device)
+    search = _Search(step, _memory_of(where), where)
+    ranks = search.ranks
+    ceiling = _MOST if limit is None else limit
+    if target is not None:
+        ceiling = min(ceiling, max(1, math.ceil(target / ranks)))
+    # Ranks given different limits or starts still take the same sizes: the smallest.
+    ceiling = search.smallest(ceiling)
+    start = search.smallest(min(start, ceiling))
+    best, failed = search.grow(start, ceiling)
+    if best is None:
+        best, failed = search.down_from(start)
+    if failed is not None:
+        best, failed = search.narrow(best, failed)
+    reason = (
+        f"the largest size that fit, within a tenth of {failed}, the first that did not"
+        if failed is not None
+        else f"{'the target' if target is not None and best == ceiling else 'the limit'} "
+        f"({best}) fit"
+    )
+    if headroom > 0:
+        best, reason = search.leave_room(best, headroom, reason)
+    accumulation = 1 if target is None else max(1, math.ceil(target / (best * ranks)))
+    return BatchFit(best, accumulation, tuple(search.tries), where, reason)
+
+
+def _check(step: object, start: object, limit: object, target: object, headroom: object) -> None:
+    if not callable(step):
+        msg = f"Expected step to be a function of a batch size, got {type(step).__name__}."
+        raise TypeError(msg)
+    for name, value in (("start", start), ("limit", limit), ("target", target)):
+        if value is None and name != "start":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            msg = f"Expected {name} to be a whole number of 1 or more, got {shown(value)}."
+            raise ValueError(msg)
+    if isinstance(limit, int) and isinstance(start, int) and limit < start:
+        msg = f"Expected limit to be at least start ({start}), got {limit}."
+        raise ValueError(msg)
+    if not isinstance(headroom, int | float) or isinstance(headroom, bool) or not 0 <= headroom < 1:
+        msg = f"Expected headroom to be a share between 0 and 1 (0.1: 10%), got {shown(headroom)}."
+        raise ValueError(msg)
+
+
+class _Search:
+    """The tries of one search, on one rank, agreed with the others where there are any."""
+
+    def __init__(
+        self, step: Callable[[int], object], memory: DeviceMemory, device: torch.device
+    ) -> None:
+        self.step, self.memory, self.device = step, memory, device
+        self.tries: list[BatchFit.Try] = []
+        distributed = torch.distributed
+        self.grouped = distributed.is_available() and distributed.is_initialized()
+        self.ranks = distributed.get_world_size() if self.grouped else 1
+
+    def fits(self, size: int) -> bool:
+        """Run the step at ``size``: whether it fit, on every rank."""
+        self.memory.reset_peak()
+        try:
+            self.step(size)
+        except Exception as error:
+            if not out_of_memory(error):
+                self._agree(_FAILED)  # the others stop too, rather than wait for this rank
+                raise
+            outcome = _OUT_OF_MEMORY
+        else:
+            outcome = _FIT
+        # Here, out of the except block: the failed step's frames, and their tensors,
+        # went with its exception; what is left in cycles goes now.
+        peak = self.memory.peak() if outcome == _FIT else None
+        gc.collect()
+        self.memory.release()
+        agreed = self._agree(outcome)
+        self.tries.append(BatchFit.Try(size, agreed == _FIT, peak))
+        return agreed == _FIT
+
+    def _agree(self, outcome: int) -> int:
+        """The worst outcome of this try over every rank."""
+        agreed = self.smallest(outcome)
+        if agreed == _FAILED and outcome != _FAILED:
+            msg = (
+                "Cannot go on fitting the batch: another rank's step raised an error other "
+                "than running out of memory (its own traceback says which)."
+            )
+            raise DeviceKitError(msg)
+        return agreed
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's ``value``: one all-reduce (MIN) under a group.
+
+        Every branch of the search follows values agreed so, so that every rank takes
+        the same sizes and makes the same collective calls: none waits for another.
+        """
+        if not self.grouped:
+            return value
+        distributed = torch.distributed
+        on = self.device if distributed.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([value], device=on, dtype=torch.int64)
+        distributed.all_reduce(flag, op=distributed.ReduceOp.MIN)
+        return int(flag.item())
+
+    def grow(self, start: int, ceiling: int) -> tuple[int | None, int | None]:
+        """Double from ``start`` until a size fails or ``ceiling`` fits: (fits, failed)."""
+        size, best = start, None
+        while True:
+            if not self.fits(size):
+                return best, size
+            best = size
+            if size >= ceiling:
+                return best, None
+            size = min(size * 2, ceiling)
+
+    def down_from(self, start: int) -> tuple[int, int]:
+        """Halve below a ``start`` that failed, to 1: (fits, the smallest that failed)."""
+        failed, size = start, start // 2
+        while size >= 1:
+            if self.fits(size):
+                return size, failed
+            failed, size = size, size // 2
+        free = self.memory.free()
+        said = "" if free is None else f" ({nbytes(free[0])} free of {nbytes(free[1])})"
+        tried = ", ".join(str(each.batch_size) for each in self.tries)
+        msg = (
+            f"Cannot fit a batch on {self.device}{said}: every size tried ran out of memory, "
+            f"down to 1 (tried {tried}). Make a step smaller (mixed precision, gradient "
+            "checkpointing, a smaller model), or use a device with more memory."
+        )
+        raise DeviceKitError(msg)
+
+    def narrow(self, fits: int, failed: int) -> tuple[int, int]:
+        """Between a size that fits and a larger one that failed, to within a tenth.
+
+        Returns (the largest size that fit, the smallest that failed).
+        """
+        while failed - fits > max(1, int(fits * _NEAR)):
+            middle = (fits + failed) // 2
+            if self.fits(middle):
+                fits = middle
+            else:
+                failed = middle
+        return fits, failed
+
+    def leave_room(self, size: int, headroom: float, reason: str) -> tuple[int, str]:
+        """Shrink ``size`` until its measured peak leaves ``headroom`` of the memory free."""
+        free = self.memory.free()
+        peak = next(
+            (each.peak_memory for each in reversed(self.tries) if each.batch_size == size), None
+        )
+        if not self.smallest(int(free is not None and peak is not None)):
+            # Nothing to measure (on some rank): the share itself, off the size.
+            smaller = self.smallest(max(1, math.floor(size * (1 - headroom))))
+            return smaller, f"{reason}; {headroom:.0%} less for headroom (peak memory unknown)"
+        assert free is not None  # for mypy: agreed above
+        allowed = (1 - headroom) * free[1]
+        while True:
+            wanted = size
+            if peak is not None and peak > allowed:
+                wanted = max(1, min(size - 1, math.floor(size * allowed / peak)))
+            wanted = self.smallest(wanted)
+            if wanted == size:
+                break
+            size = wanted
+            if self.fits(size):
+                peak = self.tries[-1].peak_memory
+            # Where even the smaller size ran out of memory, the old peak shrinks it again.
+        return (
+            size,
+            f"{reason}; its peak fits under {nbytes(int(allowed))} ({headroom:.0%} headroom)",
+        )

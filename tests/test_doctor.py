@@ -1,0 +1,366 @@
+"""``devicekit doctor``: each environment mistake a row of a table, then the command itself.
+
+:func:`devicekit._doctor.diagnose` is pure (a :class:`Machine` snapshot in, findings
+out), so every rule is tested on fake machines here: GPUs of any model and number,
+launcher variables, a CUDA started or not, a ROCm build, a claim directory's problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from devicekit import _doctor
+from devicekit._backends import DeviceInfo
+from devicekit._doctor import Finding, Machine, diagnose, look
+from devicekit._selection import Family
+
+from .fakes import FakeGpus
+from .helpers import GiB
+
+CPU_FAMILY = Family("cpu", "cpu", (DeviceInfo(torch.device("cpu"), "cpu", None, "CPU", 64 * GiB),))
+
+
+def gpus(*models: str, note: str | None = None, device_type: str = "cuda") -> Family:
+    """A family of GPUs, one per model name given, in CUDA's order."""
+    devices = tuple(
+        DeviceInfo(torch.device(device_type, index), device_type, index, model, 80 * GiB)
+        for index, model in enumerate(models)
+    )
+    return Family(device_type, device_type, devices, note)
+
+
+def on(*families: Family, **machine: Any) -> Machine:
+    """A machine with these families and its CPU; ``environ=`` and the rest as given."""
+    environ = machine.pop("environ", {})
+    return Machine(environ, (*families, CPU_FAMILY), **machine)
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+TWO = gpus(H100, H100)
+FOUR = gpus(H100, H100, H100, H100)
+NONE = gpus(note="this PyTorch build has no CUDA support")
+HIDDEN = gpus(note="CUDA_VISIBLE_DEVICES='' hides all 4 GPU(s)")
+MIXED = gpus("NVIDIA A100-SXM4-80GB", H100)
+XPUS = gpus("Intel Data Center GPU Max 1550", "Intel Data Center GPU Max 1550", device_type="xpu")
+NO_XPU = gpus(device_type="xpu", note="no XPU device is available to this PyTorch build")
+
+# (name, machine, the findings as (severity, code), in the order they are listed)
+CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
+    ("a clean machine with two GPUs", on(TWO, environ={}), []),
+    ("a clean machine without GPUs", on(NONE, environ={}), []),
+    # The launcher's local rank.
+    (
+        "LOCAL_RANK not a number",
+        on(TWO, environ={"LOCAL_RANK": "two"}),
+        [("error", "local-rank-not-a-number")],
+    ),
+    (
+        "SLURM_LOCALID empty",
+        on(TWO, environ={"SLURM_LOCALID": ""}),
+        [("error", "local-rank-not-a-number")],
+    ),
+    (
+        "Open MPI's local rank negative",
+        on(TWO, environ={"OMPI_COMM_WORLD_LOCAL_RANK": "-1"}),
+        [("error", "local-rank-not-a-number")],
+    ),
+    ("a rank with its GPU", on(TWO, environ={"LOCAL_RANK": "1"}), []),
+    (
+        "a rank past the GPUs",
+        on(TWO, environ={"LOCAL_RANK": "2"}),
+        [("error", "more-ranks-than-devices")],
+    ),
+    (
+        "four torchrun ranks on two GPUs",
+        on(TWO, environ={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}),
+        [("error", "more-ranks-than-devices")],
+    ),
+    (
+        "two torchrun ranks on two GPUs",
+        on(TWO, environ={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}),
+        [],
+    ),
+    (
+        "four Slurm tasks on four GPUs",
+        on(FOUR, environ={"SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4"}),
+        [],
+    ),
+    (
+        "eight Slurm tasks on four GPUs",
+        on(FOUR, environ={"SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "8"}),
+        [("error", "more-ranks-than-devices")],
+    ),
+    (
+        "a second MPICH rank on one GPU",
+        on(gpus(H100), environ={"MPI_LOCALRANKID": "1"}),
+        [("error", "more-ranks-than-devices")],
+    ),
+    (
+        "each PALS rank given its own GPU",
+        on(
+            gpus(H100),
+            environ={"PALS_LOCAL_RANKID": "1", "PALS_LOCAL_SIZE": "2", "CUDA_VISIBLE_DEVICES": "1"},
+        ),
+        [],
+    ),
+    (
+        "torchrun inside a Slurm job: torchrun's rank is read",
+        on(TWO, environ={"LOCAL_RANK": "1", "SLURM_LOCALID": "5"}),
+        [],
+    ),
+    (
+        "a rank on a machine without GPUs trains on its CPU",
+        on(NONE, environ={"LOCAL_RANK": "3"}),
+        [],
+    ),
+    (
+        "each rank its own Intel GPU",
+        on(gpus("Max", device_type="xpu"), environ={"LOCAL_RANK": "1", "ZE_AFFINITY_MASK": "1"}),
+        [],
+    ),
+    (
+        "three ranks on two Intel GPUs",
+        on(XPUS, environ={"LOCAL_RANK": "2"}),
+        [("error", "more-ranks-than-devices")],
+    ),
+    # Variables that give each process its GPUs.
+    (
+        "CUDA_VISIBLE_DEVICES hides every GPU",
+        on(HIDDEN, environ={"CUDA_VISIBLE_DEVICES": ""}),
+        [("error", "visible-devices-hide-all")],
+    ),
+    ("CUDA_VISIBLE_DEVICES lists two", on(TWO, environ={"CUDA_VISIBLE_DEVICES": "0,1"}), []),
+    (
+        "CUDA_VISIBLE_DEVICES empty where there is no GPU to hide",
+        on(NONE, environ={"CUDA_VISIBLE_DEVICES": ""}),
+        [],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES set after CUDA started",
+        on(FOUR, environ={"CUDA_VISIBLE_DEVICES": "0"}, cuda_started=True, cuda_count=4),
+        [("error", "visible-devices-after-cuda")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES set before CUDA started",
+        on(TWO, environ={"CUDA_VISIBLE_DEVICES": "2,3"}, cuda_started=True, cuda_count=2),
+        [],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES with CUDA not started",
+        on(gpus(H100), environ={"CUDA_VISIBLE_DEVICES": "0"}),
+        [],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES by UUID: not counted",
+        on(TWO, environ={"CUDA_VISIBLE_DEVICES": "GPU-5f1c"}, cuda_started=True, cuda_count=4),
+        [],
+    ),
+    (
+        "ROCm: ROCR and HIP disagree and leave no GPU",
+        on(gpus(), environ={"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "2"}, rocm=True),
+        [("error", "rocm-visibility-conflict")],
+    ),
+    (
+        "ROCm: ROCR and HIP disagree, one GPU left",
+        on(
+            gpus("AMD Instinct MI300X"),
+            environ={"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "1"},
+            rocm=True,
+        ),
+        [("warning", "rocm-visibility-conflict")],
+    ),
+    (
+        "ROCm: HIP and CUDA variables agree",
+        on(
+            gpus("AMD Instinct MI300X"),
+            environ={"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "0"},
+            rocm=True,
+        ),
+        [],
+    ),
+    (
+        "ZE_AFFINITY_MASK malformed",
+        on(XPUS, environ={"ZE_AFFINITY_MASK": "first"}),
+        [("error", "affinity-mask-hides-all")],
+    ),
+    ("ZE_AFFINITY_MASK with a tile", on(XPUS, environ={"ZE_AFFINITY_MASK": "0.1,1"}), []),
+    (
+        "ZE_AFFINITY_MASK listing no device",
+        on(NO_XPU, environ={"ZE_AFFINITY_MASK": "5"}),
+        [("error", "affinity-mask-hides-all")],
+    ),
+    # Numbering.
+    ("two GPU models numbered by speed", on(MIXED, environ={}), [("warning", "device-order")]),
+    (
+        "two GPU models numbered by PCI bus",
+        on(MIXED, environ={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+        [],
+    ),
+    ("four GPUs of one model", on(FOUR, environ={}), []),
+    # DEVICEKIT_DEVICE.
+    (
+        "DEVICEKIT_DEVICE past the GPUs",
+        on(TWO, environ={"DEVICEKIT_DEVICE": "cuda:3"}),
+        [("error", "devicekit-device")],
+    ),
+    ("DEVICEKIT_DEVICE a GPU here", on(TWO, environ={"DEVICEKIT_DEVICE": "cuda:1"}), []),
+    (
+        "DEVICEKIT_DEVICE no device at all",
+        on(TWO, environ={"DEVICEKIT_DEVICE": "gpu"}),
+        [("error", "devicekit-device")],
+    ),
+    (
+        "DEVICEKIT_DEVICE an index past the GPUs",
+        on(TWO, environ={"DEVICEKIT_DEVICE": "2"}),
+        [("error", "devicekit-device")],
+    ),
+    ("DEVICEKIT_DEVICE an index here", on(TWO, environ={"DEVICEKIT_DEVICE": " 1 "}), []),
+    ("DEVICEKIT_DEVICE the CPU", on(NONE, environ={"DEVICEKIT_DEVICE": "cpu"}), []),
+    (
+        "DEVICEKIT_DEVICE a family with no device here",
+        on(
+            TWO,
+            gpus(device_type="mps", note="MPS is built in but not available"),
+            environ={"DEVICEKIT_DEVICE": "mps"},
+        ),
+        [("error", "devicekit-device")],
+    ),
+    (
+        "DEVICEKIT_DEVICE a device no backend lists",
+        on(TWO, environ={"DEVICEKIT_DEVICE": "xla"}),
+        [],
+    ),
+    # The claim directory.
+    (
+        "a claim directory set but unusable",
+        on(TWO, environ={"DEVICEKIT_CLAIM_DIR": "/srv/claims"}, claim_problem="it is a file"),
+        [("error", "claim-directory")],
+    ),
+    (
+        "the default claim directory unusable",
+        on(TWO, environ={}, claim_problem="it is a file"),
+        [("warning", "claim-directory")],
+    ),
+    # Several at once: errors first.
+    (
+        "a warning and an error",
+        on(MIXED, environ={"LOCAL_RANK": "x"}),
+        [("error", "local-rank-not-a-number"), ("warning", "device-order")],
+    ),
+]
+
+
+@pytest.mark.parametrize(("machine", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_each_mistake_is_found_and_nothing_else(
+    machine: Machine, expected: list[tuple[str, str]]
+) -> None:
+    findings = diagnose(machine)
+    assert [(f.severity, f.code) for f in findings] == expected
+    for finding in findings:  # each line says what, why, and the fix
+        assert finding.what
+        assert finding.why
+        assert finding.fix
+        assert (
+            finding.line()
+            == f"{finding.severity}: {finding.what}: {finding.why}. Fix: {finding.fix}."
+        )
+
+
+def test_there_are_at_least_thirty_cases() -> None:
+    assert len(CASES) >= 30
+    assert {code for _, _, found in CASES for _, code in found} == {
+        "local-rank-not-a-number",
+        "more-ranks-than-devices",
+        "visible-devices-hide-all",
+        "visible-devices-after-cuda",
+        "rocm-visibility-conflict",
+        "affinity-mask-hides-all",
+        "device-order",
+        "devicekit-device",
+        "claim-directory",
+    }
+
+
+def test_a_finding_names_the_variable_its_value_and_the_launcher_s_option() -> None:
+    (finding,) = diagnose(on(FOUR, environ={"SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "8"}))
+    assert finding.what == "SLURM_NTASKS_PER_NODE=8, and this process sees 4 cuda devices"
+    assert finding.fix == (
+        "start at most 4 per node (srun --ntasks-per-node=4), or give each process its own "
+        "CUDA_VISIBLE_DEVICES"
+    )
+    (finding,) = diagnose(on(XPUS, environ={"LOCAL_RANK": "2"}))
+    assert finding.fix.endswith("its own ZE_AFFINITY_MASK")
+    (finding,) = diagnose(
+        on(FOUR, environ={"CUDA_VISIBLE_DEVICES": "0"}, cuda_started=True, cuda_count=4)
+    )
+    assert finding.what == (
+        "CUDA_VISIBLE_DEVICES='0' lists 1 GPU(s), but CUDA, started before it was set, sees 4"
+    )
+
+
+def test_the_snapshot_is_all_the_doctor_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "seven")
+    assert diagnose(on(TWO, environ={})) == []
+
+
+def test_look_takes_the_process_s_environment_and_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("DEVICEKIT_CLAIM_DIR", "relative/claims")
+    machine = look([FakeGpus([70.0, 70.0])])
+    assert machine.environ["LOCAL_RANK"] == "3"
+    (family,) = machine.families
+    assert [info.device for info in family.devices] == [
+        torch.device("cuda", 0),
+        torch.device("cuda", 1),
+    ]
+    assert machine.cuda_started is False  # looking starts no CUDA
+    assert machine.claim_problem is not None
+    assert "relative" in machine.claim_problem
+    assert [(f.severity, f.code) for f in diagnose(machine)] == [
+        ("error", "more-ranks-than-devices"),
+        ("error", "claim-directory"),
+    ]
+
+
+def _doctor_command(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("LOCAL_RANK", "DEVICEKIT_DEVICE", "DEVICEKIT_CLAIM_DIR")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "devicekit", "doctor", *args],
+        capture_output=True,
+        text=True,
+        env={**env, **environ},
+        check=False,
+        timeout=120,
+    )
+
+
+def test_the_command_exits_1_naming_what_breaks_a_run_and_0_otherwise(tmp_path: Any) -> None:
+    broken = _doctor_command(LOCAL_RANK="two", DEVICEKIT_CLAIM_DIR=str(tmp_path))
+    assert broken.returncode == 1, broken.stderr
+    assert broken.stdout.startswith("error: LOCAL_RANK='two' is no rank: ")
+    assert "Fix: let torchrun set it" in broken.stdout
+    clean = _doctor_command(DEVICEKIT_CLAIM_DIR=str(tmp_path))
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert clean.stdout.strip() == (
+        "No problem found: nothing in this environment puts a rank on the wrong GPU."
+    )
+
+
+def test_the_command_s_json_is_one_object_per_finding(tmp_path: Any) -> None:
+    result = _doctor_command("--json", DEVICEKIT_DEVICE="cuda:7", DEVICEKIT_CLAIM_DIR=str(tmp_path))
+    findings = json.loads(result.stdout)
+    assert result.returncode == 1
+    assert [Finding(**each) for each in findings] == diagnose(
+        _doctor.Machine({"DEVICEKIT_DEVICE": "cuda:7"}, look().families)
+    )
