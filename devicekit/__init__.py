@@ -4,9 +4,10 @@ Pick the right accelerator, move anything to it (tensors, modules, optimizers,
 arbitrarily nested batches), and explain device problems in the user's own terms.
 """
 
-from devicekit._audit import TransferEvent, TransferLog, track_transfers
+import importlib
+import typing
+
 from devicekit._backends import Backend, DeviceInfo, GpuProcess
-from devicekit._checkpoint import load, save
 from devicekit._checks import (
     GuardHandle,
     check_same_device,
@@ -24,9 +25,13 @@ from devicekit._errors import (
 from devicekit._kinds import register_transfer, unregister_transfer
 from devicekit._loader import DeviceDataLoader
 from devicekit._manager import DeviceManager
-from devicekit._memory import BatchFit, fit_batch
 from devicekit._stats import LoaderStats
 from devicekit._transfer import to_device
+
+if typing.TYPE_CHECKING:
+    from devicekit._audit import TransferEvent, TransferLog, track_transfers
+    from devicekit._checkpoint import load, save
+    from devicekit._memory import BatchFit, fit_batch
 
 __version__ = "0.1.0"
 
@@ -59,3 +64,29 @@ __all__ = [
     "track_transfers",
     "unregister_transfer",
 ]
+
+# Imported on first use: a training step, a DataLoader worker or `devicekit info` rarely
+# needs them, and together they cost a fifth of `import devicekit` (docs/performance.rst).
+_ON_FIRST_USE = {
+    "TransferEvent": "_audit",
+    "TransferLog": "_audit",
+    "track_transfers": "_audit",
+    "load": "_checkpoint",
+    "save": "_checkpoint",
+    "BatchFit": "_memory",
+    "fit_batch": "_memory",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _ON_FIRST_USE.get(name)
+    if module is None:
+        msg = f"module 'devicekit' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(f"devicekit.{module}"), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ON_FIRST_USE))

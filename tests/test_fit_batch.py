@@ -58,7 +58,7 @@ class Memory:
     def __init__(self, total_mib: int, per_sample_mib: float = 1.0, free_mib: int = 0) -> None:
         self.total, self.per_sample, self.free_bytes = total_mib * MiB, per_sample_mib, free_mib
         self.step: Step | None = None
-        self.resets = 0
+        self.resets = self.releases = 0
 
     def reset_peak(self) -> None:
         self.resets += 1
@@ -71,7 +71,7 @@ class Memory:
         return self.free_bytes * MiB, self.total
 
     def release(self) -> None:
-        pass
+        self.releases += 1
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def memory(monkeypatch: pytest.MonkeyPatch) -> Memory:
     return stand_in
 
 
-@pytest.mark.parametrize("capacity", [1, 7, 8, 100, 1000, 5000, 8191])
+@pytest.mark.parametrize("capacity", [1, 7, 100, 8191])
 @pytest.mark.parametrize("start", [1, 8, 64])
 def test_the_size_found_is_at_least_nine_tenths_of_the_largest_that_fits(
     capacity: int, start: int
@@ -126,6 +126,8 @@ def test_the_peak_is_measured_afresh_for_each_try(memory: Memory) -> None:
     memory.step = step
     fit = dk.fit_batch(step, start=8, limit=1024, device="cpu")
     assert memory.resets == len(fit.tries)
+    # The allocator's cache goes back after each try that ran out of memory.
+    assert memory.releases == sum(not each.fitted for each in fit.tries) > 0
     assert [each.peak_memory for each in fit.tries if each.fitted] == [
         each.batch_size * MiB for each in fit.tries if each.fitted
     ]

@@ -33,3 +33,24 @@ def test_importing_devicekit_imports_nothing_of_the_compiler_nor_optional_packag
     assert "devicekit._kinds" in imported  # the package itself was imported here
     heavy = [name for name in imported if name.startswith(HEAVY + OPTIONAL)]
     assert heavy == []
+
+
+def test_what_few_loops_need_is_imported_on_first_use() -> None:
+    imported = _imported_with_devicekit()
+    assert "devicekit._manager" in imported
+    assert not {"devicekit._audit", "devicekit._checkpoint", "devicekit._memory"} & set(imported)
+    code = (
+        "import sys, devicekit as dk\n"
+        "from devicekit import save\n"
+        "assert save is dk.save and 'devicekit._checkpoint' in sys.modules\n"
+        "assert dk.fit_batch.__module__ == 'devicekit._memory'\n"
+        "assert {'track_transfers', 'BatchFit', 'load'} <= set(dir(dk))\n"
+        "try:\n"
+        "    dk.fit_batches\n"
+        "except AttributeError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout == "module 'devicekit' has no attribute 'fit_batches'\n"
