@@ -238,8 +238,9 @@ def test_ctrl_c_says_how_far_the_demo_got() -> None:
         lines = [process.stdout.readline() for _ in range(3)]
         assert lines[2].startswith("epoch 1/50"), lines  # an epoch is done
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130
+        stdout, stderr = process.communicate(timeout=120)
+    # What it printed, where it did not end as Ctrl-C should (seen once in CI, not since).
+    assert process.returncode == 130, (stdout[-1500:], stderr[-3000:])
     done = int(stderr.split("interrupted after ")[1].split(" epoch")[0])
     assert done >= 1
     assert "Traceback" not in stderr
