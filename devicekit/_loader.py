@@ -313,14 +313,7 @@ class _BackgroundFeed:
     def __next__(self) -> Any:
         if self._ended:
             raise StopIteration
-        item = self._items.get()
-        if item is _DONE:
-            self.close()
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self.close()
-            raise item.error
-        return item
+        return self._received(self._items.get())
 
     def ready(self) -> Any:
         """The next item where the thread has it already, else ``_NOT_READY``; never waits.
@@ -335,6 +328,10 @@ class _BackgroundFeed:
             item = self._items.get_nowait()
         except queue.Empty:
             return _NOT_READY
+        return self._received(item)
+
+    def _received(self, item: Any) -> Any:
+        """A batch as taken from the thread; its end or its source's error, raised here."""
         if item is _DONE:
             self.close()
             raise StopIteration
