@@ -218,6 +218,7 @@ class EpochRecorder:
         "finished",
         "first_wait",
         "folded",
+        "holder",
         "key",
         "length",
         "samples",
@@ -238,6 +239,7 @@ class EpochRecorder:
         # Where this epoch's batches hold their samples (see samples_in): the entry
         # ``key`` of a batch (_WHOLE: the batch itself), its length or its first dimension.
         self.key: Any = _NOWHERE
+        self.holder: Any = None  # the type of the batch the key was found in
         self.length = False
         # Folded away past PER_BATCH_KEPT: the sums of waits, steps and copies, and the
         # batches whose waits they were.
@@ -263,7 +265,7 @@ class EpochRecorder:
         if len(self.waits) >= _FOLD_AT:
             self._fold()
         key = self.key
-        if key is not _NOWHERE:
+        if key is not _NOWHERE and type(batch) is self.holder:
             try:
                 value = batch if key is _WHOLE else batch[key]
                 self.samples += len(value) if self.length else value.shape[0]  # type: ignore[operator]
@@ -274,6 +276,9 @@ class EpochRecorder:
         if self.samples is None:
             return
         number, self.key, self.length = samples_in(batch)
+        self.holder = type(batch)
+        if hasattr(self.holder, "__missing__"):  # batch[key] would add the key (defaultdict)
+            self.key = _NOWHERE  # so each batch is looked at anew, never indexed
         self.samples = None if number is None else self.samples + number
 
     def _fold(self) -> None:

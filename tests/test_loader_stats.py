@@ -7,6 +7,7 @@ The profiler's ranges are looked for in a real ``torch.profiler`` trace on the C
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 import time
@@ -442,3 +443,15 @@ def test_per_batch_figures_are_bounded_and_the_sums_cover_every_batch() -> None:
     assert stats.elapsed_s == pytest.approx(stats.wait_s + stats.step_s)
     assert len(repr(stats)) < 500  # no per-batch floats in it
     assert "wait_per_batch" not in repr(stats)
+
+
+def test_counting_samples_never_adds_a_key_to_a_defaultdict_batch() -> None:
+    # Found by Hypothesis: batch[key] on a defaultdict adds the key (its __missing__).
+    empty = collections.defaultdict(list)
+    loader = dk.DeviceDataLoader([{"x": torch.ones(4)}, empty], "meta")
+    assert [dict(batch) for batch in loader][1] == {}
+    assert empty == {}
+    rows = [collections.defaultdict(list, {"x": torch.ones(n)}) for n in (4, 3)]
+    counted = dk.DeviceDataLoader(rows, "meta")
+    assert [list(batch) for batch in counted] == [["x"], ["x"]]
+    assert counted.stats.samples == 7  # still counted, each batch looked at anew
