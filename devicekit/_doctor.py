@@ -3,7 +3,12 @@
 :func:`diagnose` is a pure function of a :class:`Machine` snapshot (the environment
 variables, the device families the backends list, whether CUDA started, the claim
 directory's state), returning one :class:`Finding` per mistake: what it is, why it
-breaks a run, and the fix. :func:`look` takes the snapshot of this process; the
+breaks a run, and the fix. Where a launcher's rank gets no device of its own, the
+manager's own choice decides (:func:`devicekit._selection.choose`, given the snapshot
+as the manager would see it), and the variables are read by the manager's readers
+(:mod:`devicekit._launch`, :func:`devicekit._nvml.parse_visible_devices`): the doctor
+names a problem with the ranks exactly where a ``DeviceManager`` would refuse them, and
+adds only rules of its own. :func:`look` takes the snapshot of this process; the
 command prints the findings and exits 1 where one would break a run (an ``error``),
 else 0 (``warning`` findings only say what may surprise).
 """
@@ -20,14 +25,22 @@ import torch
 from devicekit import _claims as _claims_module
 from devicekit._backends import Backend, builtin_backends, cuda_started
 from devicekit._devices import shown
-from devicekit._launch import LAUNCHERS, Launcher, whole_number
-from devicekit._selection import Family
+from devicekit._launch import (
+    VISIBILITY_VARIABLES,
+    devicekit_device,
+    given_devices,
+    local_rank,
+    whole_number,
+)
+from devicekit._nvml import parse_visible_devices
+from devicekit._selection import Family, RankProblem, Refused, Request, Seen, choose
 
 __all__ = ["Finding", "Machine", "diagnose", "look"]
 
 Severity = Literal["error", "warning"]
 
-_ROCM_VARIABLES: Final = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+# In the order ROCm applies them, as the conflict's finding lists them.
+_ROCM_VARIABLES: Final = tuple(reversed(VISIBILITY_VARIABLES["cuda"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +79,7 @@ def diagnose(machine: Machine) -> list[Finding]:
     []
     """
     findings = [
-        *_launcher(machine),
+        *_ranks(machine),
         *_visibility(machine),
         *_order(machine),
         *_devicekit_device(machine),
@@ -79,56 +92,51 @@ def _accelerators(machine: Machine) -> list[Family]:
     return [f for f in machine.families if f.device_type not in ("cpu", "meta") and f.devices]
 
 
-def _launcher(machine: Machine) -> list[Finding]:
-    """A local rank that is no number, or more ranks on the node than GPUs to give them."""
-    environ, found = machine.environ, []
-    for launcher in LAUNCHERS:
-        value = environ.get(launcher.rank)
-        if value is None:
-            continue
-        rank = whole_number(value)
-        if rank is None:
-            found.append(
-                Finding(
-                    "error",
-                    "local-rank-not-a-number",
-                    f"{launcher.rank}={shown(value)} is no rank",
-                    f"devicekit, like {launcher.name}'s own tools, reads it as this process's "
-                    "place on its node, and stops at a value that is not a whole number",
-                    f"let {launcher.name} set it, or unset it where no launcher runs the job",
-                )
-            )
-            break
-        accelerators = _accelerators(machine)
-        if not accelerators:
-            break
-        family = accelerators[0]
-        count = len(family.devices)
-        size = whole_number(environ.get(launcher.size, ""))
-        split = any(environ.get(name) for name in _visible_variables(family.device_type))
-        if not split and size is not None and size > count:
-            found.append(_too_many(launcher.size, size, count, family, launcher))
-        elif not split and rank >= count:
-            found.append(_too_many(launcher.rank, rank, count, family, launcher))
-        break  # the first launcher set is the one devicekit follows
-    return found
-
-
-def _too_many(variable: str, value: int, count: int, family: Family, launcher: Launcher) -> Finding:
-    return Finding(
-        "error",
-        "more-ranks-than-devices",
-        f"{variable}={value}, and this process sees {count} {family.name} device"
-        + ("" if count == 1 else "s"),
-        "ranks would share a GPU, which NCCL refuses ('Duplicate GPU detected') and "
-        "which halves each rank's memory",
-        f"start at most {count} per node ({launcher.per_node.format(count)}), or give each "
-        f"process its own {_visible_variables(family.device_type)[0]}",
+def _seen(machine: Machine) -> Seen:
+    """What a manager would see in the snapshot's environment: the input of its choice."""
+    environ = machine.environ
+    return Seen(
+        machine.families,
+        devicekit_device=devicekit_device(environ),
+        local_rank=local_rank(environ),
+        split=given_devices(environ),
     )
 
 
-def _visible_variables(device_type: str) -> tuple[str, ...]:
-    return ("ZE_AFFINITY_MASK",) if device_type == "xpu" else ("CUDA_VISIBLE_DEVICES",)
+def _ranks(machine: Machine) -> list[Finding]:
+    """A local rank that is no number, or more ranks than GPUs: as the manager refuses them.
+
+    ``DeviceManager.from_env()`` (every devicekit call's default device) chooses with the
+    default options; where that choice refuses the launcher's rank, so does the doctor.
+    """
+    outcome = choose(_seen(machine), Request())
+    if not isinstance(outcome, Refused) or outcome.rank is None:
+        return []
+    return [_rank_finding(outcome.rank)]
+
+
+def _rank_finding(problem: RankProblem) -> Finding:
+    launcher = problem.launcher
+    if problem.code == "local-rank-not-a-number":
+        return Finding(
+            "error",
+            problem.code,
+            f"{problem.variable}={shown(problem.value)} is no rank",
+            f"devicekit, like {launcher.name}'s own tools, reads it as this process's "
+            "place on its node, and stops at a value that is not a whole number",
+            f"let {launcher.name} set it, or unset it where no launcher runs the job",
+        )
+    count = problem.devices
+    return Finding(
+        "error",
+        problem.code,
+        f"{problem.variable}={problem.value}, and this process sees {count} {problem.family} "
+        "device" + ("" if count == 1 else "s"),
+        "ranks would share a GPU, which NCCL refuses ('Duplicate GPU detected') and "
+        "which halves each rank's memory",
+        f"start at most {count} per node ({launcher.per_node.format(count)}), or give each "
+        f"process its own {problem.own}",
+    )
 
 
 def _visibility(machine: Machine) -> list[Finding]:
@@ -189,11 +197,17 @@ def _visibility(machine: Machine) -> list[Finding]:
 
 
 def _listed(value: str) -> int | None:
-    """How many devices a visibility variable lists (None where they are not plain indices)."""
-    items = [item.strip() for item in value.split(",") if item.strip()]
-    if value.strip() in ("", "-1"):
-        return 0
-    return len(items) if all(item.isdecimal() for item in items) else None
+    """How many GPUs ``CUDA_VISIBLE_DEVICES`` lists, read as CUDA (and the manager) reads it.
+
+    None where it names GPUs by UUID: whether a prefix matches a GPU only NVML can tell.
+
+    >>> _listed("0,1"), _listed("0,0"), _listed("1,-1,0"), _listed("GPU-5f1c")
+    (2, 0, 1, None)
+    """
+    wanted = parse_visible_devices(value)
+    if wanted is None or any(isinstance(token, str) for token in wanted):
+        return None
+    return len(wanted)
 
 
 def _mask_parses(mask: str) -> bool:
@@ -246,7 +260,7 @@ def _order(machine: Machine) -> list[Finding]:
 
 def _devicekit_device(machine: Machine) -> list[Finding]:
     """DEVICEKIT_DEVICE naming a device this machine does not have."""
-    spec = machine.environ.get("DEVICEKIT_DEVICE", "").strip()
+    spec = devicekit_device(machine.environ)
     if not spec:
         return []
     index = whole_number(spec)

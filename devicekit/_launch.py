@@ -2,12 +2,14 @@
 
 Read from the environment, parsed once here: the manager's rules for ``LOCAL_RANK`` and
 the variables that give each process its own devices (``CUDA_VISIBLE_DEVICES`` and the
-like) read these functions, never ``os.environ`` directly.
+like) read these functions, never ``os.environ`` directly, and so does ``devicekit
+doctor``, on the environment of its snapshot: one reading of each variable for both.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Final, NamedTuple
 
 from devicekit._devices import shown
@@ -15,28 +17,63 @@ from devicekit._devices import shown
 __all__ = [
     "LAUNCHERS",
     "VISIBILITY_VARIABLES",
+    "BadRank",
     "Launcher",
     "LocalRank",
     "devicekit_device",
+    "given_devices",
     "local_rank",
-    "visibility_set",
+    "own_devices_variable",
+    "whole_number",
 ]
 
 VISIBILITY_VARIABLES: Final = {
     "cuda": ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"),
     "xpu": ("ZE_AFFINITY_MASK",),
 }
-"""The variables that give a process its own devices, by device type."""
+"""The variables that give a process its own devices, by device type.
+
+Each family's first is the one advice names. ROCm applies its three in the reverse order:
+``ROCR_VISIBLE_DEVICES`` first, then ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``)
+numbers the devices that are left. ``CUDA_VISIBLE_DEVICES`` itself is read as the CUDA
+runtime reads it by :func:`devicekit._nvml.parse_visible_devices`.
+"""
 
 
-def devicekit_device() -> str:
-    """``DEVICEKIT_DEVICE``, stripped: the device every entry point uses; "" where unset."""
-    return os.environ.get("DEVICEKIT_DEVICE", "").strip()
+def _environment(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
 
 
-def visibility_set(device_type: str) -> bool:
-    """Whether this process was given its own devices (CUDA_VISIBLE_DEVICES and the like)."""
-    return any(os.environ.get(name) for name in VISIBILITY_VARIABLES.get(device_type, ()))
+def devicekit_device(environ: Mapping[str, str] | None = None) -> str:
+    """``DEVICEKIT_DEVICE``, stripped: the device every entry point uses; "" where unset.
+
+    >>> devicekit_device({"DEVICEKIT_DEVICE": " cuda:1 "}), devicekit_device({})
+    ('cuda:1', '')
+    """
+    return _environment(environ).get("DEVICEKIT_DEVICE", "").strip()
+
+
+def given_devices(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The device types whose devices a launcher gave this process (a visibility variable set).
+
+    >>> sorted(given_devices({"HIP_VISIBLE_DEVICES": "1", "ZE_AFFINITY_MASK": ""}))
+    ['cuda']
+    """
+    environ = _environment(environ)
+    return frozenset(
+        device_type
+        for device_type, names in VISIBILITY_VARIABLES.items()
+        if any(environ.get(name) for name in names)
+    )
+
+
+def own_devices_variable(device_type: str) -> str:
+    """The variable that gives each process its own devices of a type, as advice names it.
+
+    >>> own_devices_variable("xpu"), own_devices_variable("cuda")
+    ('ZE_AFFINITY_MASK', 'CUDA_VISIBLE_DEVICES')
+    """
+    return VISIBILITY_VARIABLES.get(device_type, VISIBILITY_VARIABLES["cuda"])[0]
 
 
 def whole_number(value: str) -> int | None:
@@ -60,7 +97,6 @@ class Launcher(NamedTuple):
 
 LAUNCHERS: Final = (
     Launcher("torchrun", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "torchrun --nproc_per_node={}"),
-    Launcher("Slurm", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "srun --ntasks-per-node={}"),
     Launcher(
         "Open MPI",
         "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -69,42 +105,80 @@ LAUNCHERS: Final = (
     ),
     Launcher("MPICH or Intel MPI", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "mpiexec -ppn {}"),
     Launcher("Cray PALS", "PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE", "mpiexec --ppn {}"),
+    Launcher("Slurm", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "srun --ntasks-per-node={}"),
 )
-"""In the order they are read: torchrun inside a Slurm job sets both, and its is the rank."""
+"""In the order they are read, the innermost launcher first.
+
+A launcher started inside another's job inherits the outer one's variables: torchrun or
+mpirun inside a Slurm allocation sees the batch step's ``SLURM_LOCALID=0`` in every
+process it starts. The launcher that started the process set its own variables last,
+and only they tell the processes apart; Slurm, which starts the others, comes last.
+"""
 
 
 class LocalRank(NamedTuple):
-    """This process's rank on its node, as its launcher set it."""
+    """This process's rank on its node, as its launcher set it.
+
+    >>> rank = local_rank({"SLURM_LOCALID": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    >>> rank.said, rank.started_by
+    ('OMPI_COMM_WORLD_LOCAL_RANK=1', 'Open MPI inside Slurm')
+    """
 
     rank: int
     launcher: Launcher
     size: int | None  # the processes on the node, where the launcher says
+    outer: tuple[Launcher, ...] = ()  # launchers whose variables it inherited, not read
 
     @property
     def said(self) -> str:
         """``LOCAL_RANK=1``: the variable and its value, as messages show them."""
         return f"{self.launcher.rank}={self.rank}"
 
+    @property
+    def started_by(self) -> str:
+        """The launcher followed, and those it runs inside: ``torchrun inside Slurm``."""
+        return " inside ".join(launcher.name for launcher in (self.launcher, *self.outer))
 
-def local_rank() -> LocalRank | None:
-    """This process's rank on its node, from the first launcher variable set; None if none.
 
-    ``LOCAL_RANK`` (torchrun), then ``SLURM_LOCALID`` (srun), ``OMPI_COMM_WORLD_LOCAL_RANK``
-    (Open MPI), ``MPI_LOCALRANKID`` (MPICH, Intel MPI), ``PALS_LOCAL_RANKID`` (Cray PALS).
+class BadRank(NamedTuple):
+    """A launcher's local rank that is no whole number: an error wherever it is used."""
 
-    Raises:
-        ValueError: The variable is set but not a whole number of 0 or more.
+    launcher: Launcher
+    value: str  # as set
+
+    @property
+    def message(self) -> str:
+        """The message of the ValueError that using it raises."""
+        return (
+            f"Expected {self.launcher.rank} (set by {self.launcher.name}) to be a whole number "
+            f"of 0 or more, got {shown(self.value)}."
+        )
+
+
+def local_rank(environ: Mapping[str, str] | None = None) -> LocalRank | BadRank | None:
+    """This process's rank on its node, from its innermost launcher; None if none set one.
+
+    ``LOCAL_RANK`` (torchrun), then ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI),
+    ``MPI_LOCALRANKID`` (MPICH, Intel MPI), ``PALS_LOCAL_RANKID`` (Cray PALS), then
+    ``SLURM_LOCALID`` (srun): the first set is read, the others are named as ``outer``.
+    A value that is not a whole number of 0 or more comes back as a :class:`BadRank`,
+    for whoever uses the rank to refuse; a device the user names does not need it.
+
+    >>> rank = local_rank({"SLURM_LOCALID": "0", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    >>> rank.rank, rank.size, rank.started_by
+    (1, 2, 'torchrun inside Slurm')
+    >>> local_rank({"LOCAL_RANK": "x"}).message
+    "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got 'x'."
+    >>> local_rank({}) is None
+    True
     """
-    for launcher in LAUNCHERS:
-        value = os.environ.get(launcher.rank)
-        if value is None:
-            continue
-        rank = whole_number(value)
-        if rank is None:
-            msg = (
-                f"Expected {launcher.rank} (set by {launcher.name}) to be a whole number of 0 "
-                f"or more, got {shown(value)}."
-            )
-            raise ValueError(msg)
-        return LocalRank(rank, launcher, whole_number(os.environ.get(launcher.size, "")))
-    return None
+    environ = _environment(environ)
+    found = [launcher for launcher in LAUNCHERS if environ.get(launcher.rank) is not None]
+    if not found:
+        return None
+    launcher, *outer = found
+    value = environ[launcher.rank]
+    rank = whole_number(value)
+    if rank is None:
+        return BadRank(launcher, value)
+    return LocalRank(rank, launcher, whole_number(environ.get(launcher.size, "")), tuple(outer))

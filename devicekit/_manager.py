@@ -115,7 +115,7 @@ class DeviceManager:
             preferred accelerator); None lets ``policy`` choose.
         prefer: Families in order of preference; the first with a usable device wins.
             ``"cuda"`` also matches ROCm GPUs, which PyTorch addresses as ``cuda``.
-        policy: ``"auto"`` (torchrun's ``LOCAL_RANK`` when set, else the lowest-numbered
+        policy: ``"auto"`` (a launcher's local rank when set, else the lowest-numbered
             device with about the most free memory), ``"most-free-memory"``, or
             ``"local-rank"``.
         min_free_memory: Skip accelerators with less free memory than this: bytes, or a
@@ -143,7 +143,8 @@ class DeviceManager:
     Raises:
         DeviceUnavailableError: ``device`` does not parse or is not on this machine, or
             nothing usable was found with ``fallback="error"``.
-        ValueError: An option has a value outside those listed above.
+        ValueError: An option has a value outside those listed above, or the launcher's
+            local rank, where it is used, is no whole number.
         OSError: ``claim=True`` where the claim directory cannot be made or used
             (``DEVICEKIT_CLAIM_DIR`` relative, not a directory, a link another user made,
             or a claim file there that is no plain file of its own).
@@ -207,9 +208,12 @@ class DeviceManager:
 
         ``DEVICEKIT_DEVICE`` (``"cuda:1"``, ``"cpu"``, an index) when set, as in the
         constructor given no device, and here over a ``device`` given as a default;
-        else torchrun's ``LOCAL_RANK`` selects ``cuda:LOCAL_RANK`` among the visible
-        devices, and makes it the current device of the process (``set_device``) before
-        returning; else ``options`` decide, as in the constructor.
+        else the local rank of the innermost launcher (``LOCAL_RANK`` of torchrun, then
+        ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``, ``PALS_LOCAL_RANKID``, then
+        ``SLURM_LOCALID``) selects that device among the visible ones, and makes it the
+        current device of the process (``set_device``) before returning; else
+        ``options`` decide, as in the constructor. A device the user names, here or in
+        ``DEVICEKIT_DEVICE``, wins over the launcher's variables, even malformed ones.
 
         >>> import devicekit as dk, os
         >>> os.environ["DEVICEKIT_DEVICE"] = "cpu"
@@ -227,7 +231,8 @@ class DeviceManager:
 
         Raises:
             DeviceUnavailableError: ``DEVICEKIT_DEVICE`` names no device of this machine.
-            ValueError: ``LOCAL_RANK`` is not a whole number of 0 or more.
+            ValueError: The launcher's local rank, where it is used, is not a whole number
+                of 0 or more.
         """
         if _launch.devicekit_device():
             # The variable overrides a program's default, as environment settings do.
@@ -333,7 +338,7 @@ class DeviceManager:
             claimed,
             devicekit_device=_launch.devicekit_device(),
             local_rank=_launch.local_rank(),
-            split=frozenset(t for t in _launch.VISIBILITY_VARIABLES if _launch.visibility_set(t)),
+            split=_launch.given_devices(),
             cuda_index=torch.cuda.current_device() if cuda_started() else 0,
             loaded=has_backend,
         )
@@ -347,6 +352,8 @@ class DeviceManager:
             self._seen = self._look(lost)
             outcome = choose(self._seen, request)
             if isinstance(outcome, Refused):
+                if outcome.rank is not None and outcome.rank.code == "local-rank-not-a-number":
+                    raise ValueError(outcome.message)  # a setting of the wrong form
                 raise DeviceUnavailableError(outcome.message)
             if isinstance(outcome, Wait):
                 waited = _clock() - started

@@ -6,7 +6,9 @@ manager's options) and returns one outcome:
 
 - :class:`Chosen`: a device and why, with what was passed over on the way;
 - :class:`Wait`: nothing qualifies now, and the manager may wait for something that can;
-- :class:`Refused`: the message of the error to raise.
+- :class:`Refused`: the message of the error to raise, and where a launcher's local rank
+  was refused, which of its variables (a :class:`RankProblem`, which ``devicekit doctor``
+  names: the doctor asks this function rather than repeating its rules).
 
 Nothing here reads the environment, sleeps, logs, warns or raises for the user: the
 manager (:mod:`devicekit._manager`) looks, chooses, waits and looks again, claims, then
@@ -25,12 +27,20 @@ import torch
 from devicekit._backends import DeviceInfo
 from devicekit._devices import DeviceLike, parse_device, shown
 from devicekit._errors import DeviceKitError
-from devicekit._launch import LAUNCHERS, VISIBILITY_VARIABLES, LocalRank, whole_number
+from devicekit._launch import (
+    LAUNCHERS,
+    BadRank,
+    Launcher,
+    LocalRank,
+    own_devices_variable,
+    whole_number,
+)
 from devicekit._units import count, duration, gib, percent
 
 __all__ = [
     "Chosen",
     "Family",
+    "RankProblem",
     "Refused",
     "Request",
     "Seen",
@@ -67,7 +77,8 @@ class Seen(NamedTuple):
     claimed: Mapping[torch.device, int | None] = MappingProxyType({})
     """Devices other jobs claim, with the claiming pid where known."""
     devicekit_device: str = ""  # DEVICEKIT_DEVICE, stripped
-    local_rank: LocalRank | None = None
+    local_rank: LocalRank | BadRank | None = None
+    """The innermost launcher's local rank; a BadRank matters only where the rank is used."""
     split: frozenset[str] = frozenset()
     """Device types whose devices a launcher gave this process (CUDA_VISIBLE_DEVICES...)."""
     cuda_index: int = 0  # what "cuda" names: the current CUDA device, 0 before CUDA starts
@@ -110,10 +121,32 @@ class Wait(NamedTuple):
     passed_over: tuple[str, ...] = ()  # a sentence each, for the one message of the wait
 
 
+class RankProblem(NamedTuple):
+    """Why a launcher's local rank selects no device of the process's own, as facts.
+
+    ``devicekit doctor`` words its finding from these; the manager raises the message of
+    the :class:`Refused` that carries them.
+    """
+
+    code: Literal["local-rank-not-a-number", "more-ranks-than-devices"]
+    variable: str  # the launcher's variable at fault: LOCAL_RANK, LOCAL_WORLD_SIZE, ...
+    value: str  # its value, as set
+    launcher: Launcher
+    family: str = ""  # the accelerator family the ranks share
+    devices: int = 0  # how many of its devices this process sees
+    own: str = "CUDA_VISIBLE_DEVICES"  # the variable that would give each process its own
+
+
 class Refused(NamedTuple):
-    """Nothing can be chosen: the message of the DeviceUnavailableError to raise."""
+    """Nothing can be chosen: the message of the error to raise.
+
+    A :class:`~devicekit.DeviceUnavailableError`, or a ValueError where the launcher's
+    local rank is no number (``rank.code == "local-rank-not-a-number"``), as for any
+    setting of the wrong form.
+    """
 
     message: str
+    rank: RankProblem | None = None  # where a launcher's local rank was refused
 
 
 Outcome: TypeAlias = Chosen | Wait | Refused
@@ -271,32 +304,55 @@ class _Choice:
                 f"Expected a launcher's local rank ({variables}) for policy='local-rank', "
                 "but none is set."
             )
+        if isinstance(local, BadRank):
+            launcher = local.launcher
+            problem = RankProblem("local-rank-not-a-number", launcher.rank, local.value, launcher)
+            return Refused(local.message, problem)
         family = self.accelerators()
         if family is None:
             return self.fall_back(f"{local.said}, but no accelerator was found")
         name, found = family
-        device_type = found[0].device.type
+        device_type, devices = found[0].device.type, len(found)
         split = device_type in seen.split
         rank, ranks = local.rank, local.size
-        variable = VISIBILITY_VARIABLES.get(device_type, ("CUDA_VISIBLE_DEVICES",))[0]
-        if not split and ranks is not None and ranks > len(found):
+        problem = RankProblem(
+            "more-ranks-than-devices",
+            local.launcher.rank,
+            str(rank),
+            local.launcher,
+            name,
+            devices,
+            own_devices_variable(device_type),
+        )
+        if not split and ranks is not None and ranks > devices:
             return Refused(
-                f"Expected at most {_processes(len(found))} on this node, one per {name} "
+                f"Expected at most {_processes(devices)} on this node, one per {name} "
                 f"device, but {local.launcher.size}={ranks}: "
-                + _shared(f"Start {len(found)}", len(found), variable, local)
+                + _shared(f"Start {devices}", problem),
+                problem._replace(variable=local.launcher.size, value=str(ranks)),
             )
-        if len(found) == 1 and (split or rank == 0):
+        if devices == 1 and (split or rank == 0):
             # One visible device per process: the launcher already split them.
             return self.of_rank(
                 found[0], local, f"{local.said}, and this process sees one {name} device"
             )
-        if rank >= len(found):
+        if split and rank >= devices:
+            # srun --gpus-per-task=2 gives each task two GPUs of its own, numbered from 0,
+            # and SLURM_LOCALID=2 to the third task: its rank numbers no device of its own.
+            return self.of_rank(
+                found[0],
+                local,
+                f"{local.said} ({local.started_by}), and its launcher gave this process "
+                f"{devices} {name} devices of its own: the first",
+            )
+        if rank >= devices:
             return Refused(
                 f"Expected {local.launcher.rank} to be below the number of {name} devices "
-                f"this process sees ({len(found)}), got {rank}: "
-                + _shared(f"Start at most {_processes(len(found))}", len(found), variable, local)
+                f"this process sees ({devices}), got {rank}: "
+                + _shared(f"Start at most {_processes(devices)}", problem),
+                problem,
             )
-        return self.of_rank(found[rank], local, f"{local.said} ({local.launcher.name}) selects it")
+        return self.of_rank(found[rank], local, f"{local.said} ({local.started_by}) selects it")
 
     def of_rank(self, info: DeviceInfo, local: LocalRank, reason: str) -> Outcome:
         """The device of ``rank``, to be made the process's current device.
@@ -383,12 +439,12 @@ def passed_over(seen: Seen, prefer: tuple[str, ...], skipped: list[str]) -> list
     return reasons
 
 
-def _shared(start: str, devices: int, variable: str, local: LocalRank) -> str:
+def _shared(start: str, problem: RankProblem) -> str:
     """The end of the refusals of ranks that would share a device: why, and what to do."""
-    option = local.launcher.per_node.format(devices)
+    option = problem.launcher.per_node.format(problem.devices)
     return (
         "ranks would share a device, which NCCL refuses ('Duplicate GPU detected'). "
-        f"{start} per node ({option}), or give each process its own {variable}."
+        f"{start} per node ({option}), or give each process its own {problem.own}."
     )
 
 

@@ -7,18 +7,23 @@ launcher variables, a CUDA started or not, a ROCm build, a claim directory's pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import pytest
 import torch
 
+import devicekit as dk
 from devicekit import _doctor
-from devicekit._backends import DeviceInfo
+from devicekit._backends import CpuBackend, CudaBackend, DeviceInfo
 from devicekit._doctor import Finding, Machine, diagnose, look
+from devicekit._launch import LAUNCHERS, VISIBILITY_VARIABLES
+from devicekit._nvml import NvmlGpu
 from devicekit._selection import Family
 
 from .fakes import FakeGpus
@@ -116,6 +121,42 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         [],
     ),
     (
+        "mpirun inside a Slurm job: Open MPI's rank is read",
+        on(TWO, environ={"OMPI_COMM_WORLD_LOCAL_RANK": "1", "SLURM_LOCALID": "0"}),
+        [],
+    ),
+    (
+        "mpiexec inside a Slurm job, a rank past the GPUs",
+        on(TWO, environ={"MPI_LOCALRANKID": "2", "SLURM_LOCALID": "0"}),
+        [("error", "more-ranks-than-devices")],
+    ),
+    (
+        "srun --gpus-per-task=2: each task its own two GPUs",
+        on(
+            TWO,
+            environ={
+                "SLURM_LOCALID": "2",
+                "SLURM_NTASKS_PER_NODE": "4",
+                "CUDA_VISIBLE_DEVICES": "4,5",
+            },
+        ),
+        [],
+    ),
+    (
+        "each rank its own AMD GPU through HIP_VISIBLE_DEVICES",
+        on(
+            gpus("AMD Instinct MI300X"),
+            environ={"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "HIP_VISIBLE_DEVICES": "1"},
+            rocm=True,
+        ),
+        [],
+    ),
+    (
+        "a malformed rank that DEVICEKIT_DEVICE makes unused",
+        on(TWO, environ={"LOCAL_RANK": "x", "DEVICEKIT_DEVICE": "cpu"}),
+        [],
+    ),
+    (
         "a rank on a machine without GPUs trains on its CPU",
         on(NONE, environ={"LOCAL_RANK": "3"}),
         [],
@@ -156,6 +197,16 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         "CUDA_VISIBLE_DEVICES with CUDA not started",
         on(gpus(H100), environ={"CUDA_VISIBLE_DEVICES": "0"}),
         [],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES repeating a GPU, read as CUDA reads it: none",
+        on(
+            gpus(note="CUDA_VISIBLE_DEVICES='0,0' hides all 2 GPU(s)"),
+            environ={"CUDA_VISIBLE_DEVICES": "0,0"},
+            cuda_started=True,
+            cuda_count=0,
+        ),
+        [("error", "visible-devices-hide-all")],
     ),
     (
         "CUDA_VISIBLE_DEVICES by UUID: not counted",
@@ -364,3 +415,150 @@ def test_the_command_s_json_is_one_object_per_finding(tmp_path: Any) -> None:
     assert [Finding(**each) for each in findings] == diagnose(
         _doctor.Machine({"DEVICEKIT_DEVICE": "cuda:7"}, look().families)
     )
+
+
+# The doctor and the manager: one set of rules.
+
+
+@dataclasses.dataclass
+class Listed:
+    """A backend listing one family of a snapshot, so that a manager sees what the doctor saw."""
+
+    family: Family
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @property
+    def device_type(self) -> str:
+        return self.family.device_type
+
+    @property
+    def note(self) -> str | None:
+        return self.family.note
+
+    def devices(self) -> list[DeviceInfo]:
+        return list(self.family.devices)
+
+
+RANK_CODES = {"local-rank-not-a-number", "more-ranks-than-devices"}
+
+
+def _in_environment(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]) -> None:
+    """Make ``environ`` the process's launcher, visibility and devicekit variables."""
+    names = {name for launcher in LAUNCHERS for name in (launcher.rank, launcher.size)}
+    names |= {name for group in VISIBILITY_VARIABLES.values() for name in group}
+    for name in (*names, "DEVICEKIT_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+
+
+def _manager_refuses(families: tuple[Family, ...]) -> type[Exception] | None:
+    """The error a manager with the default options raises here, or None where it chooses."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback, said once
+            dk.DeviceManager.from_env(backends=[Listed(family) for family in families])
+    except (ValueError, dk.DeviceUnavailableError) as error:
+        return type(error)
+    return None
+
+
+ONE = gpus(H100)
+AGREEMENT: list[tuple[str, tuple[Family, ...], dict[str, str]]] = [
+    ("no launcher", (TWO,), {}),
+    ("a rank with its GPU", (TWO,), {"LOCAL_RANK": "1"}),
+    ("a rank past the GPUs", (TWO,), {"LOCAL_RANK": "2"}),
+    ("more ranks than GPUs", (TWO,), {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}),
+    ("a rank that is no number", (TWO,), {"LOCAL_RANK": "x"}),
+    ("an empty Slurm rank", (TWO,), {"SLURM_LOCALID": ""}),
+    ("a malformed rank, the CPU named", (TWO,), {"LOCAL_RANK": "x", "DEVICEKIT_DEVICE": "cpu"}),
+    ("a malformed rank, a GPU named", (TWO,), {"LOCAL_RANK": "x", "DEVICEKIT_DEVICE": "1"}),
+    (
+        "HIP_VISIBLE_DEVICES per rank",
+        (ONE,),
+        {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "HIP_VISIBLE_DEVICES": "1"},
+    ),
+    ("ROCR_VISIBLE_DEVICES per rank", (ONE,), {"LOCAL_RANK": "3", "ROCR_VISIBLE_DEVICES": "3"}),
+    (
+        "CUDA_VISIBLE_DEVICES per rank",
+        (ONE,),
+        {"MPI_LOCALRANKID": "5", "MPI_LOCALNRANKS": "8", "CUDA_VISIBLE_DEVICES": "5"},
+    ),
+    ("one GPU, a second rank", (ONE,), {"MPI_LOCALRANKID": "1"}),
+    ("mpirun inside Slurm", (TWO,), {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "SLURM_LOCALID": "0"}),
+    (
+        "mpirun inside Slurm, a rank past the GPUs",
+        (TWO,),
+        {"OMPI_COMM_WORLD_LOCAL_RANK": "3", "SLURM_LOCALID": "0"},
+    ),
+    ("torchrun inside Slurm", (TWO,), {"LOCAL_RANK": "1", "SLURM_LOCALID": "7"}),
+    (
+        "srun --gpus-per-task=2",
+        (TWO,),
+        {"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4", "CUDA_VISIBLE_DEVICES": "4,5"},
+    ),
+    (
+        "eight Slurm tasks on four GPUs",
+        (FOUR,),
+        {"SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "8"},
+    ),
+    ("a rank without GPUs", (NONE,), {"LOCAL_RANK": "3"}),
+    ("three ranks on two Intel GPUs", (XPUS,), {"LOCAL_RANK": "2"}),
+    ("each rank its own Intel GPU", (XPUS,), {"LOCAL_RANK": "2", "ZE_AFFINITY_MASK": "2,3"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("families", "environ"), [case[1:] for case in AGREEMENT], ids=[case[0] for case in AGREEMENT]
+)
+def test_the_doctor_finds_a_rank_problem_exactly_where_the_manager_refuses(
+    monkeypatch: pytest.MonkeyPatch, families: tuple[Family, ...], environ: dict[str, str]
+) -> None:
+    found = {f.code for f in diagnose(on(*families, environ=environ))} & RANK_CODES
+    _in_environment(monkeypatch, environ)
+    refused = _manager_refuses((*families, CPU_FAMILY))
+    expected = {
+        None: set(),
+        ValueError: {"local-rank-not-a-number"},
+        dk.DeviceUnavailableError: {"more-ranks-than-devices"},
+    }
+    assert found == expected[refused]
+
+
+def test_hip_visible_devices_gives_a_rank_its_gpu_for_the_doctor_and_the_manager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The second of two ranks, each given its own AMD GPU: it sees one, cuda:0.
+    environ = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "HIP_VISIBLE_DEVICES": "1"}
+    machine = on(gpus("AMD Instinct MI300X"), environ=environ, rocm=True)
+    _in_environment(monkeypatch, environ)
+    manager = dk.DeviceManager.from_env(backends=[Listed(family) for family in machine.families])
+    assert manager.device == torch.device("cuda", 0)
+    assert manager.reason == "LOCAL_RANK=1, and this process sees one cuda device"
+    assert diagnose(machine) == []
+
+
+def test_a_repeated_gpu_in_cuda_visible_devices_hides_every_gpu_for_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CUDA reads "0,0" as no GPU at all; the doctor counted two, and so took a CUDA that
+    # sees none for one started before the variable was set.
+    environ = {"CUDA_VISIBLE_DEVICES": "0,0", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    _in_environment(monkeypatch, environ)
+    nvml = [NvmlGpu(f"GPU-{i}", H100, 80 * GiB, 79 * GiB, f"0000:0{i}:00.0") for i in range(2)]
+    backends = [CudaBackend(nvml=lambda: nvml, compiled=True), CpuBackend()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback
+        manager = dk.DeviceManager.from_env(backends=backends)
+    assert manager.device == torch.device("cpu")
+    seen_by_cuda = [info for info in manager.devices if info.device.type == "cuda"]
+    assert seen_by_cuda == []
+    machine = dataclasses.replace(
+        look(backends), environ=environ, cuda_started=True, cuda_count=len(seen_by_cuda)
+    )
+    findings = diagnose(machine)
+    assert [f.code for f in findings if f.code != "claim-directory"] == ["visible-devices-hide-all"]
+    assert findings[0].what == "CUDA_VISIBLE_DEVICES='0,0' hides every GPU"

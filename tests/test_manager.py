@@ -310,9 +310,9 @@ def test_more_ranks_than_gpus_is_refused_before_nccl_finds_out(
 
 def test_local_rank_policy_needs_a_launcher_s_local_rank() -> None:
     msg = (
-        "Expected a launcher's local rank (LOCAL_RANK, SLURM_LOCALID, "
-        "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PALS_LOCAL_RANKID) for "
-        "policy='local-rank', but none is set."
+        "Expected a launcher's local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, "
+        "MPI_LOCALRANKID, PALS_LOCAL_RANKID, SLURM_LOCALID) for policy='local-rank', but "
+        "none is set."
     )
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
         dk.DeviceManager(policy="local-rank", backends=machine(70))
@@ -344,6 +344,67 @@ def test_torchrun_s_rank_is_read_first_inside_a_slurm_job(monkeypatch: pytest.Mo
     monkeypatch.setenv("SLURM_LOCALID", "0")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert dk.DeviceManager.from_env(backends=machine(70, 70)).device == cuda(1)
+
+
+@pytest.mark.parametrize(
+    ("variable", "launcher"),
+    [("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"), ("MPI_LOCALRANKID", "MPICH or Intel MPI")],
+)
+def test_mpirun_inside_a_slurm_job_follows_the_mpi_rank(
+    monkeypatch: pytest.MonkeyPatch, variable: str, launcher: str
+) -> None:
+    # Every rank mpirun starts inherits the batch step's SLURM_LOCALID=0: all on cuda:0.
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "1")
+    monkeypatch.setenv(variable, "1")
+    manager = dk.DeviceManager.from_env(backends=machine(70, 70))
+    assert manager.device == cuda(1)
+    assert manager.reason == f"{variable}=1 ({launcher} inside Slurm) selects it"
+    assert manager.explain().startswith(
+        f"Selected cuda:1 (Fake GPU): {variable}=1 ({launcher} inside Slurm) selects it."
+    )
+
+
+def test_a_task_given_gpus_of_its_own_uses_its_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # srun --ntasks-per-node=4 --gpus-per-task=2: the third task sees GPUs 4 and 5 as
+    # cuda:0 and cuda:1, and SLURM_LOCALID=2.
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    backends = machine(70, 70)
+    manager = dk.DeviceManager.from_env(backends=backends)
+    assert manager.device == cuda(0)
+    assert manager.reason == (
+        "SLURM_LOCALID=2 (Slurm), and its launcher gave this process 2 cuda devices of its "
+        "own: the first"
+    )
+    assert backends[0].made_current == [cuda(0)]  # type: ignore[attr-defined]
+
+
+def test_a_device_named_wins_over_a_malformed_launcher_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    assert dk.DeviceManager("cpu", backends=machine(70, 70)).device == CPU
+    assert dk.DeviceManager(1, backends=machine(70, 70)).device == cuda(1)
+    assert dk.DeviceManager.from_env(device="cpu", backends=machine(70, 70)).device == CPU
+    most_free = dk.DeviceManager(policy="most-free-memory", backends=machine(60, 70))
+    assert most_free.device == cuda(1)  # a policy that reads no rank
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "cpu")
+    for manager in (
+        dk.DeviceManager(backends=machine(70, 70)),
+        dk.DeviceManager.from_env(backends=machine(70, 70)),
+        dk.DeviceManager(policy="local-rank", backends=machine(70, 70)),
+    ):
+        assert (manager.device, manager.reason) == (CPU, "DEVICEKIT_DEVICE asks for it")
+    # Where the rank is what decides, its error stays.
+    monkeypatch.delenv("DEVICEKIT_DEVICE")
+    msg = "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got 'x'."
+    for policy in ("auto", "local-rank"):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            dk.DeviceManager(policy=policy, backends=machine(70, 70))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dk.DeviceManager.from_env(backends=machine(70, 70))
 
 
 def test_a_launcher_s_bad_rank_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:

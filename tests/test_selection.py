@@ -14,8 +14,17 @@ import pytest
 import torch
 
 from devicekit._backends import DeviceInfo
-from devicekit._launch import LAUNCHERS, LocalRank
-from devicekit._selection import Chosen, Family, Refused, Request, Seen, Wait, choose
+from devicekit._launch import LAUNCHERS, BadRank, LocalRank, local_rank
+from devicekit._selection import (
+    Chosen,
+    Family,
+    RankProblem,
+    Refused,
+    Request,
+    Seen,
+    Wait,
+    choose,
+)
 
 from .helpers import CPU, GiB, cuda
 
@@ -34,11 +43,19 @@ def gpu(index: int, free: float | None = 79.0, busy: float | None = 0.0) -> Devi
     )
 
 
-TORCHRUN, SLURM, OPEN_MPI, MPICH, PALS = LAUNCHERS
+TORCHRUN, OPEN_MPI, MPICH, PALS, SLURM = LAUNCHERS
 
 
-def rank(number: int, size: int | None = None, launcher: Any = TORCHRUN) -> LocalRank:
-    return LocalRank(number, launcher, size)
+def rank(number: int, size: int | None = None, launcher: Any = TORCHRUN, *outer: Any) -> LocalRank:
+    return LocalRank(number, launcher, size, outer)
+
+
+def sharing(variable: str, value: int, devices: int, launcher: Any = TORCHRUN) -> RankProblem:
+    """What a refusal of ranks that would share a device says of itself, for the doctor."""
+    own = "CUDA_VISIBLE_DEVICES"
+    return RankProblem(
+        "more-ranks-than-devices", variable, str(value), launcher, "cuda", devices, own
+    )
 
 
 def machine(*gpus: DeviceInfo, **seen: Any) -> Seen:
@@ -246,7 +263,8 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
             "Expected at most 2 processes on this node, one per cuda device, but "
             "LOCAL_WORLD_SIZE=4: ranks would share a device, which NCCL refuses ('Duplicate "
             "GPU detected'). Start 2 per node (torchrun --nproc_per_node=2), or give each "
-            "process its own CUDA_VISIBLE_DEVICES."
+            "process its own CUDA_VISIBLE_DEVICES.",
+            sharing("LOCAL_WORLD_SIZE", 4, 2),
         ),
     ),
     (
@@ -257,7 +275,8 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
             "Expected LOCAL_RANK to be below the number of cuda devices this process sees "
             "(2), got 2: ranks would share a device, which NCCL refuses ('Duplicate GPU "
             "detected'). Start at most 2 processes per node (torchrun --nproc_per_node=2), or "
-            "give each process its own CUDA_VISIBLE_DEVICES."
+            "give each process its own CUDA_VISIBLE_DEVICES.",
+            sharing("LOCAL_RANK", 2, 2),
         ),
     ),
     (
@@ -274,9 +293,9 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
         TWO,
         Request(policy="local-rank"),
         Refused(
-            "Expected a launcher's local rank (LOCAL_RANK, SLURM_LOCALID, "
-            "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PALS_LOCAL_RANKID) for "
-            "policy='local-rank', but none is set."
+            "Expected a launcher's local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, "
+            "MPI_LOCALRANKID, PALS_LOCAL_RANKID, SLURM_LOCALID) for policy='local-rank', but "
+            "none is set."
         ),
     ),
     (
@@ -309,7 +328,8 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
             "Expected at most 2 processes on this node, one per cuda device, but "
             "PALS_LOCAL_SIZE=4: ranks would share a device, which NCCL refuses ('Duplicate "
             "GPU detected'). Start 2 per node (mpiexec --ppn 2), or give each "
-            "process its own CUDA_VISIBLE_DEVICES."
+            "process its own CUDA_VISIBLE_DEVICES.",
+            sharing("PALS_LOCAL_SIZE", 4, 2, PALS),
         ),
     ),
     (
@@ -320,8 +340,82 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
             "Expected SLURM_LOCALID to be below the number of cuda devices this process sees "
             "(1), got 1: ranks would share a device, which NCCL refuses ('Duplicate GPU "
             "detected'). Start at most 1 process per node (srun --ntasks-per-node=1), or "
-            "give each process its own CUDA_VISIBLE_DEVICES."
+            "give each process its own CUDA_VISIBLE_DEVICES.",
+            sharing("SLURM_LOCALID", 1, 1, SLURM),
         ),
+    ),
+    (
+        "mpirun inside a Slurm job: Open MPI's rank, the launcher named",
+        machine(gpu(0), gpu(1), local_rank=rank(1, 2, OPEN_MPI, SLURM)),
+        Request(),
+        Chosen(
+            cuda(1), "OMPI_COMM_WORLD_LOCAL_RANK=1 (Open MPI inside Slurm) selects it", current=True
+        ),
+    ),
+    (
+        "srun --gpus-per-task=2: a task's rank past its own GPUs takes its first",
+        machine(gpu(0), gpu(1), local_rank=rank(2, 4, SLURM), split=frozenset({"cuda"})),
+        Request(),
+        Chosen(
+            cuda(0),
+            "SLURM_LOCALID=2 (Slurm), and its launcher gave this process 2 cuda devices of its "
+            "own: the first",
+            current=True,
+        ),
+    ),
+    (
+        "per-task GPUs, a rank among them: still its rank's",
+        machine(gpu(0), gpu(1), local_rank=rank(1, 4, SLURM), split=frozenset({"cuda"})),
+        Request(),
+        Chosen(cuda(1), "SLURM_LOCALID=1 (Slurm) selects it", current=True),
+    ),
+    (
+        "a rank past the GPUs, which are the same for every process: refused",
+        machine(gpu(0), gpu(1), local_rank=rank(2, 4, SLURM)),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "SLURM_NTASKS_PER_NODE=4: ranks would share a device, which NCCL refuses "
+            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or give "
+            "each process its own CUDA_VISIBLE_DEVICES.",
+            sharing("SLURM_NTASKS_PER_NODE", 4, 2, SLURM),
+        ),
+    ),
+    (
+        "a local rank that is no number, where it is used",
+        machine(gpu(0), gpu(1), local_rank=BadRank(TORCHRUN, "x")),
+        Request(),
+        Refused(
+            "Expected LOCAL_RANK (set by torchrun) to be a whole number of 0 or more, got 'x'.",
+            RankProblem("local-rank-not-a-number", "LOCAL_RANK", "x", TORCHRUN),
+        ),
+    ),
+    (
+        "a local rank that is no number, without an accelerator",
+        machine(local_rank=BadRank(SLURM, "")),
+        Request(),
+        Refused(
+            "Expected SLURM_LOCALID (set by Slurm) to be a whole number of 0 or more, got ''.",
+            RankProblem("local-rank-not-a-number", "SLURM_LOCALID", "", SLURM),
+        ),
+    ),
+    (
+        "a device named wins over a malformed local rank",
+        machine(gpu(0), gpu(1), local_rank=BadRank(TORCHRUN, "x")),
+        Request(device="cpu"),
+        Chosen(CPU, "asked for cpu"),
+    ),
+    (
+        "DEVICEKIT_DEVICE wins over a malformed local rank",
+        machine(gpu(0), gpu(1), local_rank=BadRank(TORCHRUN, "x"), devicekit_device="cuda:1"),
+        Request(),
+        Chosen(cuda(1), "DEVICEKIT_DEVICE asks for it"),
+    ),
+    (
+        "most-free-memory does not read a malformed local rank",
+        machine(gpu(0, free=78.0), gpu(1), local_rank=BadRank(TORCHRUN, "x")),
+        Request(policy="most-free-memory"),
+        Chosen(cuda(1), "it has the most free memory (79.0 GiB of 80.0 GiB)"),
     ),
     (
         "LOCAL_RANK without an accelerator",
@@ -349,3 +443,37 @@ def test_the_choice_reads_nothing_but_its_arguments(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert choose(TWO, Request()) == CASES[0][3]
     assert TWO._replace(local_rank=rank(1)) != TWO  # the snapshot is what differs
+
+
+@pytest.mark.parametrize(
+    ("environ", "said", "started_by"),
+    [
+        ({"LOCAL_RANK": "1", "SLURM_LOCALID": "0"}, "LOCAL_RANK=1", "torchrun inside Slurm"),
+        (
+            {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "SLURM_LOCALID": "0"},
+            "OMPI_COMM_WORLD_LOCAL_RANK=1",
+            "Open MPI inside Slurm",
+        ),
+        (
+            {"MPI_LOCALRANKID": "1", "SLURM_LOCALID": "0"},
+            "MPI_LOCALRANKID=1",
+            "MPICH or Intel MPI inside Slurm",
+        ),
+        ({"PALS_LOCAL_RANKID": "3"}, "PALS_LOCAL_RANKID=3", "Cray PALS"),
+        ({"SLURM_LOCALID": "2"}, "SLURM_LOCALID=2", "Slurm"),
+    ],
+)
+def test_the_innermost_launcher_s_rank_is_read(
+    environ: dict[str, str], said: str, started_by: str
+) -> None:
+    # mpirun inside a Slurm allocation: every rank inherits the batch step's SLURM_LOCALID=0.
+    found = local_rank(environ)
+    assert isinstance(found, LocalRank)
+    assert (found.said, found.started_by) == (said, started_by)
+
+
+def test_an_outer_launcher_s_malformed_rank_is_not_read() -> None:
+    found = local_rank({"LOCAL_RANK": "1", "SLURM_LOCALID": "x"})
+    assert isinstance(found, LocalRank)
+    assert found.said == "LOCAL_RANK=1"
+    assert local_rank({"LOCAL_RANK": " ", "SLURM_LOCALID": "0"}) == BadRank(TORCHRUN, " ")
