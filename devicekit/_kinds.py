@@ -66,7 +66,7 @@ class Leaf(enum.Enum):
     PARAMETER = enum.auto()  # moved as a tensor and wrapped again, as nn.Module.to does
     MODULE = enum.auto()  # moved in place and returned, nn.Module.to semantics
     OPTIMIZER = enum.auto()  # its state follows its parameters
-    CACHE = enum.auto()  # a transformers cache: in place, through its layers' own prefetch()
+    CACHE = enum.auto()  # a transformers cache: in place, its layers by prefetch() and attribute
     RULE = enum.auto()  # registered with register_transfer; detail: the rule
     TO_METHOD = enum.auto()  # its own .to(), on a copy; detail: takes non_blocking
     ARRAY = enum.auto()  # a numpy array: kept, unless it holds tensors
@@ -396,6 +396,40 @@ _CACHE = "transformers.cache_utils.Cache"
 _CACHE_LAYER = "transformers.cache_utils.CacheLayerMixin"
 
 
+def is_cache_layer(value: object) -> bool:
+    """Whether ``value``, found in a list a transformers cache holds, is one of its layers.
+
+    Known by the offloading API every layer has (``prefetch()``), not by a class: the
+    linear-attention layers (mamba-style) derive from no attention layer's class.
+    """
+    return callable(getattr(value, "prefetch", None))
+
+
+def _cache_entries(cache: Any) -> list[_Entry]:
+    """What a transformers cache holds: every attribute of every layer, and its own.
+
+    A layer's attributes are read whole, whatever they are named (keys and values, a
+    sliding window's or a static layer's tensors, linear-attention states in dicts,
+    quantized pairs), so the checks see every tensor :func:`~devicekit.to_device` moves.
+    """
+    found: list[_Entry] = []
+    for name, value in vars(cache).items():
+        if isinstance(value, list) and any(map(is_cache_layer, value)):
+            for index, item in enumerate(value):
+                where = f".{name}[{index}]"
+                if is_cache_layer(item):
+                    state = getattr(item, "__dict__", {})
+                    found += [(f"{where}.{key}", part, None, None) for key, part in state.items()]
+                else:
+                    found.append((where, item, None, None))
+        else:
+            found.append((f".{name}", value, None, None))
+    return found
+
+
+_CACHE_CONTENTS = _entries_node(_cache_entries, writes=False)
+
+
 def _contents(cls: type) -> Node | None:
     """How to see and set what an object that moves itself holds."""
     if "torch_geometric.data.data.BaseData" in _lineage(cls):
@@ -463,7 +497,7 @@ def _decide(cls: type) -> Decision:
         return Decision(INERT, INERT, INERT, None)
     # transformers' caches (past_key_values) hold their tensors in layer objects' attributes.
     if _CACHE in (lineage := _lineage(cls)):
-        return Decision(LEAF, LEAF, _ATTRIBUTES, Leaf.CACHE)
+        return Decision(LEAF, LEAF, _CACHE_CONTENTS, Leaf.CACHE)
     if _CACHE_LAYER in lineage:
         return Decision(LEAF, LEAF, _ATTRIBUTES, Leaf.OTHER)
     # numpy's scalars (np.bool_ is no numbers.Number), known by name: numpy is not imported.

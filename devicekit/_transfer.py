@@ -20,7 +20,17 @@ from devicekit import _compat, _packing, _tree
 from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device
 from devicekit._errors import DeviceKitError, DeviceUnavailableError, LeafError, TransferError
-from devicekit._kinds import CAST, Leaf, Node, decide, leaf_how, mapping_items, state_on_host
+from devicekit._kinds import (
+    CAST,
+    READ,
+    Leaf,
+    Node,
+    decide,
+    is_cache_layer,
+    leaf_how,
+    mapping_items,
+    state_on_host,
+)
 
 T = TypeVar("T")
 NonBlocking: TypeAlias = bool | Literal["auto"]
@@ -540,11 +550,15 @@ def _to_parameter(leaf: Any, target: tuple[Any, ...]) -> Any:
 
 
 def _move_cache(cache: Any, call: _Call, detail: object) -> Any:
-    """Move a transformers cache in place, layer by layer, as the cache itself does.
+    """Move a transformers cache in place, layer by layer, leaving no tensor behind.
 
-    A layer knows its device and moves there in ``prefetch()`` (its offloading API);
-    the layers of nested caches (an encoder-decoder's two) move too. Copies from an
-    accelerator to the host under ``"auto"`` are waited for, as every other copy is.
+    A layer that knows its device is told the new one and moves there in its own
+    ``prefetch()`` (its offloading API); what that leaves behind (a static layer's
+    ``cumulative_length``, a sliding window's tensor, a hybrid layer's keys, quantized
+    pairs, linear-attention states in dicts), whatever its name, is then moved where it
+    is, attribute by attribute, as the checks see it. The layers of the caches it holds
+    (an encoder-decoder's two) move too. Copies from an accelerator to the host under
+    ``"auto"`` are waited for, as every other copy is.
     """
     options, device = call.plan.options, call.plan.device
     if options.copy or options.dtype is not None or options.memory_format is not None:
@@ -557,23 +571,53 @@ def _move_cache(cache: Any, call: _Call, detail: object) -> Any:
         )
         raise LeafError(msg)
     for layer in _cache_layers(cache):
-        moved = [value for value in vars(layer).values() if isinstance(value, torch.Tensor)]
-        if getattr(layer, "device", None) is None or not moved:
-            continue  # not initialised: it takes its device from its first keys
-        for tensor in moved:
-            call.non_blocking(tensor, device)  # notes the devices to wait for, if any
-        layer.device = device
-        layer.prefetch()
+        state = getattr(layer, "__dict__", {})
+        knows = [name for name, value in state.items() if isinstance(value, torch.device)]
+        if knows:  # not initialised otherwise: it takes its device from its first keys
+            for value in state.values():
+                for leaf in _tree.flatten(value, view=READ).leaves:
+                    if isinstance(leaf, _Tensor):
+                        call.non_blocking(leaf, device)  # notes the wait prefetch's copies need
+            for name in knows:
+                setattr(layer, name, device)
+            layer.prefetch()
+        for name, value in list(state.items()):
+            flat = _tree.flatten(value)
+            leaves = flat.leaves.copy()
+            for index in flat.active:
+                leaves[index] = _in_layer(leaves[index], call)
+            if any(new is not old for new, old in zip(leaves, flat.leaves, strict=True)):
+                setattr(layer, name, _tree.unflatten(flat.spec, leaves))
     return cache
 
 
-def _cache_layers(cache: Any) -> Iterator[Any]:
-    """The layers of a transformers cache, those of the caches it holds included."""
-    for value in vars(cache).values():
-        if isinstance(value, list):
-            yield from (layer for layer in value if callable(getattr(layer, "prefetch", None)))
-        elif leaf_how(type(value))[0] is Leaf.CACHE:
-            yield from _cache_layers(value)
+def _in_layer(leaf: Any, call: _Call) -> Any:
+    """A leaf of a cache layer, moved as it moves elsewhere; settings and helpers kept.
+
+    A layer's other leaves (its quantizer, a class to build layers with) are no data:
+    neither moved nor refused with ``strict=True``.
+    """
+    how = leaf_how(type(leaf))[0]
+    if how is Leaf.KEPT or how is Leaf.OTHER or how is Leaf.ARRAY:
+        return leaf
+    return call.leaf(leaf)
+
+
+def _cache_layers(cache: Any) -> list[Any]:
+    """The layers of a transformers cache, those of the caches it holds included.
+
+    The caches inside are found with a stack of their own, as every walk is iterative.
+    """
+    layers: list[Any] = []
+    waiting, seen = [cache], {id(cache)}
+    while waiting:
+        for value in vars(waiting.pop()).values():
+            if isinstance(value, list):
+                layers += filter(is_cache_layer, value)
+            elif leaf_how(type(value))[0] is Leaf.CACHE and id(value) not in seen:
+                seen.add(id(value))
+                waiting.append(value)
+    return layers
 
 
 def _move_by_rule(obj: Any, call: _Call, registered: tuple[type, Any]) -> Any:

@@ -97,6 +97,145 @@ def test_a_cache_cannot_be_copied_or_cast_and_says_so() -> None:
     assert kept.logits.dtype == torch.float16
 
 
+# Every kind of cache layer transformers ships, each filled through its own methods: what
+# their prefetch() leaves behind (a sliding window's tensor, a static layer's length, a
+# hybrid layer's keys, linear-attention states in dicts, quantized pairs) moves too.
+
+
+def _layer_kinds(cache_utils: Any) -> list[str]:
+    """Every layer type a config can name, from transformers' own tables.
+
+    The dummy layer (shared key-values) is named as configs name it: a "moe" layer.
+    """
+    kinds = {*cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, *cache_utils.STATIC_LAYER_TYPE_MAPPING}
+    return sorted("moe" if kind == "dummy" else kind for kind in kinds)
+
+
+def _filled(cache: Any) -> Any:
+    """``cache`` with every layer initialised, through the methods a model calls."""
+    cache_utils = require_package("transformers.cache_utils")
+    states = torch.ones(1, 2, 3, 4)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, cache_utils.LinearAttentionCacheLayerMixin):
+            cache.update_conv_state(torch.ones(1, 4, 3), index)
+            cache.update_recurrent_state(torch.ones(1, 2, 4, 4), index)
+        if hasattr(layer, "update_indexer"):
+            cache.update_indexer(torch.ones(1, 3, 4), index)
+        if not isinstance(layer, cache_utils.DummyLayer) and hasattr(layer, "keys"):
+            layer.update(states, states)  # the cache's update would ask CUDA when offloading
+    return cache
+
+
+def _cache(kind: str) -> Any:
+    transformers = require_package("transformers")
+    cache_utils = require_package("transformers.cache_utils")
+    kinds = _layer_kinds(cache_utils)
+    config = transformers.PreTrainedConfig(
+        layer_types=kinds, num_hidden_layers=len(kinds), sliding_window=2, attention_chunk_size=2
+    )
+    if kind == "static":
+        return _filled(cache_utils.StaticCache(config=config, max_cache_len=8))
+    if kind == "offloaded":
+        return _filled(cache_utils.DynamicCache(config=config, offloading=True))
+    if kind == "quantized":
+        full = transformers.PreTrainedConfig(num_hidden_layers=2)
+        return _filled(cache_utils.QuantizedCache(backend="fp8", config=full))
+    if kind == "encoder-decoder":  # attention layers only: cross-attention takes no others
+        attention = ["full_attention", "sliding_attention"]
+        config = transformers.PreTrainedConfig(
+            layer_types=attention, num_hidden_layers=2, sliding_window=2
+        )
+        return cache_utils.EncoderDecoderCache(
+            _filled(cache_utils.DynamicCache(config=config)),
+            _filled(cache_utils.DynamicCache(config=config)),
+        )
+    return _filled(cache_utils.DynamicCache(config=config))
+
+
+def _layer_tensors(cache: Any) -> dict[str, torch.Tensor]:
+    """Every tensor in a layer's attributes, by the path the checks give it (a walk of its own)."""
+    found = {}
+    parts = vars(cache) if not hasattr(cache, "layers") else {"": cache}
+    for name, part in parts.items():
+        for index, layer in enumerate(getattr(part, "layers", ())):
+            for attribute, value in vars(layer).items():
+                where = f"{name + '.' if name else ''}layers[{index}].{attribute}"
+                if isinstance(value, torch.Tensor):
+                    found[where] = value
+                elif isinstance(value, dict | tuple | list):
+                    items = value.items() if isinstance(value, dict) else enumerate(value)
+                    found.update(
+                        (f"{where}[{key!r}]", item)
+                        for key, item in items
+                        if isinstance(item, torch.Tensor)
+                    )
+    return found
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "offloaded", "quantized", "encoder-decoder"])
+def test_every_kind_of_cache_layer_moves_whole_and_the_checks_see_all_of_it(kind: str) -> None:
+    cache_utils = require_package("transformers.cache_utils")
+    cache = _cache(kind)
+    tensors = _layer_tensors(cache)
+    if kind not in ("quantized", "encoder-decoder"):  # every class transformers maps to
+        kinds = {*cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.values()}
+        if kind == "static":
+            kinds = {*cache_utils.STATIC_LAYER_TYPE_MAPPING.values()}
+        assert {type(layer) for layer in cache.layers} == kinds
+    seen = dk.find_devices(cache)
+    assert set(seen) == {CPU}
+    assert sorted(seen[CPU]) == sorted(tensors)  # every tensor, none twice
+    assert dk.to_device({"past": cache}, META)["past"] is cache  # in place
+    assert set(dk.find_devices(cache)) == {META}
+    left = {where for where, tensor in _layer_tensors(cache).items() if tensor.device != META}
+    assert left == set()
+    assert len(_layer_tensors(cache)) == len(tensors)
+
+
+def test_caches_of_sliding_window_and_linear_attention_models_move_whole() -> None:
+    transformers = require_package("transformers")
+    sizes = {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "vocab_size": 50}
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8}
+    torch.manual_seed(0)
+    mistral = transformers.MistralForCausalLM(
+        transformers.MistralConfig(**sizes, **heads, sliding_window=2, max_position_embeddings=16)
+    ).eval()
+    qwen3_next = transformers.Qwen3NextForCausalLM(
+        transformers.Qwen3NextConfig(
+            **sizes,
+            **heads,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=2,
+            linear_num_key_heads=1,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=8,
+        )
+    ).eval()
+    for model in (mistral, qwen3_next):
+        with torch.no_grad():
+            cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+        tensors = _layer_tensors(cache)
+        assert sorted(dk.find_devices(cache)[CPU]) == sorted(tensors)
+        dk.to_device(cache, META)
+        assert set(dk.find_devices(cache)) == {META}
+        assert all(tensor.device == META for tensor in _layer_tensors(cache).values())
+    layers = {type(layer).__name__ for model in (mistral, qwen3_next) for layer in cache.layers}
+    assert "LinearAttentionLayer" in layers
+    # The sliding-window model goes on from its moved cache, every tensor where it runs.
+    with torch.no_grad():
+        cache = mistral(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+        dk.to_device(cache, META)
+        step = dk.to_device(mistral, META)(
+            dk.to_device(torch.tensor([[4]]), META), past_key_values=cache
+        )
+    assert step.logits.device == META
+    assert cache.get_seq_length() == 4  # three tokens and the one it took on meta
+
+
 def test_a_batch_encoding_is_rebuilt_item_by_item_not_moved_by_its_own_to() -> None:
     transformers = require_package("transformers")
     ids = torch.tensor([[101, 50257]])
