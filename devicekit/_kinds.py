@@ -597,6 +597,10 @@ def skipping_view(
             )
         return node
 
+    if torch.compiler.is_compiling():
+        # The compiler traces no lock ("Unsupported context manager"): a skip set new to
+        # the process serves this trace alone, and is kept by the first eager call.
+        return nodes, learn
     with _lock:
         if len(_skipping) >= SKIP_SETS_KEPT:
             _skipping.clear()  # skip sets made at run time must not pile up

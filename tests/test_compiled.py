@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
+import textwrap
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -18,6 +20,7 @@ import devicekit as dk
 from devicekit import _compat
 
 from .helpers import CPU, META, Pair
+from .programs import run_program
 
 
 def _compiled(fn: Any, *, fullgraph: bool = True) -> Any:
@@ -278,3 +281,29 @@ def test_run_while_tracing_marks_a_function_as_torch_s_assume_constant_result_do
     assert {name: vars(mine).get(name) for name in marks} == {
         name: vars(theirs)[name] for name in marks
     }
+
+
+def test_skip_keys_compile_with_fullgraph_where_the_skip_set_is_new_to_the_process() -> None:
+    # A fresh process: no eager call has made the skip set's view, so the first compiled
+    # call makes it while the compiler traces (which takes no lock).
+    program = textwrap.dedent(
+        """
+        import torch
+        import devicekit as dk
+
+        raw, inner_raw = torch.zeros(2), torch.ones(1)
+        batch = {"x": torch.ones(2), "raw": raw, "n": [{"raw": inner_raw, "y": torch.ones(1)}]}
+        step = torch.compile(
+            lambda b: dk.to_device(b, "meta", skip_keys="raw"), fullgraph=True, backend="eager"
+        )
+        moved = step(batch)
+        eager = dk.to_device(batch, "meta", skip_keys="raw")
+        for got in (moved, eager):
+            assert got["raw"] is raw and got["n"][0]["raw"] is inner_raw
+            assert got["x"].device == got["n"][0]["y"].device == torch.device("meta")
+        print(sorted(moved), sorted(moved["n"][0]) == sorted(eager["n"][0]))
+        """
+    )
+    result = run_program([sys.executable, "-c", program], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "['n', 'raw', 'x'] True\n"
