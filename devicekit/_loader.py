@@ -7,7 +7,8 @@ On an accelerator a loader iterates as a pipeline:
    devicekit must (the wrapped loader does not, and ``pin_memory`` is not False), so
    the training thread never pays for reading or pinning; small tensors need no
    pinning, since they travel packed through a pinned staging buffer. Reads that draw
-   random numbers are the exception: made in the training thread (see ``_ahead``).
+   random numbers are the exception: made in the training thread, where an epoch's
+   first two reads show them (see ``_ahead``; ``stats`` says which it was).
 2. The training thread issues each batch's copy on the loader's side stream, up to
    ``prefetch`` batches ahead, and records an event after each. It starts the copies of
    the batches the feed has ready, never waits for one while it holds a batch: a batch
@@ -535,8 +536,10 @@ class DeviceDataLoader(Generic[B]):
         """The latest epoch's figures, the running one's so far, else the last one's.
 
         How long the loop waited for each batch and how long each step took, the share of
-        the epoch spent waiting, on an accelerator the copies' time, and a ``verdict``:
-        input-bound or compute-bound, and what to change. Before any epoch, an empty
+        the epoch spent waiting, on an accelerator the copies' time and whether batches
+        were read ahead (``read_ahead``; ``reads_draw`` where reading draws random numbers
+        and every batch is read in the training thread), and a ``verdict``: input-bound
+        or compute-bound, and what to change. Before any epoch, an empty
         :class:`~devicekit.LoaderStats` whose verdict says so.
         """
         return LoaderStats() if self._record is None else self._record.snapshot()
@@ -766,9 +769,17 @@ class DeviceDataLoader(Generic[B]):
         # read without workers, a sampler's shuffle, graph sampling) happen in this
         # thread, between the loop's steps, as in a plain loop: a thread reading ahead
         # would interleave its draws with the loop's by timing, and a seeded run would
-        # not repeat. So an epoch's first read is always made here, and its second where
-        # the first drew; where the second draws too, every read is made here, batch by
-        # batch as the loop asks. Otherwise the rest is read ahead (by the feed).
+        # repeat neither the plain loop nor itself. So an epoch's first read is always
+        # made here, and its second where the first drew; where the second draws too,
+        # every read is made here, batch by batch as the loop asks (``reads_draw``, in the
+        # stats and their verdict). Otherwise the rest is read ahead (by the feed).
+        #
+        # That is the whole rule, and it cannot see further: a read's draws cannot be
+        # known before it is made, nor told apart from the loop's once a thread makes it
+        # beside them (the generators are the process's), and read k's draws follow step
+        # k-1's in a plain loop, so no read that might draw can be made ahead of it. A
+        # source that draws only from a later read on (augmentation switched on after a
+        # warm-up, every other batch) is read ahead, and the guide says so.
         checks = _READS_CHECKED
         while True:
             before = random_state() if checks else None
@@ -777,8 +788,11 @@ class DeviceDataLoader(Generic[B]):
                 return
             if before is not None:
                 if not drew_since(before):
+                    record.reads_draw = False
                     break  # reading draws nothing: from this batch on, read ahead
                 checks -= 1
+                if not checks:
+                    record.reads_draw = True  # every read is made here, from now on
             yield from _prefetched(iter((batch,)), prefetcher, 1, self._finish, record)
             del batch
         # The rest is read by a feed thread, pinned there where devicekit pins, so that a
@@ -786,6 +800,7 @@ class DeviceDataLoader(Generic[B]):
         pin = prefetcher.pin if self._pins() else _as_it_is
         feed = _BackgroundFeed(batches, pin, self._prefetch, device)
         self._feeds.add(feed)
+        record.read_ahead = True
         pipeline = _prefetched(
             feed, prefetcher, self._prefetch, self._finish, record, ready=feed.ready, first=batch
         )

@@ -24,6 +24,7 @@ from typing import Any, Final, NamedTuple
 import torch
 
 from devicekit import _kinds
+from devicekit._errors import TransferError
 from devicekit._kinds import READ
 from devicekit._tree import flatten
 from devicekit._units import milliseconds
@@ -68,7 +69,8 @@ class LoaderStats:
     (its last batch as short as it is); else from each batch's tensors, as the type
     table sees them: the largest first dimension at least two of them share (else the
     largest), or the length of a list of per-sample tensors where that is larger. None
-    where a batch holds no tensor to tell."""
+    where a batch holds no tensor to tell, or is one that :func:`~devicekit.to_device`
+    would refuse to walk (nested deeper than it allows, or holding a cycle)."""
     wait_s: float = 0.0
     step_s: float = 0.0
     elapsed_s: float = 0.0
@@ -87,6 +89,18 @@ class LoaderStats:
     as ``copy_s``."""
     finished: bool = False
     """Whether the epoch ran to its end; False while it runs, or when it was left early."""
+    read_ahead: bool = False
+    """Whether a feed thread read the epoch's batches ahead of the loop, from its second
+    or third batch on (the first ones are read in the training thread, to see whether
+    reading draws random numbers). False where batches move in line (the CPU,
+    ``prefetch=0``), and where reading draws (``reads_draw``)."""
+    reads_draw: bool | None = None
+    """Whether reading each of the epoch's first two batches drew from the global random
+    generators (torch's, Python's, numpy's), as augmentation in a dataset read without
+    workers does. Then every batch is read in the training thread when the loop asks for
+    it, as a plain loop reads it, so that a seeded run repeats, and none is read ahead.
+    False where one of the two drew nothing; None where the loader does not look (batches
+    move in line) or has not yet."""
     verdict: str = "No batch has been handed over yet: nothing to judge."
     """Whether the loop is input- or compute-bound, and what to change, in a sentence or two."""
 
@@ -177,13 +191,15 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
             f"Copying a batch to the device takes {copy}, longer than a step ({step}): send "
             "fewer bytes, for example uint8 images normalised on the device with transform=."
         )
+    if stats.reads_draw:
+        return _reads_draw(setup)
     if workers is None:
         return (
             f"devicekit cannot see how the wrapped {setup.source} makes its batches: make "
             "that cheaper, or load them with a DataLoader and worker processes (num_workers=)."
         )
     cpus = setup.cpus
-    suggested = min(cpus, max(2 * workers, cpus // 2, 1))
+    suggested = _workers_for(cpus, workers)
     if workers == 0 and cpus > 1:
         return (
             f"The DataLoader loads every batch in the training process (num_workers=0) on a "
@@ -198,6 +214,30 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
         f"The DataLoader's {workers} workers already have the machine's {cpus} cores: make "
         "each sample cheaper to load (decoded once and cached, lighter transforms, or "
         "augmentation on the device with transform=)."
+    )
+
+
+def _workers_for(cpus: int, workers: int) -> int:
+    """The ``num_workers`` to suggest on ``cpus`` cores to a DataLoader that has ``workers``."""
+    return min(cpus, max(2 * workers, cpus // 2, 1))
+
+
+def _reads_draw(setup: Setup) -> str:
+    """Advice for an epoch read in the training thread because reading draws random numbers."""
+    workers, cpus = setup.num_workers, setup.cpus
+    if workers == 0 and cpus > 1:
+        where = (
+            f"in DataLoader workers (try num_workers={_workers_for(cpus, 0)}) or from a seeded "
+            "torch.Generator of the dataset's own"
+        )
+    else:
+        where = "from a seeded torch.Generator of the source's own"
+    return (
+        f"Reading each batch from the wrapped {setup.source} draws random numbers in the "
+        "training process (augmentation, say), so every batch was read in the training "
+        "thread when the loop asked for it, as a plain loop reads it, and none ahead "
+        "(reading ahead would draw beside the loop's steps, and a seeded run would not "
+        f"repeat). Draw them {where}, and the batches are read ahead."
     )
 
 
@@ -221,6 +261,8 @@ class EpochRecorder:
         "holder",
         "key",
         "length",
+        "read_ahead",
+        "reads_draw",
         "samples",
         "setup",
         "steps",
@@ -236,6 +278,9 @@ class EpochRecorder:
         self.copies: list[float] | None = [] if setup.accelerator else None
         self.timers: list[CopyTimer] = []  # copies handed over, time not read yet
         self.finished = False
+        # Where the loader reads this epoch's batches (see DeviceDataLoader._ahead).
+        self.read_ahead = False
+        self.reads_draw: bool | None = None
         # Where this epoch's batches hold their samples (see samples_in): the entry
         # ``key`` of a batch (_WHOLE: the batch itself), its length or its first dimension.
         self.key: Any = _NOWHERE
@@ -326,6 +371,8 @@ class EpochRecorder:
             step_per_batch=tuple(self.steps[-PER_BATCH_KEPT:]),
             copy_per_batch=copies,
             finished=self.finished,
+            read_ahead=self.read_ahead,
+            reads_draw=self.reads_draw,
         )
         said = verdict(stats, self.setup, first_wait=self.first_wait)
         return dataclasses.replace(stats, verdict=said)
@@ -341,6 +388,16 @@ def _per_sample(value: Any) -> bool:
     )
 
 
+def _entries(batch: Any, node: _kinds.Node, *, sequence: bool) -> list[tuple[Any, Any]]:
+    """The batch's children with the key or index each is read by (_NOWHERE: none)."""
+    if node.mapping:
+        return list(_kinds.mapping_items(batch))
+    if sequence:
+        return list(enumerate(batch))
+    # A dataclass's fields, an object's contents: no entry to read them by.
+    return [(_NOWHERE, child) for child in node.children(batch)]
+
+
 def samples_in(batch: Any) -> tuple[int | None, Any, bool]:
     """A batch's samples, and where batches of its structure hold them.
 
@@ -350,32 +407,39 @@ def samples_in(batch: Any) -> tuple[int | None, Any, bool]:
     Where: the batch's entry (a key or an index, :data:`_WHOLE` for the batch itself) and
     whether its length counts, else its first dimension; :data:`_NOWHERE` where the count
     comes from deeper, and each batch is then looked at whole.
+
+    The batch is walked once, by :func:`~devicekit._tree.flatten`: iteratively, and
+    refused where :func:`~devicekit.to_device` refuses it (deeper than
+    :data:`~devicekit._tree.MAX_DEPTH`, or a cycle), which counts as telling no samples.
+
+    >>> import torch
+    >>> number, key, length = samples_in({"image": torch.zeros(8, 3), "label": torch.zeros(8)})
+    >>> number, key, length
+    (8, 'image', False)
     """
     if type(batch) is _Tensor:
         return (batch.shape[0], _WHOLE, False) if batch.dim() else (None, _NOWHERE, False)
     node = _kinds.decide(type(batch)).read
     if not isinstance(node, _kinds.Node):
         return None, _NOWHERE, False
+    try:
+        leaves = flatten(batch, view=READ).leaves
+    except TransferError:
+        return None, _NOWHERE, False
     sequence = node is _kinds.LIST or node is _kinds.TUPLE
-    if node.mapping:
-        entries: list[tuple[Any, Any]] = list(_kinds.mapping_items(batch))
-    elif sequence:
-        entries = list(enumerate(batch))
-    else:  # a dataclass's fields, an object's contents: no entry to read them by
-        entries = [(_NOWHERE, child) for child in node.children(batch)]
-    firsts: list[tuple[int, Any]] = []  # (a first dimension, the entry it is read from)
-    lengths: list[tuple[int, Any]] = []  # (a per-sample list's length, its entry)
+    entries = _entries(batch, node, sequence=sequence)
+    # (a per-sample list's length, its entry)
+    lengths = [(len(child), key) for key, child in entries if _per_sample(child)]
     if sequence and _per_sample(batch):
-        lengths.append((len(batch), _WHOLE))
-    for key, child in entries:
-        if _per_sample(child):
-            lengths.append((len(child), key))
-        tensors = [
-            leaf
-            for leaf in flatten(child, view=READ).leaves
-            if isinstance(leaf, _Tensor) and leaf.dim()
-        ]
-        firsts += [(tensor.shape[0], key if tensor is child else _NOWHERE) for tensor in tensors]
+        lengths.insert(0, (len(batch), _WHOLE))
+    # The entries that are tensors themselves, by identity: the first entry that holds one.
+    direct = {id(child): key for key, child in reversed(entries) if isinstance(child, _Tensor)}
+    # (a first dimension, the entry it is read from)
+    firsts = [
+        (leaf.shape[0], direct.get(id(leaf), _NOWHERE))
+        for leaf in leaves
+        if isinstance(leaf, _Tensor) and leaf.dim()
+    ]
     dims = [dim for dim, _ in firsts]
     shared = [dim for dim in set(dims) if dims.count(dim) >= 2]
     found = max(shared or dims, default=None)

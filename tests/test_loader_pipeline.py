@@ -579,8 +579,104 @@ def test_a_seeded_run_repeats_and_matches_the_plain_loop(
         run = _seeded_run(loader)
         assert [step for _, step in run] == [step for _, step in plain]
         assert all(torch.equal(got, want) for (got, _), (want, _) in zip(run, plain, strict=True))
-    # Reading that draws nothing past a shuffle's seed is read ahead by the feed.
+    # Reading that draws nothing past a shuffle's seed is read ahead by the feed; reading
+    # that draws is not, and the stats say why.
     assert ("devicekit-feed" in made[0].pinned_in) == (draw == "none")
+    assert (loader.stats.read_ahead, loader.stats.reads_draw) == (draw == "none", draw != "none")
+
+
+# Where each read is made follows from the draws of the epoch's first two reads, and a
+# run equals the plain loop exactly where no read made ahead draws: the rule the loader
+# guide states, for sources that draw on some reads only.
+
+TRAINING, FEED = "T", "F"  # the thread a read was made in
+
+
+class Drawing:
+    """Batches 0 to ``length - 1``; reading one of ``draws`` draws from torch's generator.
+
+    ``threads`` says where each read of the latest epoch was made: T in the training
+    thread, F in the feed.
+    """
+
+    def __init__(self, length: int, draws: Iterable[int]) -> None:
+        self.length, self.draws = length, frozenset(draws)
+        self.threads = ""
+        self.read = [threading.Event() for _ in range(length)]  # set as each read ends
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.threads = ""
+        for event in self.read:
+            event.clear()
+        for index in range(self.length):
+            noise = torch.rand(1).item() if index in self.draws else 0.0
+            feed = threading.current_thread().name == "devicekit-feed"
+            self.threads += FEED if feed else TRAINING
+            self.read[index].set()
+            yield torch.full((2,), float(index)) + noise
+
+
+DRAW_PATTERNS = {
+    # name: (the reads that draw, where the loader makes each read)
+    "never": ((), "TFFFFF"),
+    "first-only": ((0,), "TTFFFF"),  # a shuffled DataLoader: its sampler's seed
+    "every-read": (range(6), "TTTTTT"),
+    "first-two-then-off": ((0, 1), "TTTTTT"),  # augmentation switched off after a warm-up
+    "first-two-then-every-other": ((0, 1, 3, 5), "TTTTTT"),
+    "on-after-a-warm-up": ((2, 3, 4, 5), "TFFFFF"),
+    "every-other-from-the-first": ((0, 2, 4), "TTFFFF"),
+    "every-other-from-the-second": ((1, 3, 5), "TFFFFF"),
+}
+
+
+def _drawing_run(loader: Iterable[torch.Tensor]) -> list[tuple[list[float], float]]:
+    torch.manual_seed(3)
+    return [(batch.tolist(), torch.rand(1).item()) for batch in loader]
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+@pytest.mark.parametrize("pattern", DRAW_PATTERNS)
+def test_where_each_read_is_made_and_when_a_run_equals_the_plain_loop(
+    pattern: str, prefetch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    draws, where = DRAW_PATTERNS[pattern]
+    source = Drawing(6, draws)
+    plain = _drawing_run(source)
+    loader, _ = _loader_for(source, prefetch, True, monkeypatch)
+    monkeypatch.setattr(StandIn, "hand_over", lambda self, ticket: ticket.batch)
+    for _ in range(3):
+        run = _drawing_run(loader)
+        assert source.threads == where
+        stats = loader.stats
+        assert stats.read_ahead == (FEED in where)
+        assert stats.reads_draw == (FEED not in where)  # and so every read was made here
+        # Equal to the plain loop where every read that draws is made in the training
+        # thread, as the loop asks for it; a drawing read made ahead runs beside a step.
+        if all(where[index] == TRAINING for index in source.draws):
+            assert run == plain
+    _no_thread_left()
+
+
+def test_a_read_made_ahead_that_draws_runs_before_the_step_it_follows_in_a_plain_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Why the guide does not promise the plain loop's run to a source that starts drawing
+    # after its first reads: the feed reads batch k+1 while step k runs. Here each step
+    # draws only once that read has ended, so the order is certain, and the run differs.
+    source = Drawing(6, range(2, 6))
+    plain = _drawing_run(source)
+    loader, _ = _loader_for(source, 1, True, monkeypatch)
+    monkeypatch.setattr(StandIn, "hand_over", lambda self, ticket: ticket.batch)
+    torch.manual_seed(3)
+    run = []
+    for index, batch in enumerate(loader):
+        if index + 1 < source.length:
+            assert source.read[index + 1].wait(ACTION_WAIT_S)  # read ahead, beside the step
+        run.append((batch.tolist(), torch.rand(1).item()))
+    assert source.threads == "TFFFFF"
+    assert [batch for batch, _ in run[:2]] == [batch for batch, _ in plain[:2]]  # no draws
+    assert run[2][0] != plain[2][0]  # batch 2's draw came before step 1's, not after it
+    _no_thread_left()
 
 
 # A ready batch is handed over at once: the loader never waits for a later read while it

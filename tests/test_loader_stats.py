@@ -8,9 +8,13 @@ The profiler's ranges are looked for in a real ``torch.profiler`` trace on the C
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import random
 import re
+import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +24,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import devicekit as dk
 from devicekit import _loader
-from devicekit._stats import PER_BATCH_KEPT, LoaderStats, Setup, verdict
+from devicekit._stats import PER_BATCH_KEPT, LoaderStats, Setup, samples_in, verdict
+from devicekit._tree import MAX_DEPTH
 
 from .helpers import META
 
@@ -319,6 +324,90 @@ def test_each_advice_follows_from_the_figures(
     assert verdict(stats, setup) == HEAD + advice
 
 
+# Reading that draws random numbers is done in the training thread: said, never silent.
+
+DRAWING = dataclasses.replace(INPUT_BOUND, reads_draw=True)
+READ_HERE = (
+    "so every batch was read in the training thread when the loop asked for it, as a plain "
+    "loop reads it, and none ahead (reading ahead would draw beside the loop's steps, and a "
+    "seeded run would not repeat). Draw them "
+)
+
+
+@pytest.mark.parametrize(
+    ("setup", "advice"),
+    [
+        pytest.param(
+            Setup("DataLoader", 0, False, True, True, 16),
+            "Reading each batch from the wrapped DataLoader draws random numbers in the "
+            "training process (augmentation, say), "
+            + READ_HERE
+            + "in DataLoader workers (try num_workers=8) or from a seeded torch.Generator of "
+            "the dataset's own, and the batches are read ahead.",
+            id="no-workers",
+        ),
+        pytest.param(
+            Setup("DataLoader", 4, False, True, True, 16),  # a sampler that draws a batch
+            "Reading each batch from the wrapped DataLoader draws random numbers in the "
+            "training process (augmentation, say), "
+            + READ_HERE
+            + "from a seeded torch.Generator of the source's own, and the batches are read "
+            "ahead.",
+            id="workers",
+        ),
+        pytest.param(
+            Setup("function", None, False, True, True, 16),
+            "Reading each batch from the wrapped function draws random numbers in the "
+            "training process (augmentation, say), "
+            + READ_HERE
+            + "from a seeded torch.Generator of the source's own, and the batches are read "
+            "ahead.",
+            id="function",
+        ),
+    ],
+)
+def test_an_epoch_read_in_the_training_thread_because_reads_draw_is_told_so(
+    setup: Setup, advice: str
+) -> None:
+    assert verdict(DRAWING, setup) == HEAD + advice
+    # What the figures show first still comes first; a compute-bound loop needs nothing.
+    slow_copies = dataclasses.replace(SLOW_COPIES, reads_draw=True)
+    assert verdict(slow_copies, setup).startswith(HEAD + "Copying a batch to the device takes")
+    compute_bound = dataclasses.replace(DRAWING, wait_s=0.05, step_s=0.95, wait_fraction=0.05)
+    assert verdict(compute_bound, setup).endswith(
+        "it is compute-bound, so faster input would not make it faster."
+    )
+
+
+class Augmenting(Sleepy):
+    """A dataset whose samples draw from Python's generator as they load."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return super().__getitem__(index) + random.random()
+
+
+@pytest.mark.usefixtures("sixteen_cores", "watchdog")
+@pytest.mark.parametrize("augmented", [True, False], ids=["draws", "no-draws"])
+def test_whether_batches_were_read_ahead_is_in_the_stats_and_the_verdict(
+    augmented: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Timed)
+    dataset = (Augmenting if augmented else Sleepy)(6, SOURCE_S)
+    loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=1), META)
+    _run(loader, STEP_S)
+    stats = loader.stats
+    assert (stats.read_ahead, stats.reads_draw) == (not augmented, augmented)
+    assert (READ_HERE in stats.verdict) == augmented, stats.verdict
+    if augmented:
+        assert stats.verdict.endswith(
+            "Draw them in DataLoader workers (try num_workers=8) or from a seeded "
+            "torch.Generator of the dataset's own, and the batches are read ahead."
+        )
+    in_line = dk.DeviceDataLoader(DataLoader(dataset, batch_size=1), "cpu")
+    _run(in_line, 0.0)
+    assert (in_line.stats.read_ahead, in_line.stats.reads_draw) == (False, None)
+
+
 def test_copies_shorter_than_a_step_are_not_blamed() -> None:
     stats = dataclasses.replace(INPUT_BOUND, copy_per_batch=(0.01,) * 4)
     told = verdict(stats, Setup("DataLoader", 0, False, True, True, 16))
@@ -455,3 +544,55 @@ def test_counting_samples_never_adds_a_key_to_a_defaultdict_batch() -> None:
     counted = dk.DeviceDataLoader(rows, "meta")
     assert [list(batch) for batch in counted] == [["x"], ["x"]]
     assert counted.stats.samples == 7  # still counted, each batch looked at anew
+
+
+# Counting walks a batch as to_device does: iteratively, refused at the same depth.
+
+
+def _nested(depth: int, leaf: Any) -> Any:
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+@contextlib.contextmanager
+def _low_recursion_limit(frames: int = 60) -> Iterator[None]:
+    """Python's recursion limit ``frames`` above the current stack: any recursion fails."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(traceback.extract_stack()) + frames)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(before)
+
+
+def test_samples_are_counted_in_batches_3000_deep_under_a_low_recursion_limit() -> None:
+    deep = {"x": _nested(3_000, torch.zeros(5, 2)), "y": _nested(3_000, torch.zeros(5))}
+    loader = dk.DeviceDataLoader([deep] * 2, "cpu")
+    with _low_recursion_limit():
+        for _batch in loader:
+            pass
+        counted = samples_in(deep)
+    assert counted[0] == 5
+    assert loader.stats.samples == 10
+
+
+def test_samples_are_counted_as_deep_as_to_device_walks_and_no_deeper() -> None:
+    deepest = _nested(MAX_DEPTH, torch.zeros(5, 2))
+    dk.to_device(deepest, META)  # accepted
+    assert samples_in(deepest)[0] == 5
+    too_deep = [deepest]
+    with pytest.raises(dk.TransferError, match="containers deep"):
+        dk.to_device(too_deep, META)
+    assert samples_in(too_deep)[0] is None  # refused alike: a count it cannot tell
+
+
+def test_a_transform_returning_a_cycle_leaves_samples_unknown_not_the_loop_broken() -> None:
+    def cyclic(batch: list[torch.Tensor]) -> list[Any]:
+        looped: list[Any] = [batch[0]]
+        looped.append(looped)
+        return looped
+
+    loader = dk.DeviceDataLoader([[torch.zeros(4)]] * 3, "cpu", transform=cyclic)
+    assert len(list(loader)) == 3
+    assert (loader.stats.batches, loader.stats.samples) == (3, None)
