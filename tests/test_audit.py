@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import os
 import re
+import sysconfig
 import threading
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 import devicekit as dk
+from devicekit import _audit
 
 from .helpers import CPU, META
 
@@ -64,3 +70,46 @@ def test_strict_mode_points_at_the_line() -> None:
     msg = f"but test_audit.py:{line} in step copies 8 bytes from cpu to meta (to)."
     with pytest.raises(dk.TransferError, match=re.escape(msg)), dk.track_transfers(strict=True):
         step()
+
+
+# A system Python (Debian's /usr/lib/python3.11, a conda base) keeps installed packages
+# beneath the standard library's folder: their copies are theirs, not the caller's.
+
+
+def _module_at(path: Path) -> ModuleType:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("def step(tensor):\n    return tensor.to('meta')\n")
+    spec = importlib.util.spec_from_file_location(f"copies_{path.parent.name}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("packages", ["site-packages", "dist-packages", "vendored"])
+def test_copies_in_packages_beneath_the_standard_library_are_blamed_on_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packages: str
+) -> None:
+    stdlib = tmp_path / "lib" / "python3.11"  # a system Python's layout, simulated
+    monkeypatch.setattr(_audit, "_OWN_FOLDERS", (*_audit._OWN_FOLDERS, f"{stdlib}{os.sep}"))
+    if packages == "vendored":  # a folder of packages known by sysconfig or site, not by name
+        folders = (*_audit._PACKAGE_FOLDERS, f"{stdlib / packages}{os.sep}")
+        monkeypatch.setattr(_audit, "_PACKAGE_FOLDERS", folders, raising=False)
+    standard = _module_at(stdlib / "standard" / "copies.py")
+    installed = _module_at(stdlib / packages / "installed" / "copies.py")
+    with dk.track_transfers() as log:
+        standard.step(torch.ones(1))  # the standard library's frame: the caller is blamed
+        installed.step(torch.ones(1))
+    assert [event.filename for event in log.events] == [
+        __file__,
+        str(stdlib / packages / "installed" / "copies.py"),
+    ]
+    assert log.events[1].where == "copies.py:2 in step"
+
+
+def test_the_folders_of_installed_packages_are_never_skipped() -> None:
+    for kind in ("purelib", "platlib"):
+        assert not _audit.is_library(os.path.join(sysconfig.get_path(kind), "pkg", "mod.py"))
+    assert _audit.is_library(os.path.join(os.path.dirname(torch.__file__), "nn", "mod.py"))
+    assert _audit.is_library(os.path.join(os.path.dirname(re.__file__), "re", "mod.py"))
