@@ -4,20 +4,25 @@ the device asked for, never hangs, and never advises running a pickle's code."""
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import errno
 import io
 import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +31,72 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _checkpoint, _compat
+from devicekit import _checkpoint, _compat, _tree
 
 from .helpers import META
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_A_CHECKPOINT = "Expected a file written by torch.save, but "
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, as in most ML containers")
+UNNAMED = getattr(os, "O_TMPFILE", 0)  # Linux's unnamed temporary files
+NOBODY = 65534  # a user with a name (nobody) on most systems
+NAMELESS = 12345  # a user with no name here
+
+
+def _unnamed(flags: int) -> bool:
+    return bool(UNNAMED) and flags & UNNAMED == UNNAMED
+
+
+def _unnamed_files_work(folder: Path) -> bool:
+    try:
+        os.close(os.open(folder, UNNAMED | os.O_WRONLY, 0o600))
+    except (OSError, ValueError):
+        return False
+    return UNNAMED != 0 and Path("/proc/self/fd").is_dir()
+
+
+@pytest.fixture
+def shared_folder() -> Iterator[Path]:
+    """A folder other users can reach: pytest's tmp_path is root's alone (mode 0700)."""
+    folder = Path(tempfile.mkdtemp(prefix="devicekit-test-"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def _as_user(uid: int, action: Callable[[], object]) -> str:
+    """How ``action`` ends in a child forked as user ``uid``: "ok", or "Error: message".
+
+    Forked, not started anew: the child has devicekit loaded and needs to read no file
+    of the checkout as that user. Run under the watchdog: a child that hangs is killed.
+    """
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: it never returns into pytest
+        outcome = "ok"
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            action()
+        except BaseException as err:  # everything is reported to the parent
+            outcome = f"{type(err).__name__}: {err}"
+        finally:
+            data = outcome.encode()
+            while data:
+                data = data[os.write(write, data) :]
+            os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as pipe:
+            return pipe.read().decode()
+    finally:
+        if os.waitpid(pid, os.WNOHANG) == (0, 0):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _no_advice_to_run_code(message: str) -> None:
@@ -119,11 +183,12 @@ def test_a_missing_folder_is_named_not_the_temporary(tmp_path: Path) -> None:
 def test_a_folder_that_is_not_writable_is_named_not_the_temporary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # As root every folder is writable: a stand-in refuses the temporary as the OS would.
+    # As root every folder is writable: a stand-in refuses the temporary as the OS would,
+    # named or unnamed (O_TMPFILE, opened on the folder).
     real_open = os.open
 
     def refused(path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
-        if str(path).endswith(".tmp"):
+        if str(path).endswith(".tmp") or _unnamed(flags):
             raise PermissionError(errno.EACCES, "Permission denied")
         return real_open(path, flags, mode, **kw)
 
@@ -132,6 +197,173 @@ def test_a_folder_that_is_not_writable_is_named_not_the_temporary(
         dk.save({"epoch": 1}, tmp_path / "model.pt")
     assert f"the folder '{tmp_path}' is not writable (Permission denied)" in str(raised.value)
     assert ".tmp" not in str(raised.value)
+
+
+@AS_ROOT
+@pytest.mark.usefixtures("watchdog")
+def test_a_folder_another_user_cannot_write_in_is_named_for_that_user(
+    shared_folder: Path,
+) -> None:
+    path = shared_folder / "model.pt"  # root's folder, mode 755
+    outcome = _as_user(NOBODY, lambda: dk.save({"epoch": 1}, path))
+    assert outcome == (
+        f"PermissionError: [Errno 13] Cannot save to '{path}': the folder '{shared_folder}' is "
+        "not writable (Permission denied); nothing was written there."
+    )
+    assert os.listdir(shared_folder) == []
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "said"),
+    [
+        (
+            "checkpoints/",
+            IsADirectoryError,
+            (
+                "a path that ends with '/' names a folder, and there is no folder '{folder}/"
+                "checkpoints'. Name a file in it once it exists"
+            ),
+        ),
+        (
+            "ck.pt/",
+            NotADirectoryError,
+            (
+                "a path that ends with '/' names a folder, but '{folder}/ck.pt' is a file. To "
+                "replace it, name it without the slash: '{folder}/ck.pt'; it is unchanged."
+            ),
+        ),
+        (
+            "ck.pt/.",
+            NotADirectoryError,
+            "a path that ends with '/.' names a folder, but '{folder}/ck.pt' is a file.",
+        ),
+    ],
+    ids=["missing-folder", "a-file", "a-file-dot"],
+)
+def test_a_path_that_ends_with_a_slash_names_a_folder_and_nothing_changes(
+    tmp_path: Path, given: str, error: type[OSError], said: str
+) -> None:
+    dk.save({"epoch": 1}, tmp_path / "ck.pt")
+    path = f"{tmp_path}/{given}"  # a str: pathlib would drop the slash itself
+    with pytest.raises(RuntimeError, match="invalid file name"):
+        torch.save({"epoch": 2}, path)  # as torch.save refuses it
+    with pytest.raises(error) as raised:
+        dk.save({"epoch": 2}, path)
+    assert str(raised.value).startswith(f"[Errno {raised.value.errno}] Cannot save to '{path}': ")
+    assert said.format(folder=tmp_path) in str(raised.value)
+    assert os.listdir(tmp_path) == ["ck.pt"]
+    assert dk.load(tmp_path / "ck.pt", "cpu") == {"epoch": 1}
+
+
+# The folder's fsync makes the rename durable; it decides nothing. A folder this user
+# may write and enter but not list (0733) cannot be opened for it, and the save stands.
+
+
+@AS_ROOT
+@pytest.mark.usefixtures("watchdog")
+def test_a_folder_that_can_be_written_but_not_listed_saves_and_says_nothing(
+    shared_folder: Path,
+) -> None:
+    drop = shared_folder / "drop"
+    drop.mkdir(mode=0o733)
+    drop.chmod(0o733)  # mkdir's mode is cut by the umask
+    path = drop / "model.pt"
+
+    def save_twice() -> None:
+        dk.save({"epoch": 1}, path)
+        dk.save({"epoch": 2}, path)  # over its own file
+
+    assert _as_user(NOBODY, save_twice) == "ok"
+    assert os.listdir(drop) == ["model.pt"]
+    assert dk.load(path, "cpu") == {"epoch": 2}
+
+
+def test_a_folder_that_cannot_be_opened_to_flush_the_rename_still_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a 0733 folder does to another user than root, by a stand-in.
+    real_open = os.open
+
+    def unlistable(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if flags & os.O_DIRECTORY and not _unnamed(flags) and str(path) == str(tmp_path):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(_checkpoint.os, "open", unlistable)
+    dk.save({"epoch": 1}, tmp_path / "model.pt")
+    monkeypatch.undo()
+    assert dk.load(tmp_path / "model.pt", "cpu") == {"epoch": 1}
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+# Another user's checkpoint: replacing it would make it this user's, which only root can
+# undo, so it is refused before anything is written.
+
+
+@AS_ROOT
+@pytest.mark.usefixtures("watchdog")
+@pytest.mark.parametrize("mode", [0o1777, 0o777], ids=["sticky-like-tmp", "open-to-all"])
+def test_another_user_s_checkpoint_is_refused_naming_its_owner_and_kept(
+    shared_folder: Path, mode: int
+) -> None:
+    shared = shared_folder / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    path = shared / "model.pt"
+    dk.save({"epoch": 1}, path)
+    path.chmod(0o666)  # anyone may write it, so nothing but the owner stops a save
+    os.chown(path, NOBODY, NOBODY)
+    outcome = _as_user(NAMELESS, lambda: dk.save({"epoch": 2}, path))
+    assert outcome == (
+        f"PermissionError: [Errno 1] Cannot save to '{path}': the file there belongs to user "
+        f"nobody (uid {NOBODY}), and a checkpoint put in its place would belong to this "
+        f"process's user (uid {NAMELESS}): only root can give a file to another user. Save "
+        "under another name, or remove the file first (or ask its owner to); it is unchanged."
+    )
+    assert path.stat().st_uid == NOBODY
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666
+    assert dk.load(path, "cpu") == {"epoch": 1}
+    assert os.listdir(shared) == ["model.pt"]
+
+
+@AS_ROOT
+def test_root_replaces_another_user_s_checkpoint_and_gives_it_back(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    dk.save({"epoch": 1}, path)
+    os.chown(path, NAMELESS, NAMELESS)
+    dk.save({"epoch": 2}, path)
+    assert (path.stat().st_uid, path.stat().st_gid) == (NAMELESS, NAMELESS)
+    assert dk.load(path, "cpu") == {"epoch": 2}
+
+
+@pytest.mark.parametrize("sticky", [True, False], ids=["sticky", "plain"])
+def test_a_refused_rename_names_the_path_and_removes_the_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sticky: bool
+) -> None:
+    # The kernel's refusal of the rename (a sticky folder over a file that is not this
+    # user's, an immutable file), by a stand-in that words it as the kernel does.
+    path = tmp_path / "model.pt"
+    dk.save({"epoch": 1}, path)
+    if sticky:
+        tmp_path.chmod(0o1777)
+
+    def refused(source: str, target: str) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", source, target)
+
+    monkeypatch.setattr(_checkpoint.os, "replace", refused)
+    why = (
+        f"the folder '{tmp_path}' is sticky, where only a file's owner may replace it"
+        if sticky
+        else f"the folder '{tmp_path}' does not let this user replace it"
+    )
+    msg = f"Cannot save to '{path}': {why} (Operation not permitted); the file there is unchanged."
+    with pytest.raises(PermissionError, match=re.escape(msg)) as raised:
+        dk.save({"epoch": 2}, path)
+    assert ".tmp" not in str(raised.value)
+    monkeypatch.undo()
+    tmp_path.chmod(0o700)
+    assert os.listdir(tmp_path) == ["model.pt"]
+    assert dk.load(path, "cpu") == {"epoch": 1}
 
 
 def test_a_new_checkpoint_gets_the_umask_s_mode_and_a_replaced_one_keeps_its_own(
@@ -224,34 +456,150 @@ def test_saving_to_a_file_object_writes_in_place() -> None:
     assert torch.equal(dk.load(buffer, "cpu")[0], torch.ones(2))
 
 
+# A file object cannot be replaced: nothing reaches it unless the whole save succeeds.
+
+
+def test_a_refused_save_writes_nothing_to_the_file_object() -> None:
+    buffer = io.BytesIO(b"kept")
+    buffer.seek(0, io.SEEK_END)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("Cannot save to the file object: ['model'] is torch.nn.modules.linear"),
+    ):
+        dk.save({"model": torch.nn.Linear(2, 2)}, buffer)
+    assert buffer.getvalue() == b"kept"  # not the 674 bytes of an empty archive
+
+
+def test_a_save_to_a_file_object_that_dies_half_way_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def dies_half_way(obj: Any, f: Any, **options: Any) -> None:
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_checkpoint.torch, "save", dies_half_way)
+    buffer = io.BytesIO(b"kept")
+    buffer.seek(0, io.SEEK_END)
+    with pytest.raises(KeyboardInterrupt):
+        dk.save({"weight": torch.ones(2)}, buffer)
+    assert buffer.getvalue() == b"kept"
+
+
+class _Trickle(io.RawIOBase):
+    """A raw stream that takes a few bytes a write, as a pipe may."""
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        taken = bytes(data[:1000])
+        self.received += taken
+        return len(taken)
+
+
+def test_a_large_checkpoint_reaches_a_stream_whole_through_a_file_on_disk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_checkpoint, "_IN_MEMORY", 4096)  # kept in memory up to here
+    stream = _Trickle()
+    dk.save({"weight": torch.arange(100_000.0)}, stream)
+    loaded = dk.load(io.BytesIO(bytes(stream.received)), "cpu")
+    assert torch.equal(loaded["weight"], torch.arange(100_000.0))
+
+
+def test_a_checkpoint_that_cannot_be_made_on_disk_first_says_where(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_checkpoint, "_IN_MEMORY", 4096)
+
+    def no_space(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_space)
+    buffer = io.BytesIO()
+    with pytest.raises(
+        OSError,
+        match=re.escape(
+            "Cannot save to the file object: the checkpoint is made whole before it is "
+            "written there, in the temporary folder"
+        ),
+    ) as raised:
+        dk.save({"weight": torch.arange(100_000.0)}, buffer)
+    assert raised.value.errno == errno.ENOSPC
+    assert str(raised.value).endswith(
+        "writing it there failed (No space left on device); nothing was written to the file object."
+    )
+    assert buffer.getvalue() == b""
+
+
 _SLOW_SAVE = textwrap.dedent(
     """
-    import sys, time
+    import errno, os, sys, threading, time
     from pathlib import Path
     import torch, devicekit as dk
 
+    path, started, where, temporaries = sys.argv[1:]
+
     class Slow:  # pickled half-way through the save, while the temporary is open
         def __reduce__(self):
-            Path(sys.argv[2]).write_text("writing")
+            Path(started).write_text("writing")
             time.sleep(60)
             return (int, ())
 
-    dk.save({"weight": torch.ones(10), "slow": Slow()}, sys.argv[1])
+    if temporaries == "named":  # a file system that refuses O_TMPFILE (NFS, some FUSE)
+        real_open = os.open
+
+        def no_unnamed(file, flags, *args, **kwargs):
+            if flags & os.O_TMPFILE == os.O_TMPFILE:
+                raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+            return real_open(file, flags, *args, **kwargs)
+
+        os.open = no_unnamed
+
+    def save():
+        dk.save({"weight": torch.ones(10), "slow": Slow()}, path)
+
+    if where == "thread":  # a checkpointing thread: Python runs no signal handler there
+        saver = threading.Thread(target=save)
+        saver.start()
+        saver.join()
+    else:
+        save()
     """
 )
 
 
-def test_sigterm_mid_save_removes_the_temporary_and_ends_the_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("where", "temporaries"),
+    [("main", "named"), ("main", "unnamed"), ("thread", "unnamed")],
+    ids=["main-thread-named-temporary", "main-thread-unnamed", "background-thread-unnamed"],
+)
+def test_sigterm_mid_save_leaves_no_temporary_and_ends_the_process(
+    tmp_path: Path, where: str, temporaries: str
+) -> None:
+    if temporaries == "unnamed" and not _unnamed_files_work(tmp_path):
+        pytest.skip("this file system has no unnamed temporary files (O_TMPFILE)")
     path = tmp_path / "model.pt"
     dk.save({"epoch": 1}, path)
     started = tmp_path.parent / f"{tmp_path.name}-started"
-    job = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, str(path), str(started)], cwd=ROOT)
-    try:
+    job = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVE, str(path), str(started), where, temporaries], cwd=ROOT
+    )
+    try:  # the deadlines and the final kill are this test's watchdog
         deadline = time.monotonic() + 60
         while not started.exists() and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert started.exists(), "the save never started"
-        assert any(name.endswith(".tmp") for name in os.listdir(tmp_path))
+        seen = sorted(os.listdir(tmp_path))
+        if temporaries == "named":
+            assert len(seen) == 2
+            assert seen[0].startswith(".model.pt.")
+            assert seen[0].endswith(".tmp")
+        else:  # written, and nameless until whole
+            assert seen == ["model.pt"]
         job.send_signal(signal.SIGTERM)
         assert job.wait(timeout=30) == -signal.SIGTERM  # ended by the signal, as it would be
     finally:
@@ -360,35 +708,135 @@ class Config:
         self.lr = 0.1
 
 
+@dataclasses.dataclass
+class Settings:
+    model: Any
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    return torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
+
+
+def _looped_namespace() -> argparse.Namespace:
+    args = argparse.Namespace(model=torch.nn.Linear(2, 2))
+    args.me = args  # a cycle through attributes
+    return args
+
+
 @pytest.mark.parametrize(
-    ("state", "where", "fix"),
+    ("state", "where", "fix", "allowed"),
     [
-        ({"config": Config()}, "['config'] is tests.test_save_and_load.Config", "vars(...)"),
+        (
+            {"config": Config()},
+            "['config'] is tests.test_save_and_load.Config",
+            "vars(...)",
+            "Config",
+        ),
         (
             {"model": torch.nn.Linear(2, 2)},
             "['model'] is torch.nn.modules.linear.Linear",
             "Save its state_dict() instead",
+            "Linear",
         ),
         (
             {"loss": torch.nn.MSELoss},
             "['loss'] is torch.nn.modules.loss.MSELoss",
             "its name as a str",
+            "MSELoss",
         ),
-        ([{"deep": [Config()]}], "[0]['deep'][0] is tests.test_save_and_load.Config", "vars(...)"),
+        (
+            [{"deep": [Config()]}],
+            "[0]['deep'][0] is tests.test_save_and_load.Config",
+            "vars(...)",
+            "Config",
+        ),
+        (
+            _optimizer(),
+            "the object at the top level is torch.optim.adam.Adam,",
+            "Save its state_dict() instead",
+            "Adam",
+        ),
+        (
+            torch.optim.lr_scheduler.StepLR(_optimizer(), 1),
+            "the object at the top level is torch.optim.lr_scheduler.StepLR,",
+            "Save its state_dict() instead",
+            "StepLR",
+        ),
+        (
+            {"counts": collections.defaultdict(list, a=[1])},
+            "['counts'] is collections.defaultdict,",
+            "Save it as a plain dict instead (dict(...))",
+            "defaultdict",
+        ),
+        (
+            {"settings": Settings(torch.nn.Linear(2, 2))},
+            "['settings'] is tests.test_save_and_load.Settings,",
+            "dataclasses.asdict(...)",
+            "Settings",
+        ),
+        (
+            {"args": _looped_namespace()},
+            "['args'].model is torch.nn.modules.linear.Linear,",
+            "Save its state_dict() instead",
+            "Linear",
+        ),
     ],
-    ids=["own-class", "module", "a-class", "nested"],
+    ids=[
+        "own-class",
+        "module",
+        "a-class",
+        "nested",
+        "optimizer",
+        "scheduler",
+        "defaultdict",
+        "dataclass",
+        "in-attributes",
+    ],
 )
 def test_what_a_weights_only_load_would_refuse_is_refused_at_save_naming_where(
-    tmp_path: Path, state: Any, where: str, fix: str
+    tmp_path: Path, state: Any, where: str, fix: str, allowed: str
 ) -> None:
     path = tmp_path / "ckpt.pt"
     with pytest.raises(ValueError, match=re.escape(f"Cannot save to '{path}': {where}")) as raised:
         dk.save(state, path)
     message = str(raised.value)
     assert fix in message
-    assert "torch.serialization.add_safe_globals([" in message
+    assert f"torch.serialization.add_safe_globals([{allowed}" in message
     _no_advice_to_run_code(message)
     assert os.listdir(tmp_path) == []  # nothing written, no temporary
+
+
+def test_the_search_for_what_is_refused_keeps_to_the_depth_rule() -> None:
+    # Deeper than pickle itself goes: the search is handed such data only by a caller
+    # of its own, and refuses it as every walk of devicekit's does, with the path.
+    deep: Any = [torch.nn.Linear(1, 1)]
+    for _ in range(_tree.MAX_DEPTH):
+        deep = [deep]
+    refusal = "Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global"
+    message = _checkpoint._unloadable(deep, refusal, "'ckpt.pt'")
+    assert message.startswith(
+        "Cannot save to 'ckpt.pt': a weights-only load, dk.load's default, would refuse it "
+        "('Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global')."
+    )
+    assert message.endswith(
+        "Where it is could not be found: Expected data nested at most 10,000 containers deep, "
+        "but data[0][0][0][0][0][0][0][0]...<9,984 more levels>...[0][0][0][0][0][0][0][0] "
+        "goes deeper."
+    )
+
+
+@pytest.mark.usefixtures("watchdog")
+def test_a_refused_object_in_data_with_a_cycle_is_refused_without_a_hang() -> None:
+    state: dict[str, Any] = {"model": torch.nn.Linear(1, 1)}
+    state["self"] = state  # pickle saves it, and a weights-only load reads it back
+    with pytest.raises(ValueError) as raised:
+        dk.save(state, io.BytesIO())
+    message = str(raised.value)
+    assert "would refuse it ('Unsupported global: GLOBAL torch.nn.modules.linear.Linear" in message
+    assert message.endswith(
+        "Where it is could not be found: Expected data without reference cycles, but "
+        "data['self'] is the dict data itself, which contains it."
+    )
 
 
 def test_a_class_allowed_with_add_safe_globals_saves_and_loads(tmp_path: Path) -> None:
