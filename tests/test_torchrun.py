@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
@@ -21,15 +22,23 @@ if TYPE_CHECKING:
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, warnings
+    import torch
     import devicekit as dk
+
+    class TwoGpus:  # stands in for a node with two GPUs, on machines without them
+        name = device_type = "cuda"
+        def devices(self):
+            return [dk.DeviceInfo(torch.device("cuda", i), "cuda", i) for i in range(2)]
 
     warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback, on CPU machines
     manager = dk.DeviceManager.from_env()
+    stand_in = dk.DeviceManager.from_env(backends=[TwoGpus()])
     mine = {
         "rank": int(os.environ["RANK"]),
         "local_rank": int(os.environ["LOCAL_RANK"]),
         "device": str(manager.device),
         "reason": manager.reason,
+        "stand_in": [str(stand_in.device), stand_in.reason],
     }
     with open(os.path.join(sys.argv[1], f"rank{mine['rank']}.json"), "w") as out:
         json.dump(mine, out)
@@ -59,12 +68,13 @@ SAMPLER_SCRIPT = textwrap.dedent(
 )
 
 
-def _torchrun(tmp_path: Path, script: str) -> list[Any]:
-    """What each of two ranks wrote, in rank order."""
+def _torchrun(tmp_path: Path, script: str, **environ: str) -> list[Any]:
+    """What each of two ranks wrote, in rank order; ``environ`` added to the launch's."""
     path = tmp_path / "script.py"
     path.write_text(script)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = run_program([*launch, str(path), str(tmp_path)], timeout=240)
+    env = {**os.environ, **environ}
+    result = run_program([*launch, str(path), str(tmp_path)], timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
@@ -79,8 +89,14 @@ def test_set_epoch_through_the_loader_reshuffles_disjoint_shards(tmp_path: Path)
 
 
 def test_each_rank_gets_the_device_of_its_local_rank(tmp_path: Path) -> None:
-    ranks = _torchrun(tmp_path, RANK_SCRIPT)
+    # Launched as inside a Slurm job: every rank inherits the batch step's SLURM_LOCALID=0,
+    # and torchrun, the innermost launcher, is the one followed.
+    ranks = _torchrun(tmp_path, RANK_SCRIPT, SLURM_LOCALID="0", SLURM_NTASKS_PER_NODE="1")
     assert [(entry["rank"], entry["local_rank"]) for entry in ranks] == [(0, 0), (1, 1)]
+    assert [entry["stand_in"] for entry in ranks] == [
+        ["cuda:0", "LOCAL_RANK=0 (torchrun inside Slurm) selects it"],
+        ["cuda:1", "LOCAL_RANK=1 (torchrun inside Slurm) selects it"],
+    ]
     gpus = torch.cuda.device_count()
     for entry in ranks:
         assert f"LOCAL_RANK={entry['local_rank']}" in entry["reason"]
