@@ -224,6 +224,27 @@ def test_batches_equal_takes_nan_for_nan_equal_refuses_cycles_and_takes_deques()
         assert_batches_equal([torch.tensor([1.0])], [torch.tensor([float("nan")])])
 
 
+def test_large_tensors_that_differ_are_described_by_their_first_differences_and_a_count() -> None:
+    expected = torch.zeros(5_000_000)
+    actual = expected.clone()
+    actual[4_999_999] = 1.0
+    msg = (
+        "data['x']: values differ at 1 of 5,000,000 elements (the largest absolute "
+        "difference 1.0): at [4999999] expected 0.0, got 1.0."
+    )
+    with pytest.raises(AssertionError, match=re.escape(msg)) as raised:
+        assert_batches_equal({"x": actual}, {"x": expected})
+    assert len(str(raised.value)) < 2_000  # not 50 MB of values
+    labels = torch.full((1_000, 5_000), -128, dtype=torch.int8)
+    msg = (
+        "data: values differ at 5,000,000 of 5,000,000 elements (the largest absolute "
+        "difference 255.0); the first 3: at [0, 0] expected -128, got 127; at [0, 1] "
+        "expected -128, got 127; at [0, 2] expected -128, got 127."
+    )
+    with pytest.raises(AssertionError, match=re.escape(msg)):
+        assert_batches_equal(torch.full_like(labels, 127), labels)  # no int8 overflow
+
+
 def _sparse(values: list[float]) -> torch.Tensor:
     return torch.sparse_coo_tensor([[0, 2]], values, (3,), check_invariants=True)
 

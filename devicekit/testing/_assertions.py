@@ -9,7 +9,7 @@ and values on any device, numpy arrays by value, the rest by ``==``).
 from __future__ import annotations
 
 import collections
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -250,12 +250,79 @@ def _compare_tensors(
     mine, theirs = actual.cpu(), expected.cpu()
     if mine.layout != torch.strided:  # sparse: the values it stands for, however stored
         mine, theirs = mine.to_dense(), theirs.to_dense()
-    same = torch.equal(mine, theirs)
-    if not same and mine.is_floating_point() | mine.is_complex():  # NaN is equal to NaN here
-        same = bool(torch.isclose(mine, theirs, rtol=0, atol=0, equal_nan=True).all())
-    if not same:
-        msg = f"{path}: values differ: expected {theirs.tolist()!r}, got {mine.tolist()!r}."
-        raise AssertionError(msg)
+    if torch.equal(mine, theirs):
+        return
+    if mine.is_floating_point() or mine.is_complex():  # NaN is equal to NaN here
+        differ = ~torch.isclose(mine, theirs, rtol=0, atol=0, equal_nan=True)
+    else:
+        differ = mine != theirs
+    if differ.any():
+        raise AssertionError(_values_differ(path, mine, theirs, differ))
+
+
+_SHOWN_WHOLE: Final = 16
+"""Tensors of at most this many elements are shown whole where their values differ."""
+_DIFFERENCES_SHOWN: Final = 3
+"""Differing elements a message shows for larger ones, after their count."""
+
+
+def _values_differ(
+    path: str, mine: torch.Tensor, theirs: torch.Tensor, differ: torch.Tensor
+) -> str:
+    """How two host tensors of one shape differ (where ``differ``), in a message of bounded length.
+
+    A 5-million-element tensor is described in a line, not in 50 MB of values.
+
+    >>> print(_values_differ("data", torch.tensor([1, 5]), torch.tensor([1, 2]), None))
+    data: values differ: expected [1, 2], got [1, 5].
+    >>> got, expected = torch.zeros(10, 10), torch.zeros(10, 10)
+    >>> got[2, 3], got[9, 9] = 0.5, float("nan")
+    >>> print(_values_differ("data['x']", got, expected, got.isnan() | (got != expected)))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    data['x']: values differ at 2 of 100 elements (the largest absolute difference 0.5):
+    at [2, 3] expected 0.0, got 0.5; at [9, 9] expected 0.0, got nan.
+    """
+    if theirs.numel() <= _SHOWN_WHOLE:
+        return f"{path}: values differ: expected {theirs.tolist()!r}, got {mine.tolist()!r}."
+    count = int(torch.count_nonzero(differ))
+    flat_mine, flat_theirs = mine.reshape(-1), theirs.reshape(-1)
+    shown = [
+        f"at {_index(at, mine.shape)} expected {flat_theirs[at].item()!r}, "
+        f"got {flat_mine[at].item()!r}"
+        for at in _first_true(differ.reshape(-1), _DIFFERENCES_SHOWN)
+    ]
+    largest = ""
+    if mine.dtype != torch.bool:
+        wide = torch.complex128 if mine.is_complex() else torch.float64  # no overflow
+        gaps = (mine[differ].to(wide) - theirs[differ].to(wide)).abs()
+        gaps = gaps[~gaps.isnan()]
+        if gaps.numel():
+            largest = f" (the largest absolute difference {gaps.max().item()!r})"
+    first = f"; the first {len(shown)}: " if count > len(shown) else ": "
+    return (
+        f"{path}: values differ at {count:,} of {mine.numel():,} elements{largest}"
+        f"{first}{'; '.join(shown)}."
+    )
+
+
+def _first_true(flat: torch.Tensor, count: int) -> list[int]:
+    """The first ``count`` indices where ``flat`` is True, found a block at a time."""
+    found: list[int] = []
+    block = 1 << 16  # every index of a block that differs throughout: 0.5 MiB
+    for start in range(0, flat.numel(), block):
+        found += (flat[start : start + block].nonzero().reshape(-1) + start).tolist()
+        if len(found) >= count:
+            return found[:count]
+    return found
+
+
+def _index(flat: int, shape: torch.Size) -> list[int]:
+    """The index of element ``flat`` of a tensor of ``shape``, one number a dimension."""
+    index = []
+    for size in reversed(shape):
+        flat, at = divmod(flat, size)
+        index.append(at)
+    return index[::-1]
 
 
 def _layout(tensor: torch.Tensor) -> str:
