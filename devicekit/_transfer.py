@@ -665,38 +665,76 @@ def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
     return moved
 
 
-def _keep_skipped(original: Mapping[Any, Any], moved: Any, skip: frozenset[Hashable]) -> bool:
+def _keep_skipped(original: Mapping[Any, Any], moved: Any, skip: frozenset[Hashable]) -> None:
     """Put back what ``skip_keys`` names in a mapping that moved itself (a TensorDict).
 
     Its own ``.to()`` moved everything it holds: the values under skipped keys, at any
     depth, are set back as they were. A TensorDict with a device would move them again,
     so it gives up its device first (``clear_device_()``), as one holding several
-    devices has none. Returns whether anything was put back.
+    devices has none. The walk keeps its own stack, as deep as to_device walks.
     """
-    kept = False
-    for key, value in mapping_items(original):
-        if isinstance(key, Hashable) and key in skip:
-            moved[key] = value
-            if moved[key] is not value and callable(getattr(moved, "clear_device_", None)):
-                moved.clear_device_()
-                moved[key] = value
-            if moved[key] is not value:
-                msg = (
-                    f"Cannot keep {{path}}[{key!r}] as it is: the {type(moved).__name__} "
-                    "moves every value set in it to its device. Move it out of the batch "
-                    "before to_device instead of naming it in skip_keys."
-                )
-                raise LeafError(msg)
-            kept = True
-        elif isinstance(value, Mapping) and _keep_skipped(value, moved[key], skip):
-            kept = True
-    if (
-        kept
-        and getattr(moved, "device", None) is not None
-        and callable(getattr(moved, "clear_device_", None))
-    ):
-        moved.clear_device_()  # it holds values on several devices now
-    return kept
+    # Each mapping met, parents first: (original, moved, its parent's place in the list,
+    # its key there, its depth); kept: whether something was put back in it or below.
+    met: list[tuple[Mapping[Any, Any], Any, int, Any, int]] = [(original, moved, -1, None, 0)]
+    kept = [False]
+    waiting = [0]
+    while waiting:
+        here = waiting.pop()
+        mine, theirs, _, _, depth = met[here]
+        for key, value in mapping_items(mine):
+            if isinstance(key, Hashable) and key in skip:
+                _put_back(theirs, key, value, met, here)
+                kept[here] = True
+            elif isinstance(value, Mapping):
+                if depth + 1 >= _tree.MAX_DEPTH:  # as flatten counts
+                    where = _escaped([*_keys_to(met, here), f"[{key!r}]"])
+                    msg = (
+                        f"Expected data nested at most {_tree.MAX_DEPTH:,} containers deep, "
+                        f"but {{path}}{where} goes deeper."
+                    )
+                    raise LeafError(msg)
+                met.append((value, theirs[key], here, key, depth + 1))
+                kept.append(False)
+                waiting.append(len(met) - 1)
+    for here in reversed(range(len(met))):  # children before their parents
+        _, theirs, parent, _, _ = met[here]
+        if not kept[here]:
+            continue
+        if parent >= 0:
+            kept[parent] = True
+        if getattr(theirs, "device", None) is not None and callable(
+            getattr(theirs, "clear_device_", None)
+        ):
+            theirs.clear_device_()  # it holds values on several devices now
+
+
+def _put_back(moved: Any, key: Any, value: Any, met: list[Any], here: int) -> None:
+    moved[key] = value
+    if moved[key] is not value and callable(getattr(moved, "clear_device_", None)):
+        moved.clear_device_()
+        moved[key] = value
+    if moved[key] is not value:
+        where = _escaped([*_keys_to(met, here), f"[{key!r}]"])
+        msg = (
+            f"Cannot keep {{path}}{where} as it is: the "
+            f"{type(moved).__name__} moves every value set in it to its device. Move it out "
+            "of the batch before to_device instead of naming it in skip_keys."
+        )
+        raise LeafError(msg)
+
+
+def _keys_to(met: list[tuple[Any, Any, int, Any, int]], here: int) -> list[str]:
+    """The path fragments from the outermost mapping to ``met[here]``."""
+    keys = []
+    while met[here][2] >= 0:
+        keys.append(f"[{met[here][3]!r}]")
+        here = met[here][2]
+    return keys[::-1]
+
+
+def _escaped(fragments: list[str]) -> str:
+    """Path fragments as a message template holds them: braces doubled for format()."""
+    return _tree.format_path("", fragments).replace("{", "{{").replace("}", "}}")
 
 
 def _restyle(obj: Any, call: _Call) -> Any:

@@ -6,8 +6,12 @@ second device on CPU machines.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
+import traceback
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -82,3 +86,67 @@ def test_one_key_that_is_not_a_string_may_be_alone() -> None:
     moved = dk.to_device(batch, "meta", skip_keys=5)
     assert moved[5] is batch[5]
     assert moved["x"].device == META
+
+
+class Store(Mapping[str, Any]):
+    """A mapping with a .to() of its own that returns a new one, as a TensorDict's does.
+
+    ``moves_what_is_set``: a value set in it moves to meta, as in a TensorDict with a device
+    that cannot give it up.
+    """
+
+    def __init__(self, data: dict[str, Any], *, moves_what_is_set: bool = False) -> None:
+        self.data, self.moves_what_is_set = data, moves_what_is_set
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.data[key] = value.to(META) if self.moves_what_is_set else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def to(self, device: torch.device) -> Store:
+        return Store(dk.to_device(self.data, device), moves_what_is_set=self.moves_what_is_set)
+
+
+@contextlib.contextmanager
+def _low_recursion_limit(frames: int = 60) -> Iterator[None]:
+    """Python's recursion limit ``frames`` above the current stack: any recursion fails."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(traceback.extract_stack()) + frames)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(before)
+
+
+def test_skipped_keys_are_kept_3000_deep_in_a_mapping_that_moves_itself() -> None:
+    raws = [torch.zeros(1) for _ in range(3_000)]
+    deep: dict[str, Any] = {"raw": raws[-1], "x": torch.ones(1)}
+    for raw in reversed(raws[:-1]):
+        deep = {"raw": raw, "x": torch.ones(1), "down": deep}
+    with _low_recursion_limit():  # a walk that recursed once a level would fail
+        moved = dk.to_device({"store": Store(deep)}, META, skip_keys="raw")["store"]
+    level: Any = moved
+    for raw in raws:
+        assert level["raw"] is raw
+        assert level["x"].device == META
+        level = level.get("down")
+    assert deep["x"].device == CPU  # the input is unchanged
+
+
+def test_a_skipped_value_that_cannot_be_kept_is_named_by_its_whole_path() -> None:
+    inner = Store({"raw": torch.ones(1)}, moves_what_is_set=True)
+    batch = {"batch": Store({"inner": inner}, moves_what_is_set=True)}
+    msg = (
+        "Cannot keep data['batch']['inner']['raw'] as it is: the Store moves every value set "
+        "in it to its device. Move it out of the batch before to_device instead of naming "
+        "it in skip_keys."
+    )
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        dk.to_device(batch, META, skip_keys="raw")
