@@ -19,7 +19,7 @@ from devicekit import _tree
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import DeviceMismatchError
 from devicekit._kinds import READ
-from devicekit._unmoved import Stray, strays
+from devicekit._unmoved import Stray, read_again, strays
 
 __all__ = [
     "GuardHandle",
@@ -54,7 +54,8 @@ def _tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
     for index in tensors:
         yield _rooted(root, leaf_paths[index]), flat.leaves[index]
     for number, module in modules:
-        for stray in strays(module):
+        # A refusal names the data as to_device's does where it has no name of its own.
+        for stray in strays(module, root=(root or "data") + container_paths[number]):
             yield _rooted(root, f"{container_paths[number]}.{stray.path}"), stray.tensor
 
 
@@ -99,6 +100,8 @@ def find_unmoved(module: torch.nn.Module, /) -> dict[str, torch.device]:
 
     Raises:
         TypeError: ``module`` is not a :class:`torch.nn.Module`.
+        TransferError: An attribute nests containers deeper than
+            :func:`~devicekit.to_device` takes; the message names the path.
     """
     if not isinstance(module, torch.nn.Module):  # for untyped callers
         msg = (  # type: ignore[unreachable]
@@ -106,7 +109,8 @@ def find_unmoved(module: torch.nn.Module, /) -> dict[str, torch.device]:
             f"{type(module).__name__} {shown(module)}."
         )
         raise TypeError(msg)
-    return {stray.path: stray.tensor.device for stray in strays(module)}
+    found = strays(module, root=type(module).__name__)
+    return {stray.path: stray.tensor.device for stray in found}
 
 
 def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
@@ -130,6 +134,11 @@ def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
 
     Returns:
         Devices in the order first met, each with its tensors' paths in walk order.
+
+    Raises:
+        TransferError: The data holds a cycle (outside a module's attributes, which are
+            walked once), or nests containers deeper than :func:`~devicekit.to_device`
+            takes; the message names the path.
     """
     found: dict[torch.device, list[str]] = {}
     for path, tensor in _tensor_paths(data, ""):
@@ -180,6 +189,7 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
             ``device``. Its ``devices`` attribute maps every device to its paths.
         ValueError: ``data`` holds no tensor at all.
         TypeError: A device was passed among the data instead of as ``device=``.
+        TransferError: As :func:`find_devices`.
     """
     expected = None if device is None else resolve_device(device)
     for index, item in enumerate(data):
@@ -312,10 +322,10 @@ class _Strays:
     module costs a comparison a call.
     """
 
-    __slots__ = ("found", "module", "own", "size")
+    __slots__ = ("found", "module", "own", "root", "size")
 
-    def __init__(self, module: torch.nn.Module, *, own: bool) -> None:
-        self.module, self.own = module, own
+    def __init__(self, module: torch.nn.Module, *, own: bool, root: str) -> None:
+        self.module, self.own, self.root = module, own, root
         self._find()  # when the guard is installed: a forward call walks nothing
 
     def elsewhere(self, home: torch.device) -> list[tuple[Stray, torch.device]]:
@@ -323,7 +333,7 @@ class _Strays:
         if len(self.module.__dict__) != self.size:
             self._find()
         try:
-            current = [(stray, stray.read()) for stray in self.found]
+            current = list(zip(self.found, read_again(self.found), strict=True))
         except (AttributeError, LookupError, TypeError):  # a place that is gone: look again
             self._find()
             current = [(stray, stray.tensor) for stray in self.found]
@@ -334,7 +344,7 @@ class _Strays:
         ]
 
     def _find(self) -> None:
-        self.found: list[Stray] = strays(self.module, own=self.own)
+        self.found: list[Stray] = strays(self.module, own=self.own, root=self.root)
         self.size = len(self.module.__dict__)
 
 
@@ -423,6 +433,8 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
     Raises:
         DeviceMismatchError: From the guarded forward call, before PyTorch fails.
         TypeError: ``module`` is not a :class:`torch.nn.Module`.
+        TransferError: The module's attributes, or (from the forward call) its inputs,
+            nest containers deeper than :func:`~devicekit.to_device` takes.
     """
     if not isinstance(module, torch.nn.Module):  # for untyped callers
         msg = (  # type: ignore[unreachable]
@@ -443,7 +455,7 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
     for name, sub in targets:
         label = f"{root}.{name} ({type(sub).__name__})" if name else root
         first_of_sub = _first_tensor(sub, own=recurse)
-        left_on_sub = _Strays(sub, own=recurse)
+        left_on_sub = _Strays(sub, own=recurse, root=f"{root}.{name}" if name else root)
 
         def check(
             sub: torch.nn.Module,

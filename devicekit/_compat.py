@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
-__all__ = ["one_graph", "raise_past_the_compiler", "run_while_tracing", "weights_only_refusal"]
+__all__ = [
+    "one_graph",
+    "raise_past_the_compiler",
+    "recomputed_attributes",
+    "run_while_tracing",
+    "weights_only_refusal",
+]
 
 
 def weights_only_refusal(pickled: bytes) -> str | None:
@@ -106,3 +113,48 @@ def raise_past_the_compiler(kind: type[Exception], message: str) -> NoReturn:
     :func:`run_while_tracing`), where an error it raises leaves the compiler unwrapped.
     """
     raise _passed_through(kind)(message)
+
+
+def recomputed_attributes(module: Any) -> frozenset[str]:
+    """The plain attributes of ``module`` that PyTorch's own forward pre-hooks recompute.
+
+    ``torch.nn.utils.prune`` (one method, or a ``PruningContainer`` for several prunings
+    of one tensor, custom subclasses of ``BasePruningMethod`` included) and the older
+    ``weight_norm`` and ``spectral_norm`` keep the tensor they reparametrise as a plain
+    attribute, set before every forward from registered parameters and buffers
+    (``weight_orig`` and ``weight_mask``; ``weight_g`` and ``weight_v``; ``weight_orig``,
+    ``weight_u`` and ``weight_v``), which ``Module.to()`` moves. The hooks are known by
+    their classes, read from modules already imported: a module never imported installed
+    no hook. Prune keeps the attribute's name in a private field, the others in ``name``.
+    (``torch.nn.utils.parametrize`` needs nothing here: its tensor is a property.)
+
+    >>> import torch
+    >>> from torch.nn.utils import prune
+    >>> pruned = prune.l1_unstructured(torch.nn.Linear(2, 2), "weight", amount=0.5)
+    >>> recomputed_attributes(pruned), recomputed_attributes(torch.nn.Linear(2, 2))
+    (frozenset({'weight'}), frozenset())
+    """
+    hooks = module._forward_pre_hooks  # private: where register_forward_pre_hook keeps them
+    if not hooks:
+        return frozenset()
+    pruning, named = _reparametrising_hooks()
+    found = set()
+    for hook in hooks.values():
+        if isinstance(hook, pruning):
+            found.add(getattr(hook, "_tensor_name", None))
+        elif isinstance(hook, named):
+            found.add(getattr(hook, "name", None))
+    return frozenset(name for name in found if isinstance(name, str))
+
+
+def _reparametrising_hooks() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Prune's hook class, and those that keep the attribute's name in ``name``."""
+
+    def loaded(where: str, name: str) -> tuple[type, ...]:
+        kind = getattr(sys.modules.get(where), name, None)
+        return (kind,) if isinstance(kind, type) else ()
+
+    pruning = loaded("torch.nn.utils.prune", "BasePruningMethod")
+    named = loaded("torch.nn.utils.weight_norm", "WeightNorm")
+    named += loaded("torch.nn.utils.spectral_norm", "SpectralNorm")
+    return pruning, named

@@ -443,3 +443,18 @@ def _too_deep(stack: list[tuple[Node, Any, Iterator[Any], int]]) -> TransferErro
     return TransferError(
         f"Expected data nested at most {MAX_DEPTH:,} containers deep, but {path} goes deeper."
     )
+
+
+def too_deep_at(root: str, fragments: Sequence[str]) -> TransferError:
+    """The refusal of a container ``MAX_DEPTH`` deep, for a walk that keeps its own stack.
+
+    ``fragments`` lead from ``root`` to the container refused, one per level, as
+    :func:`flatten` names them; the message is :func:`flatten`'s.
+
+    >>> print(too_deep_at("Net.table", ["[0]"] * 3))
+    Expected data nested at most 10,000 containers deep, but Net.table[0][0][0] goes deeper.
+    """
+    path = format_path(root, fragments)
+    return TransferError(
+        f"Expected data nested at most {MAX_DEPTH:,} containers deep, but {path} goes deeper."
+    )
