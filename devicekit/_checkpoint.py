@@ -4,21 +4,31 @@
 talks to other ranks: who saves is the caller's ``if rank == 0:``, as with torch.save.
 What a path names decides how it is written:
 
-====================  ===============================================================
-the path names        save
-====================  ===============================================================
-nothing, or a file    a temporary beside it, flushed to disk, renamed over it: the old
-                      checkpoint or the new one, never a torn one; the mode and owner
-                      of the file replaced are kept (a new file: ``0o666 & ~umask``)
-a symbolic link       the file it points to, replaced in the same way; the link stays
-a device or a FIFO    written in place, as torch.save writes (``/dev/null`` stays one)
-a read-only file,     refused, naming the path
-a directory, socket
-====================  ===============================================================
+=====================  ==============================================================
+the path names         save
+=====================  ==============================================================
+nothing, or a file     a temporary beside it, flushed to disk, renamed over it: the old
+of this user's         checkpoint or the new one, never a torn one; the mode and owner
+                       of the file replaced are kept (a new file: ``0o666 & ~umask``)
+a symbolic link        the file it points to, replaced in the same way; the link stays
+a device or a FIFO     written in place, as torch.save writes (``/dev/null`` stays
+                       one), once the checkpoint is whole, as a file object is
+another user's file    refused, naming its owner: the new file would be this user's,
+                       and only root can give it back (root replaces it, and does)
+a folder: a directory  refused, naming the path (torch.save refuses ``runs/`` and
+or what ends with a    ``ck.pt/`` too)
+slash; a read-only
+file; a socket
+=====================  ==============================================================
 
-The temporary is removed on every exit the process sees: an exception, Ctrl-C, and
-SIGTERM or SIGHUP (a preemption), which are then delivered again as they would have
-been. Before a byte is written, the pickle's globals are checked against those a
+Where Linux allows it (``O_TMPFILE``), the temporary has no name until it is whole, so
+a process killed while it writes (SIGKILL, or SIGTERM in a save from a thread) leaves
+nothing behind. Elsewhere it is named from the start and removed on every exit the
+process sees: an exception, Ctrl-C, and SIGTERM or SIGHUP (a preemption) in the main
+thread, which are then delivered again as they would have been. Flushing the folder
+(the rename, on disk) is durability only: a folder that cannot be opened for it (one
+this user may write but not list) does not fail a save that has replaced the file.
+Before a byte is written, the pickle's globals are checked against those a
 weights-only :func:`load` allows, so what save writes load reads by default: both
 allow the plain data of training scripts that PyTorch's weights-only load refuses
 (numpy scalars and arrays, ``argparse.Namespace``, ``pathlib`` paths), and save
@@ -238,10 +248,17 @@ _COPIED = 2**20  # bytes handed to the stream per write
 
 
 def _save_to_stream(obj: Any, out: IO[bytes], where: str) -> None:
-    """Save to a file object, a device or a FIFO: nothing reaches it unless the save succeeds.
+    """Save to a file object: nothing reaches it unless the save succeeds."""
+    with _made_whole(obj, where) as spool:
+        _copy_out(spool, out, where)
+
+
+@contextlib.contextmanager
+def _made_whole(obj: Any, where: str) -> Iterator[tempfile.SpooledTemporaryFile[bytes]]:
+    """The checkpoint of ``obj``, whole, in a spool read from its start.
 
     torch.save writes as it goes, and its zip writer ends the archive even when the save
-    fails (674 bytes of an empty checkpoint), so it writes to a spool first.
+    fails (674 bytes of an empty checkpoint): a stream is given the spool's bytes after.
     """
     with tempfile.SpooledTemporaryFile(max_size=_IN_MEMORY) as spool:
         sink = _Sink(cast("IO[bytes]", spool))
@@ -259,11 +276,19 @@ def _save_to_stream(obj: Any, out: IO[bytes], where: str) -> None:
             )
             raise OSError(refusal.errno, msg) from None
         spool.seek(0)
-        while chunk := spool.read(_COPIED):
-            view = memoryview(chunk)
-            while view:  # a raw stream (a pipe, buffering=0) may take part of a write
-                written = out.write(view)
-                view = view[len(view) if written is None else written :]
+        yield spool
+
+
+def _copy_out(spool: tempfile.SpooledTemporaryFile[bytes], out: IO[bytes], where: str) -> None:
+    while chunk := spool.read(_COPIED):  # not readinto, which Python 3.10 does not have here
+        view = memoryview(chunk)
+        while view:  # a raw stream (a pipe, buffering=0) may take part of a write
+            written = out.write(view)
+            if written == 0:
+                msg = f"Cannot save to {where}: it took none of the bytes written to it."
+                raise OSError(errno.EIO, msg)
+            # None: a file object that does not say; taken as all, as torch.save takes it.
+            view = view[len(view) if written is None else written :]
     flush = getattr(out, "flush", None)
     if callable(flush):
         flush()
@@ -291,8 +316,8 @@ def _save_to_path(obj: Any, given: str) -> None:
             msg = f"Cannot save to {shown_path}: it is a socket, which holds no file."
             raise OSError(errno.ENXIO, msg)
         if not stat.S_ISREG(kind):  # a device or a FIFO: nothing to replace, as torch.save
-            with open(target, "wb") as out:
-                _save_to_stream(obj, out, shown_path)
+            with _made_whole(obj, shown_path) as spool, open(target, "wb") as out:
+                _copy_out(spool, out, shown_path)
             return
         if not kind & 0o222 or not os.access(target, os.W_OK):
             msg = (

@@ -500,6 +500,30 @@ class _Trickle(io.RawIOBase):
         return len(taken)
 
 
+class _TakesNothing(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return 0
+
+
+def test_a_stream_that_takes_no_bytes_is_an_error_not_a_hang() -> None:
+    with pytest.raises(
+        OSError, match=re.escape("Cannot save to the file object: it took none of the bytes")
+    ):
+        dk.save({"weight": torch.ones(2)}, _TakesNothing())
+
+
+@pytest.mark.usefixtures("watchdog")
+def test_a_refused_save_to_a_fifo_does_not_wait_for_a_reader(tmp_path: Path) -> None:
+    # Opened for writing, a FIFO waits for a reader: it is opened once the checkpoint is whole.
+    fifo = tmp_path / "stream"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=re.escape(f"Cannot save to '{fifo}': ['model'] is")):
+        dk.save({"model": torch.nn.Linear(2, 2)}, fifo)
+
+
 def test_a_large_checkpoint_reaches_a_stream_whole_through_a_file_on_disk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
