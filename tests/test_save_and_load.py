@@ -302,16 +302,20 @@ def test_a_folder_that_cannot_be_opened_to_flush_the_rename_still_saves(
 
 @AS_ROOT
 @pytest.mark.usefixtures("watchdog")
-@pytest.mark.parametrize("mode", [0o1777, 0o777], ids=["sticky-like-tmp", "open-to-all"])
+@pytest.mark.parametrize(
+    ("mode", "file_mode"),
+    [(0o1777, 0o666), (0o777, 0o666), (0o777, 0o644)],
+    ids=["sticky-like-tmp", "open-to-all", "theirs-to-write"],
+)
 def test_another_user_s_checkpoint_is_refused_naming_its_owner_and_kept(
-    shared_folder: Path, mode: int
+    shared_folder: Path, mode: int, file_mode: int
 ) -> None:
     shared = shared_folder / "shared"
     shared.mkdir()
     shared.chmod(mode)
     path = shared / "model.pt"
     dk.save({"epoch": 1}, path)
-    path.chmod(0o666)  # anyone may write it, so nothing but the owner stops a save
+    path.chmod(file_mode)  # 666: anyone may write it, so nothing but the owner stops a save
     os.chown(path, NOBODY, NOBODY)
     outcome = _as_user(NAMELESS, lambda: dk.save({"epoch": 2}, path))
     assert outcome == (
@@ -321,7 +325,7 @@ def test_another_user_s_checkpoint_is_refused_naming_its_owner_and_kept(
         "under another name, or remove the file first (or ask its owner to); it is unchanged."
     )
     assert path.stat().st_uid == NOBODY
-    assert stat.S_IMODE(path.stat().st_mode) == 0o666
+    assert stat.S_IMODE(path.stat().st_mode) == file_mode
     assert dk.load(path, "cpu") == {"epoch": 1}
     assert os.listdir(shared) == ["model.pt"]
 
@@ -334,6 +338,32 @@ def test_root_replaces_another_user_s_checkpoint_and_gives_it_back(tmp_path: Pat
     dk.save({"epoch": 2}, path)
     assert (path.stat().st_uid, path.stat().st_gid) == (NAMELESS, NAMELESS)
     assert dk.load(path, "cpu") == {"epoch": 2}
+    os.chown(path, os.geteuid(), NAMELESS)  # root's file, a team's group
+    dk.save({"epoch": 3}, path)
+    assert (path.stat().st_uid, path.stat().st_gid) == (os.geteuid(), NAMELESS)
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+@AS_ROOT
+def test_root_that_may_not_give_files_away_refuses_another_user_s_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Root in a user namespace, or on a disk that squashes root, by a stand-in.
+    path = tmp_path / "model.pt"
+    dk.save({"epoch": 1}, path)
+    os.chown(path, NOBODY, NOBODY)
+
+    def refused(descriptor: int, uid: int, gid: int) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(_checkpoint.os, "fchown", refused)
+    msg = f"Cannot save to '{path}': the file there belongs to user nobody (uid {NOBODY}), and"
+    with pytest.raises(PermissionError, match=re.escape(msg)):
+        dk.save({"epoch": 2}, path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["model.pt"]
+    assert path.stat().st_uid == NOBODY
+    assert dk.load(path, "cpu") == {"epoch": 1}
 
 
 @pytest.mark.parametrize("sticky", [True, False], ids=["sticky", "plain"])
