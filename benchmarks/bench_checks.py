@@ -11,6 +11,10 @@ Run ``python benchmarks/bench_checks.py`` (``--quick`` for a smoke run).
 - ``guard(model)``: installing it walks the model once for what ``Module.to()`` left
   behind; a forward under it only compares, so it costs what ``bench_guard.py`` measures
   (here beside the same forward without a guard).
+- ``find_unmoved`` on a module holding a list 3,000 deep with a tensor at each level:
+  the walk keeps its own stack and links its routes, so depth costs time in proportion
+  (the paths returned, one per tensor, are the only quadratic part); it once raised
+  RecursionError. Target: well under a second.
 
 Rounds alternate between the things compared, so drift in the machine's speed reaches
 them alike; the figures are medians.
@@ -38,6 +42,16 @@ def _median_s(call: Any, number: int, rounds: int) -> float:
 def long_scalar_list(length: int) -> dict[str, Any]:
     """A batch with a long list of plain ints beside a tensor (ids, token counts)."""
     return {"ids": list(range(length)), "x": torch.ones(4)}
+
+
+def deep_chain(depth: int) -> nn.Module:
+    """A layer holding ``[t, [t, [... [t] ...]]]``, ``depth`` lists deep, in a plain attribute."""
+    chain: list[Any] = [torch.ones(1)]
+    for _ in range(depth - 1):
+        chain = [torch.ones(1), chain]
+    layer = nn.Linear(2, 2)
+    layer.chain = chain
+    return layer
 
 
 def thousand_modules(pairs: int = 500) -> nn.Module:
@@ -89,6 +103,11 @@ def main() -> None:
     print(f"  guard(model) installed            {install_ms:9.2f} ms   (walks the model once)")
     print(f"  forward, no guard                 {plain_ms:9.2f} ms")
     print(f"  forward, guard(model)             {guarded_ms:9.2f} ms   (compares, never walks)")
+
+    deep = deep_chain(300 if args.quick else 3_000)
+    deep_ms = _median_s(lambda: dk.find_unmoved(deep), 1, rounds) * 1e3
+    print(f"module holding a list {len(dk.find_unmoved(deep)):,} deep, a tensor at each level:")
+    print(f"  find_unmoved(module)              {deep_ms:9.2f} ms   (target well under 1 s)")
 
 
 if __name__ == "__main__":
