@@ -3,21 +3,21 @@
 A :class:`Backend` lists the devices of one family (CUDA, ROCm, XPU, MPS, the CPU, or
 a family of the user's own) as :class:`DeviceInfo` records. The built-in ones import
 nothing optional until asked, and the CUDA one reads NVML rather than starting CUDA,
-so listing devices keeps ``fork()`` safe.
+so listing devices keeps ``fork()`` safe: it starts no process, and takes no lock that
+a fork could leave held in the child.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from devicekit._devices import accelerator_type, shown
-from devicekit._nvml import NvmlGpu, read_nvml, visible_gpus
+from devicekit._nvml import NvmlGpu, read_nvml, unforked, visible_gpus
 
 __all__ = [
     "AcceleratorBackend",
@@ -213,7 +213,7 @@ class CudaBackend:
         # Without NVML's Python binding: PyTorch's NVML-based count, which creates no
         # context either. Names and memory come only from a CUDA already started.
         count_nvml = getattr(torch.cuda, "_device_count_nvml", None)
-        count = count_nvml() if callable(count_nvml) else -1
+        count = unforked(count_nvml) if callable(count_nvml) else -1
         if cuda_started():
             count = torch.cuda.device_count()
         if count < 0:
@@ -226,7 +226,7 @@ class CudaBackend:
 
     def _rocm_devices(self) -> list[DeviceInfo]:
         count_amdsmi = getattr(torch.cuda, "_device_count_amdsmi", None)
-        count = count_amdsmi() if callable(count_amdsmi) else -1
+        count = unforked(count_amdsmi) if callable(count_amdsmi) else -1
         if count < 0 or cuda_started():
             count = torch.cuda.device_count()
         return [self._from_torch(index) for index in range(count)]
@@ -320,6 +320,22 @@ class AcceleratorBackend:
         return [DeviceInfo(torch.device(kind, i), kind, i) for i in range(count)]
 
 
+def _cpu_name() -> str | None:
+    """The CPU's architecture as the kernel names it (``x86_64``, ``arm64``).
+
+    Read with no process started and no lock taken: ``platform.processor()`` runs
+    ``uname -p`` the first time, under a lock (Python 3.11) that a process forked
+    meanwhile finds held forever.
+
+    >>> import platform
+    >>> _cpu_name() == (platform.machine() or None)
+    True
+    """
+    if hasattr(os, "uname"):
+        return os.uname().machine or None
+    return os.environ.get("PROCESSOR_ARCHITECTURE") or None  # Windows, which has no uname
+
+
 def _sysconf(name: str) -> int | None:
     try:
         value = os.sysconf(name)
@@ -337,13 +353,12 @@ class CpuBackend:
         """The one CPU device."""
         page = _sysconf("SC_PAGE_SIZE")
         total, free = _sysconf("SC_PHYS_PAGES"), _sysconf("SC_AVPHYS_PAGES")
-        name = platform.processor() or platform.machine() or None
         return [
             DeviceInfo(
                 torch.device("cpu"),
                 "cpu",
                 None,
-                name,
+                _cpu_name(),
                 total * page if total and page else None,
                 free * page if free and page else None,
             )

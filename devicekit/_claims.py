@@ -7,16 +7,30 @@ ends in any way, ``kill -9`` included, so a claim can never outlive its job the 
 pid file does. The file holds the claiming pid, for messages only: whether a GPU is
 claimed is the lock's to say, never the file's contents.
 
+Looking takes no lock. On Linux the kernel's table of the locks held (``/proc/locks``)
+says which claim files are locked, so another job's look (a manager's, ``devicekit
+info``) can never make a free GPU look claimed to a job claiming it at that moment.
+Where there is no such table (macOS), a look tests a file with a shared lock that it
+drops at once; a job whose claim meets only such looks (or an older devicekit's) tries
+again for a moment before it counts the GPU as held.
+
 The directory is shared by every user's jobs, as /tmp is, so nothing another user put
 there is trusted: the directory is opened once, without following a link another user
 made, and refused where anyone may rename the files in it; a claim file is opened
 without following links or blocking, and this process writes into it (its pid) only
 where it is a regular file of this user with one name. So a link planted under a GPU's
-name can never make a job truncate, write or chmod a file elsewhere.
+name can never make a job truncate, write or chmod a file elsewhere. Another user's
+claim file that this user cannot open (mode 0600) cannot be locked by this user's jobs:
+its GPU counts as claimed by that user, never as an error.
 
-A claim belongs to the process: managers of one process that choose the same GPU share
-its claim, held until the last of them gives it back; a forked child (a DataLoader
-worker) closes its copies of the locks, so it never holds its parent's GPU.
+A claim belongs to the process: managers of one process that name the same GPU share
+its claim, held until the last of them gives it back, while a manager choosing among
+GPUs passes over those this process claims (``take(..., share=False)``); a forked child
+(a DataLoader worker) closes its copies of the locks, so it never holds its parent's GPU.
+
+Nothing here needs a lock that a fork can leave held: this module's lock is taken by
+the forking thread around each fork and made anew in the child, and the temporary
+directory is found without :func:`tempfile.gettempdir`'s lock.
 
 Claims are advisory: only managers built with ``claim=True`` take and respect them.
 """
@@ -31,13 +45,15 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Literal, overload
+from typing import Literal, NamedTuple, overload
 
 if sys.platform != "win32":
     import fcntl
+    import pwd
 
-__all__ = ["Claim", "claim_dir", "directory_problem", "holders", "take"]
+__all__ = ["Claim", "Holder", "claim_dir", "directory_problem", "holders", "take"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _ADVICE = (
@@ -46,6 +62,15 @@ _ADVICE = (
 )
 # Never follow a link at the last step, never wait on a FIFO, never leak into exec'd programs.
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC if sys.platform != "win32" else 0
+
+# Linux's table of every lock held on the machine (the tests point it elsewhere).
+_LOCK_TABLE = "/proc/locks"
+# A claim that meets a shared lock (a look, where looks take one) tries again after 1 ms,
+# then twice as long each time, for at most this long: a look holds its lock between two
+# system calls, so only a look whose process is stopped outlasts it.
+_LOOK_S = 0.25
+_FIRST_PAUSE_S = 0.001
+_pause = time.sleep  # the tests' seam: a look they hold ends in the first pause
 
 # This process's claims by GPU key; `take` and `release` change it under the lock.
 _taken: dict[str, Claim] = {}
@@ -60,7 +85,7 @@ def claim_dir() -> Path:
     """
     configured = os.environ.get("DEVICEKIT_CLAIM_DIR", "").strip()
     if not configured:
-        return Path(tempfile.gettempdir()) / "devicekit-claims"
+        return Path(_temporary_directory()) / "devicekit-claims"
     expanded = os.path.expanduser(configured)
     if not os.path.isabs(expanded):
         msg = (
@@ -70,6 +95,28 @@ def claim_dir() -> Path:
         )
         raise OSError(errno.EINVAL, msg)
     return Path(expanded)
+
+
+def _temporary_directory() -> str:
+    """The system's temporary directory, found as :mod:`tempfile` finds it, with no lock.
+
+    :func:`tempfile.gettempdir` holds a lock while it looks for the first time; a process
+    forked while another thread held it would wait for it forever. So: the directory the
+    program gave :mod:`tempfile`, else the first of ``$TMPDIR``, ``$TEMP``, ``$TMP``,
+    ``/tmp``, ``/var/tmp`` and ``/usr/tmp`` that is a directory this user may write.
+
+    >>> _temporary_directory() == tempfile.gettempdir()
+    True
+    """
+    if tempfile.tempdir is not None:  # set by the program, or by a finished first look
+        return os.fsdecode(tempfile.tempdir)
+    if sys.platform == "win32":  # no fork() there, and other places to look
+        return tempfile.gettempdir()
+    named = [os.environ.get(name, "") for name in ("TMPDIR", "TEMP", "TMP")]
+    for candidate in [*named, "/tmp", "/var/tmp", "/usr/tmp"]:  # noqa: S108 - tempfile's own list
+        if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK):
+            return os.path.abspath(candidate)
+    return "/tmp"  # noqa: S108 - where claiming then says what is wrong
 
 
 def _file_name(key: str) -> str:
@@ -83,6 +130,40 @@ def _check_platform() -> None:
             "and macOS have. Leave claim=False there."
         )
         raise OSError(errno.ENOSYS, msg)
+
+
+class Holder(NamedTuple):
+    """Who claims a GPU, as far as this process can tell; ``str()`` says it in words.
+
+    >>> str(Holder(4242)), str(Holder()), str(Holder(ours=True))
+    ('pid 4242', 'another job', 'this process (another of its managers)')
+    >>> str(Holder(owner=0))
+    'user root (uid 0, whose claim file this user cannot open)'
+    """
+
+    pid: int | None = None
+    """The claiming process, as its claim file says; None where the file does not say."""
+    owner: int | None = None
+    """The user owning a claim file this user cannot open, and so cannot lock; else None."""
+    ours: bool = False
+    """Whether this process holds the claim (another of its managers took it)."""
+
+    def __str__(self) -> str:
+        if self.ours:
+            return "this process (another of its managers)"
+        if self.owner is not None:
+            name = _user_name(self.owner)
+            who = f"user {self.owner} (" if name is None else f"user {name} (uid {self.owner}, "
+            return f"{who}whose claim file this user cannot open)"
+        return "another job" if self.pid is None else f"pid {self.pid}"
+
+
+def _user_name(uid: int) -> str | None:
+    """The name of the user ``uid``; None where this machine does not list it."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
 
 
 class Claim:
@@ -198,8 +279,11 @@ def _open_directory(*, make: bool = True) -> int | None:
     return descriptor
 
 
-def _open_lock(directory: int, path: Path) -> tuple[int, bool]:
-    """The lock file at ``path`` (in ``directory``), and whether this job may write its pid."""
+def _open_lock(directory: int, path: Path) -> tuple[int, bool] | None:
+    """The lock file at ``path`` (in ``directory``), and whether this job may write its pid.
+
+    None where it is another user's file that this user may not open: theirs to claim.
+    """
     name = path.name
     created = False
     try:
@@ -212,7 +296,10 @@ def _open_lock(directory: int, path: Path) -> tuple[int, bool]:
             try:
                 descriptor = os.open(name, os.O_RDWR | _OPEN_FLAGS, dir_fd=directory)
             except PermissionError:  # another user's claim file: a lock needs no write access
-                descriptor = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=directory)
+                try:
+                    descriptor = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=directory)
+                except PermissionError:  # mode 0600: only its owner's jobs can lock it
+                    return None
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW says of a link
             msg = (
@@ -242,30 +329,97 @@ def _open_lock(directory: int, path: Path) -> tuple[int, bool]:
     return descriptor, found.st_uid == os.geteuid()
 
 
-def take(key: str) -> Claim | None:
-    """Claim the GPU ``key`` names (its UUID) without waiting; None where another job holds it.
+def _locks() -> dict[tuple[int, int], bool] | None:
+    """The files locked now, by (device, inode), each with whether a lock on it is exclusive.
 
-    Where this process holds it already, the claim is shared: one more holder.
+    Read from the kernel's table, which takes no lock; None where there is none (macOS).
+    """
+    try:
+        descriptor = os.open(_LOCK_TABLE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        chunks = []
+        while chunk := os.read(descriptor, 1 << 16):
+            chunks.append(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+    locked: dict[tuple[int, int], bool] = {}
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF"; "1: -> FLOCK ..." waits, holds none
+        fields = line.split()
+        if len(fields) < 6 or fields[1] == "->":
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            where = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+        except ValueError:
+            continue
+        locked[where] = locked.get(where, False) or fields[3] == "WRITE"
+    return locked
+
+
+def _lock_file(descriptor: int) -> bool:
+    """Lock an open claim file for this process; False where a job holds it.
+
+    A shared lock is a look (an older devicekit's, or one made where the kernel shows
+    no table of locks): it ends at once, so it is waited out, for ``_LOOK_S`` at most.
+    An exclusive lock is a claim: given up on at once where the table shows it.
+    """
+    pause, waited = _FIRST_PAUSE_S, 0.0
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        else:
+            return True
+        if waited >= _LOOK_S:
+            return False
+        table = _locks()
+        if table is not None:
+            found = os.fstat(descriptor)
+            if table.get((found.st_dev, found.st_ino), False):
+                return False
+        _pause(pause)
+        waited += pause
+        pause *= 2
+
+
+def take(key: str, *, share: bool = True) -> Claim | None:
+    """Claim the GPU ``key`` names (its UUID) without waiting; None where a job holds it.
+
+    Where this process holds it already, ``share`` says whether this is one more holder
+    of the claim (a manager naming its GPU), or the GPU is held (None: a manager choosing
+    among GPUs, which wants one of its own). Where the claim file is another user's that
+    this user may not open, the GPU is theirs: None.
     """
     _check_platform()
     with _lock:
         if (held := _taken.get(key)) is not None:
+            if not share:
+                return None
             held._holders += 1
             return held
         directory = _open_directory()
         path = claim_dir() / _file_name(key)
         try:
-            descriptor, own = _open_lock(directory, path)
+            opened = _open_lock(directory, path)
         finally:
             os.close(directory)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(descriptor)
+        if opened is None:
             return None
+        descriptor, own = opened
+        try:
+            locked = _lock_file(descriptor)
         except BaseException:
             os.close(descriptor)
             raise
+        if not locked:
+            os.close(descriptor)
+            return None
         if own:  # the pid, for other jobs' messages; never into a file of another user's
             try:
                 os.ftruncate(descriptor, 0)
@@ -276,16 +430,17 @@ def take(key: str) -> Claim | None:
         return claim
 
 
-def holders(keys: list[str]) -> dict[str, int | None]:
-    """The GPUs among ``keys`` that another job claims, with its pid (None where unknown).
+def holders(keys: list[str]) -> dict[str, Holder]:
+    """The GPUs among ``keys`` that a job claims, this process included, and by whom.
 
-    Reads without claiming and makes nothing: a key without a file is not claimed, nor
-    is one this process claims (its managers share it), nor any where the claim
-    directory is unusable (claiming says why).
+    Takes no lock (where the kernel shows its table of locks) and makes nothing: a key
+    without a file is not claimed, nor is a link or a FIFO under a GPU's name (claiming
+    refuses those), nor any where the claim directory is unusable (claiming says why).
+    Another user's claim file that this user may not open is claimed, by that user.
     """
-    found: dict[str, int | None] = {}
     with _lock:
-        keys = [key for key in keys if key not in _taken]
+        found = {key: Holder(os.getpid(), ours=True) for key in keys if key in _taken}
+    keys = [key for key in keys if key not in found]
     if not keys or sys.platform == "win32":
         return found
     try:
@@ -293,25 +448,56 @@ def holders(keys: list[str]) -> dict[str, int | None]:
     except OSError:
         return found
     try:
+        table = _locks()
         for key in keys:
-            try:
-                descriptor = os.open(_file_name(key), os.O_RDONLY | _OPEN_FLAGS, dir_fd=directory)
-            except OSError:  # no file (never claimed), or a link, which no job locks
-                continue
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                text = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
-                found[key] = int(text) if text.isdecimal() else None
-            except OSError:  # not lockable (no regular file): nobody's claim
-                pass
-            else:
-                fcntl.flock(descriptor, fcntl.LOCK_UN)
-            finally:
-                os.close(descriptor)
+            holder = _holder(directory, _file_name(key), table)
+            if holder is not None:
+                found[key] = holder
     finally:
         os.close(directory)
     return found
+
+
+def _holder(directory: int, name: str, table: dict[tuple[int, int], bool] | None) -> Holder | None:
+    """Who claims the claim file ``name`` in ``directory``; None where nobody does."""
+    try:
+        descriptor = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=directory)
+    except PermissionError:
+        try:
+            found = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        except OSError:
+            return None
+        return Holder(owner=found.st_uid) if stat.S_ISREG(found.st_mode) else None
+    except OSError:  # no file (never claimed), or a link, which no job locks
+        return None
+    try:
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode):  # a FIFO, say: nobody's claim
+            return None
+        if table is not None:
+            claimed = table.get((found.st_dev, found.st_ino), False)  # a shared one: a look
+        else:  # a shared lock, dropped at once, tells; a claim meeting it tries again
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                claimed = True
+            else:
+                fcntl.flock(descriptor, fcntl.LOCK_UN)
+                claimed = False
+        if not claimed:
+            return None
+        text = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
+        return Holder(int(text) if text.isdecimal() else None)
+    finally:
+        os.close(descriptor)
+
+
+def _before_fork() -> None:
+    _lock.acquire()  # no other thread is then inside `take` or `release`
+
+
+def _after_fork_in_parent() -> None:
+    _lock.release()
 
 
 def _forget_after_fork() -> None:
@@ -319,20 +505,25 @@ def _forget_after_fork() -> None:
 
     A lock belongs to the open file that both processes share after a fork; closing the
     child's descriptor leaves the parent's claim whole, and the child holding none means
-    the claim ends with the parent, ``kill -9`` included, not with its last worker.
+    the claim ends with the parent, ``kill -9`` included, not with its last worker. The
+    module's lock is made anew: the parent's copy is the forking thread's.
     """
+    global _lock  # noqa: PLW0603 - the child's own lock, in place of the parent's
     for claim in _taken.values():
         if claim._descriptor is not None:
             with contextlib.suppress(OSError):
                 os.close(claim._descriptor)
         claim._descriptor, claim._holders = None, 0
     _taken.clear()
-    _lock.release()
+    _lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
     # The lock is held across the fork, so no other thread is inside `take` or `release`
-    # with it when the child starts (that thread would not exist there to let go).
+    # with it when the child starts (that thread would not exist there to let go). The
+    # handlers look `_lock` up when they run: the child's is a new one.
     os.register_at_fork(
-        before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_forget_after_fork
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_forget_after_fork,
     )

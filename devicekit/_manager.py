@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -46,7 +45,35 @@ _FALLBACKS = ("cpu", "error")
 _FAMILIES = ("cuda", "rocm", "xpu", "mps", "cpu")
 _HOST_TYPES = ("cpu", "meta")
 
-_fallback_warned = threading.Event()  # the CPU fallback warns once per process
+
+class _Once:
+    """A flag for what happens once a process, set and tested without a lock.
+
+    ``threading.Event.set`` takes a lock, which a fork can leave held in the child.
+    """
+
+    def __init__(self) -> None:
+        self._left = [True]
+
+    def first(self) -> bool:
+        """Set the flag; whether this call set it (``list.pop`` is one step for threads)."""
+        try:
+            self._left.pop()
+        except IndexError:
+            return False
+        return True
+
+    def is_set(self) -> bool:
+        return not self._left
+
+    def set(self) -> None:
+        self._left.clear()
+
+    def clear(self) -> None:
+        self._left[:] = [True]
+
+
+_fallback_warned = _Once()  # the CPU fallback warns once per process
 _logger = logging.getLogger("devicekit")
 
 # Waiting for a device: NVML is read again after 1 s, then twice as long each time up to
@@ -62,10 +89,10 @@ def _claim_key(info: DeviceInfo) -> str:
     return info.uuid or f"{info.backend}-{info.index}"
 
 
-def claim_holders(devices: Sequence[DeviceInfo]) -> dict[torch.device, int | None]:
-    """The accelerators among ``devices`` that another job claims, with its pid (None: unknown)."""
+def claim_holders(devices: Sequence[DeviceInfo]) -> dict[torch.device, _claims.Holder]:
+    """The accelerators among ``devices`` that a job claims (this process too), and by whom."""
     keys = {_claim_key(info): info.device for info in devices if info.device.type != "cpu"}
-    return {keys[key]: pid for key, pid in _claims.holders(list(keys)).items()}
+    return {keys[key]: holder for key, holder in _claims.holders(list(keys)).items()}
 
 
 def _listed(backend: Backend) -> tuple[DeviceInfo, ...]:
@@ -132,9 +159,10 @@ class DeviceManager:
             temporary directory), which other managers with ``claim=True`` pass over.
             Held until :meth:`close`, the end of a ``with manager:`` block, or the
             process ending in any way, ``kill -9`` included; never by a forked child.
-            Claims are per process: managers of one process that select the same GPU
-            share its claim (a notebook cell run twice keeps one GPU), so name the
-            devices where one process claims several.
+            A manager that chooses passes over the GPUs this process claims already,
+            so two managers (a notebook cell run twice, two threads) claim two GPUs;
+            to keep one, :meth:`close` the first, use ``with manager:``, or name the
+            device: managers that name the same GPU share this process's claim on it.
         fallback: With no usable accelerator, ``"cpu"`` uses the CPU and warns once;
             ``"error"`` raises :class:`~devicekit.DeviceUnavailableError`.
         backends: The device families to look at; None for the built-in ones. Tests
@@ -197,6 +225,7 @@ class DeviceManager:
         self._fallback = fallback
         self._claim: _claims.Claim | None = None
         self._claim_name: str | None = None  # what names the claim, to take it again
+        self._claim_shared = False  # its device named: this process's claim is shared
         self._request = Request(
             device, policy, self._prefer, self._min_free, self._max_busy, fallback
         )
@@ -310,12 +339,12 @@ class DeviceManager:
 
     def _claim_again(self) -> None:
         """Claim the device once more, entering ``with manager:`` after leaving one."""
-        claim = _claims.take(self._claim_name or "")
+        claim = _claims.take(self._claim_name or "", share=self._claim_shared)
         if claim is None:
-            holder = claim_holders(self.devices).get(self._device)
+            holder = claim_holders(self.devices).get(self._device) or _claims.Holder()
             msg = (
                 f"Cannot claim {self._device} again on entering `with manager:`: "
-                f"{'another job' if holder is None else f'pid {holder}'} claimed it after "
+                f"{holder} claimed it after "
                 "this manager gave it back at the end of its last block. Keep one block "
                 "around the whole run to hold the GPU throughout."
             )
@@ -324,7 +353,7 @@ class DeviceManager:
 
     # Look, choose, wait or claim.
 
-    def _look(self, lost: dict[torch.device, int | None]) -> Seen:
+    def _look(self, lost: dict[torch.device, _claims.Holder | None]) -> Seen:
         """What this machine and its environment show now: devices, claims, launcher."""
         families = tuple(
             Family(backend.name, backend.device_type, found, getattr(backend, "note", None))
@@ -347,7 +376,7 @@ class DeviceManager:
         """Look and choose, waiting and claiming as asked: the device, and why."""
         started, pause = _clock(), _FIRST_POLL_S
         request = self._request._replace(waiting=bool(self._wait))
-        lost: dict[torch.device, int | None] = {}  # claims lost to another job in a race
+        lost: dict[torch.device, _claims.Holder | None] = {}  # claims lost in a race
         while True:
             self._seen = self._look(lost)
             outcome = choose(self._seen, request)
@@ -382,10 +411,14 @@ class DeviceManager:
             return True
         info = next((info for info in self._seen.devices if info.device == chosen.device), None)
         name = str(chosen.device) if info is None else _claim_key(info)
-        claim = _claims.take(name)
+        # Named (device=, DEVICEKIT_DEVICE, the rank's: made current), the device may be one
+        # this process claims, and the claim is shared; chosen among others, it may not be.
+        request, seen = self._request, self._seen
+        named = request.device is not None or bool(seen.devicekit_device) or chosen.current
+        claim = _claims.take(name, share=named)
         if claim is None:
             return False
-        self._claim, self._claim_name = claim, name
+        self._claim, self._claim_name, self._claim_shared = claim, name, named
         return True
 
     def _adopt(self, chosen: Chosen) -> tuple[torch.device, str]:
@@ -400,8 +433,7 @@ class DeviceManager:
             make_current = getattr(backend, "make_current", None)
             if make_current is not None:  # a family of one device (MPS) has nothing to set
                 make_current(chosen.device)
-        if chosen.fell_back is not None and not _fallback_warned.is_set():
-            _fallback_warned.set()
+        if chosen.fell_back is not None and _fallback_warned.first():
             # One sentence: explain() has the rest, what was seen and passed over.
             warn(
                 f"devicekit uses the CPU: {chosen.fell_back}; see DeviceManager().explain().",

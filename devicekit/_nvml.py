@@ -5,15 +5,25 @@ listing devices stays cheap and keeps ``fork()`` safe. NVML numbers GPUs in PCI 
 order; CUDA numbers them in its own order (``CUDA_DEVICE_ORDER``) and then applies
 ``CUDA_VISIBLE_DEVICES``. :func:`visible_gpus` turns the first into the second,
 matching GPUs by UUID, never by assuming the two numberings agree.
+
+A fork never happens in the middle of a read: the binding (``pynvml``) takes a lock of
+its own as NVML starts and stops, and NVML has its own inside; a child forked while
+another thread held them would wait for them forever as its first read began. So reads
+(:func:`unforked`) take one lock of this module's, which each fork takes too, made anew
+in the child.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
-__all__ = ["NvmlGpu", "parse_visible_devices", "read_nvml", "visible_gpus"]
+__all__ = ["NvmlGpu", "parse_visible_devices", "read_nvml", "unforked", "visible_gpus"]
+
+_T = TypeVar("_T")
 
 
 class NvmlGpu(NamedTuple):
@@ -125,13 +135,51 @@ def _binding() -> Any:
     return pynvml
 
 
+# Held while NVML is read, and by the forking thread around each fork (see the module).
+_reading = threading.Lock()
+
+
+def _before_fork() -> None:
+    _reading.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _reading.release()
+
+
+def _after_fork_in_child() -> None:
+    global _reading  # noqa: PLW0603 - the child's own lock, in place of the forking thread's
+    _reading = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # the handlers look `_reading` up when they run
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
+
+
+def unforked(read: Callable[[], _T]) -> _T:
+    """``read()``, with no fork while it runs: for every reader of NVML (PyTorch's count too).
+
+    >>> unforked(lambda: 42)
+    42
+    """
+    with _reading:
+        return read()
+
+
 def read_nvml() -> list[NvmlGpu] | None:
     """Every GPU NVML sees, in NVML's (PCI bus) order; None where NVML cannot be read.
 
     Needs the ``nvidia-ml-py`` package (the ``nvml`` extra) and an NVIDIA
-    driver. Creates no CUDA context.
+    driver. Creates no CUDA context, and no fork happens while it reads.
     """
-    pynvml = _binding()
+    return unforked(lambda: _read(_binding()))
+
+
+def _read(pynvml: Any) -> list[NvmlGpu] | None:
     if pynvml is None:
         return None
     try:

@@ -25,6 +25,7 @@ from typing import Literal, NamedTuple, TypeAlias, cast
 import torch
 
 from devicekit._backends import DeviceInfo
+from devicekit._claims import Holder
 from devicekit._devices import DeviceLike, parse_device, shown
 from devicekit._errors import DeviceKitError
 from devicekit._launch import (
@@ -74,8 +75,9 @@ class Seen(NamedTuple):
     """What the manager saw of the machine and of its environment, for one choice."""
 
     families: tuple[Family, ...]
-    claimed: Mapping[torch.device, int | None] = MappingProxyType({})
-    """Devices other jobs claim, with the claiming pid where known."""
+    claimed: Mapping[torch.device, Holder | int | None] = MappingProxyType({})
+    """Claimed devices, with who claims each: a Holder (this process's own claims among
+    them), a pid, or None where unknown."""
     devicekit_device: str = ""  # DEVICEKIT_DEVICE, stripped
     local_rank: LocalRank | BadRank | None = None
     """The innermost launcher's local rank; a BadRank matters only where the rank is used."""
@@ -172,6 +174,9 @@ class _Choice:
     def __init__(self, seen: Seen, request: Request) -> None:
         self.seen, self.request = seen, request
         self.skipped: list[str] = []
+        # A device named (device=, DEVICEKIT_DEVICE, a rank's) may be one this process
+        # claims: its managers share that claim. One chosen among others may not be.
+        self.named = False
 
     def outcome(self) -> Outcome:
         request, seen = self.request, self.seen
@@ -203,7 +208,7 @@ class _Choice:
     # Where a device is named.
 
     def explicit(self, spec: DeviceLike) -> Outcome:
-        seen = self.seen
+        seen, self.named = self.seen, True
         if isinstance(spec, int) and not isinstance(spec, bool):
             family = self.accelerators()
             if family is None or spec < 0 or spec >= len(family[1]):
@@ -237,11 +242,10 @@ class _Choice:
                 f"Expected one of {choices} (the devices here), got {shown(str(spec))}: "
                 f"{self.why_none(device.type, found)}."
             )
-        if match.device in seen.claimed:
-            holder = seen.claimed[match.device]
+        if match.device in seen.claimed and not _ours(holder := seen.claimed[match.device]):
             return self.unusable(
                 f"Cannot claim {match.device}, asked for as {shown(str(spec))}: "
-                f"{'another job' if holder is None else f'pid {holder}'} claims it"
+                f"{_by(holder)} claims it"
             )
         return self.chosen(match.device, f"asked for {spec}")
 
@@ -271,7 +275,8 @@ class _Choice:
             )
         if info.device in self.seen.claimed:
             holder = self.seen.claimed[info.device]
-            why.append(f"claimed by {'another job' if holder is None else f'pid {holder}'}")
+            if not (self.named and _ours(holder)):  # a rank's device: its process's claim
+                why.append(f"claimed by {_by(holder)}")
         if not why:
             return True
         used = who_uses(info)
@@ -297,7 +302,7 @@ class _Choice:
         return self.chosen(chosen.device, f"the first with about the most free memory ({free})")
 
     def by_local_rank(self) -> Outcome:
-        seen, local = self.seen, self.seen.local_rank
+        seen, local, self.named = self.seen, self.seen.local_rank, True
         if local is None:
             variables = ", ".join(launcher.rank for launcher in LAUNCHERS)
             return Refused(
@@ -437,6 +442,18 @@ def passed_over(seen: Seen, prefer: tuple[str, ...], skipped: list[str]) -> list
             devices = ", ".join(str(info.device) for info in family.devices)
             reasons.append(f"Passed over {devices}: {family.name} is not among prefer {prefer}.")
     return reasons
+
+
+def _by(holder: Holder | int | None) -> str:
+    """Who claims a device, in words: ``pid 4242``, ``this process (...)``, ``another job``."""
+    if holder is None:
+        return "another job"
+    return f"pid {holder}" if isinstance(holder, int) else str(holder)
+
+
+def _ours(holder: Holder | int | None) -> bool:
+    """Whether this process holds the claim: one of its other managers took it."""
+    return isinstance(holder, Holder) and holder.ours
 
 
 def _shared(start: str, problem: RankProblem) -> str:

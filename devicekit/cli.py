@@ -21,6 +21,7 @@ import torch
 
 import devicekit
 from devicekit import _bench
+from devicekit._claims import Holder
 from devicekit._demo import fit_demo_batch, train
 from devicekit._doctor import diagnose, look
 from devicekit._errors import DeviceKitError
@@ -165,11 +166,8 @@ def _info_table(manager: DeviceManager) -> str:
     return "\n".join(lines)
 
 
-def _holder(claims: dict[torch.device, int | None], device: torch.device) -> str:
-    if device not in claims:
-        return "-"
-    pid = claims[device]
-    return "a job" if pid is None else f"pid {pid}"
+def _holder(claims: dict[torch.device, Holder], device: torch.device) -> str:
+    return str(claims[device]) if device in claims else "-"
 
 
 def _info_json(manager: DeviceManager) -> str:
@@ -186,7 +184,7 @@ def _info_json(manager: DeviceManager) -> str:
         "selected": str(manager.device),
         "reason": manager.reason,
         "devices": [record(info) for info in manager.devices],
-        "claims": {str(device): pid for device, pid in claim_holders(manager.devices).items()},
+        "claims": {str(d): holder.pid for d, holder in claim_holders(manager.devices).items()},
         "notes": manager.notes(),
     }
     return json.dumps(report, indent=2)

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -19,6 +20,7 @@ from devicekit._backends import CpuBackend, CudaBackend, builtin_backends
 from devicekit._nvml import NvmlGpu, parse_visible_devices, visible_gpus
 
 from .helpers import CPU, GiB
+from .programs import run_program
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -34,6 +36,8 @@ def _gpu(number: int, capability: tuple[int, int] = (9, 0), free: int = 70) -> N
         capability=capability,
     )
 
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FOUR = [_gpu(n, free=10 * (n + 1)) for n in range(4)]
 
@@ -157,6 +161,180 @@ def test_listing_devices_starts_no_cuda() -> None:
     initialized, device = json.loads(result.stdout)
     assert initialized is False
     assert re.fullmatch(r"cpu|meta|(cuda|mps|xpu):\d+", device), device  # a device was chosen
+
+
+_NOTHING_STARTED = """
+import json, sys, warnings
+sys.path.insert(0, {root!r})
+warnings.simplefilter("ignore")  # the CPU fallback's
+import devicekit as dk
+from devicekit._backends import CpuBackend
+from devicekit.cli import _info_json, _info_table
+from tests.fakes import FakeGpus
+started = []
+STARTS = ("subprocess.Popen", "os.posix_spawn", "os.exec", "os.fork", "os.forkpty", "os.system",
+          "os.spawn")
+sys.addaudithook(lambda event, args: started.append(event) if event in STARTS else None)
+manager = dk.DeviceManager()
+_info_table(manager), _info_json(manager)  # what `devicekit info` shows
+claiming = dk.DeviceManager(claim=True, backends=[FakeGpus((70, 70)), CpuBackend()])
+_info_table(claiming)
+print(json.dumps(started))
+"""
+
+
+def test_looking_at_the_devices_starts_no_process(tmp_path: Path) -> None:
+    # A process started while another thread forks can hang that fork's child, and one
+    # per look is slow: detection reads files and libraries, never runs a program.
+    environ = {**os.environ, "DEVICEKIT_CLAIM_DIR": str(tmp_path / "claims")}
+    code = _NOTHING_STARTED.format(root=str(ROOT))
+    result = run_program([sys.executable, "-c", code], timeout=120, env=environ)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == []
+
+
+# Each program below holds, in a thread, a lock that detection or claiming could need,
+# forks meanwhile, and has the child look at its devices (and claim one): the child must
+# finish, where a lock left held would make it wait forever.
+_FORK_RACE = """
+import os, sys, threading, time, warnings
+sys.path.insert(0, {root!r})
+warnings.simplefilter("ignore")  # the CPU fallback's, and Python 3.12's about forking threads
+import devicekit as dk
+from devicekit import _claims, _nvml
+from devicekit._backends import CpuBackend
+from tests.fakes import FakeGpus
+entered, release, forked = threading.Event(), threading.Event(), threading.Event()
+{scenario}
+thread = threading.Thread(target=held, daemon=True)
+thread.start()
+entered.wait(60)  # the thread holds its lock now, or has finished without needing one
+
+def let_go():  # after the fork; or after a moment, where the fork waits for the thread
+    forked.wait(0.5)
+    release.set()
+
+threading.Thread(target=let_go, daemon=True).start()
+pid = os.fork()
+if pid == 0:
+    try:
+        child()
+    except BaseException as err:
+        print("the child failed:", repr(err), flush=True)
+        os._exit(1)
+    os._exit(0)
+forked.set()
+deadline = time.monotonic() + 30
+while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        sys.exit("the child hangs: it waits for a lock that a thread of its parent held")
+    time.sleep(0.01)
+sys.exit(os.waitstatus_to_exitcode(done[1]))
+"""
+
+_FIRST_LOOK = """
+import subprocess
+real = subprocess.check_output
+
+def slow(*args, **kwargs):  # `uname -p`, which platform.processor() runs the first time
+    entered.set()
+    release.wait(60)
+    return real(*args, **kwargs)
+
+subprocess.check_output = slow
+
+def held():
+    dk.DeviceManager()  # this thread's first, the fork comes while it looks
+    entered.set()
+
+def child():
+    dk.DeviceManager()
+"""
+
+_TEMP_DIRECTORY = """
+import tempfile
+assert tempfile.tempdir is None, "the temporary directory was looked for at import already"
+real_open = os.open
+
+def slow_open(*args, **kwargs):  # tempfile's first look writes a file where it looks
+    if threading.current_thread() is thread and not entered.is_set():
+        entered.set()
+        release.wait(60)
+    return real_open(*args, **kwargs)
+
+os.open = slow_open
+
+def held():
+    tempfile.gettempdir()  # the program's first: it holds tempfile's lock while it looks
+    entered.set()
+
+def child():  # claims in $TMPDIR/devicekit-claims
+    dk.DeviceManager(claim=True, fallback="error", backends=[FakeGpus((70,)), CpuBackend()])
+    assert os.path.exists(os.path.join(os.environ["TMPDIR"], "devicekit-claims"))
+"""
+
+_NVML = """
+import types
+
+class NVMLError(Exception):
+    pass
+
+def nvml_init():  # nvidia-ml-py takes a lock of its own as NVML starts and stops
+    with nvml.libLoadLock:
+        if threading.current_thread() is thread:
+            entered.set()
+            release.wait(60)
+
+nvml = types.SimpleNamespace(
+    NVMLError=NVMLError, libLoadLock=threading.Lock(), nvmlInit=nvml_init,
+    nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 0,
+)
+_nvml._binding = lambda: nvml
+
+def held():
+    _nvml.read_nvml()
+    entered.set()
+
+def child():
+    assert _nvml.read_nvml() == []
+"""
+
+_CLAIM = """
+real_open_lock = _claims._open_lock
+
+def slow_open_lock(*args):
+    if threading.current_thread() is thread:
+        entered.set()
+        release.wait(60)
+    return real_open_lock(*args)
+
+_claims._open_lock = slow_open_lock
+
+def held():
+    _claims.take("GPU-0000")
+    entered.set()
+
+def child():  # the parent's claim is not the child's: it takes the other GPU
+    manager = dk.DeviceManager(claim=True, backends=[FakeGpus((70, 70)), CpuBackend()])
+    assert str(manager.device) == "cuda:1", manager.explain()
+"""
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [_FIRST_LOOK, _TEMP_DIRECTORY, _NVML, _CLAIM],
+    ids=["a first look", "tempfile's first look", "an NVML read", "a claim"],
+)
+def test_a_child_forked_while_a_thread_looks_or_claims_does_not_hang(
+    tmp_path: Path, scenario: str
+) -> None:
+    environ = {**os.environ, "TMPDIR": str(tmp_path)}
+    environ.pop("DEVICEKIT_CLAIM_DIR", None)
+    code = _FORK_RACE.format(root=str(ROOT), scenario=scenario)
+    result = run_program([sys.executable, "-c", code], timeout=120, env=environ)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
 
 # On a GPU machine.

@@ -7,13 +7,19 @@ file locks in a directory of the test's own, taken by real processes where it ma
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
+import pwd
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -31,7 +37,7 @@ from .helpers import CPU, GiB, cuda
 from .programs import run_program
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -307,24 +313,109 @@ def test_claiming_jobs_end_on_different_gpus_and_close_gives_back(own_claims: Pa
     assert not claimed(own_claims, "GPU-0001")
 
 
-def test_managers_of_one_process_share_its_claim(own_claims: Path) -> None:
-    # A notebook cell run twice: the second manager keeps the first one's GPU.
+def test_a_process_that_claims_twice_gets_two_gpus(own_claims: Path) -> None:
+    # A notebook cell run twice, or two parts of a program: each manager wants a GPU.
     _, backends = server()
     first = dk.DeviceManager(claim=True, backends=backends)
     second = dk.DeviceManager(claim=True, backends=backends)
-    assert first.device == second.device == cuda(0)
-    assert [path.name for path in own_claims.iterdir()] == ["GPU-0000.lock"]
-    assert "Skipped" not in second.explain()
+    assert (first.device, second.device) == (cuda(0), cuda(1))
+    assert "Skipped cuda:0: claimed by this process (another of its managers)." in (
+        second.explain()
+    )
+    third = dk.DeviceManager(claim=True, backends=backends)
+    assert third.device == CPU
+    assert "Skipped cuda:1: claimed by this process (another of its managers)." in (third.explain())
+    # To keep one GPU: close the manager before making the next one (or leave its block).
     first.close()
-    assert claimed(own_claims, "GPU-0000")  # the second still holds it
+    again = dk.DeviceManager(claim=True, backends=backends)
+    assert again.device == cuda(0)
+    with dk.DeviceManager(claim=True, backends=backends) as scoped:
+        assert scoped.device == CPU  # both taken, by `second` and `again`
     second.close()
+    with dk.DeviceManager(claim=True, backends=backends) as scoped:
+        assert scoped.device == cuda(1)
+    with dk.DeviceManager(claim=True, backends=backends) as scoped:
+        assert scoped.device == cuda(1)  # the block before gave it back
+    again.close()
     assert not claimed(own_claims, "GPU-0000")
-    # Two GPUs for one process: named.
+    assert not claimed(own_claims, "GPU-0001")
+
+
+def test_managers_that_name_a_gpu_share_this_process_s_claim(own_claims: Path) -> None:
+    _, backends = server()
+    chosen = dk.DeviceManager(claim=True, backends=backends)
+    named = dk.DeviceManager("cuda:0", claim=True, backends=backends)
+    by_index = dk.DeviceManager(0, claim=True, backends=backends)
+    assert chosen.device == named.device == by_index.device == cuda(0)
+    assert "Skipped" not in named.explain()
+    assert [path.name for path in own_claims.iterdir()] == ["GPU-0000.lock"]
+    chosen.close()
+    by_index.close()
+    assert claimed(own_claims, "GPU-0000")  # the named one still holds it
+    named.close()
+    assert not claimed(own_claims, "GPU-0000")
+    # Two GPUs for one process, named.
     both = [dk.DeviceManager(f"cuda:{i}", claim=True, backends=backends) for i in (0, 1)]
     assert claimed(own_claims, "GPU-0000")
     assert claimed(own_claims, "GPU-0001")
     for manager in both:
         manager.close()
+
+
+def test_a_rank_s_managers_share_its_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The launcher names the rank's GPU: every manager of the rank's process uses it.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    _, backends = server()
+    first = dk.DeviceManager.from_env(claim=True, backends=backends)
+    second = dk.DeviceManager.from_env(claim=True, backends=backends)
+    assert first.device == second.device == cuda(1)
+    assert "Skipped" not in second.explain()
+
+
+def test_entering_again_after_this_process_claimed_the_gpu_elsewhere_is_refused(
+    own_claims: Path,
+) -> None:
+    _, backends = server(free=(70,))
+    with dk.DeviceManager(claim=True, backends=backends) as manager:
+        assert manager.device == cuda(0)
+    other = dk.DeviceManager(claim=True, backends=backends)
+    assert other.device == cuda(0)
+    with pytest.raises(dk.DeviceUnavailableError) as raised, manager:
+        pass
+    assert str(raised.value).startswith(
+        "Cannot claim cuda:0 again on entering `with manager:`: this process (another of its "
+        "managers) claimed it after"
+    )
+    other.close()
+
+
+@pytest.mark.usefixtures("watchdog")
+def test_two_threads_claiming_at_once_get_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, backends = server()
+    both_chose = threading.Barrier(2, timeout=5)
+    take = _claims.take
+    past_the_race: set[int] = set()
+
+    def after_both_chose(key: str, **options: Any) -> _claims.Claim | None:
+        if threading.get_ident() not in past_the_race:  # each thread's first claim
+            past_the_race.add(threading.get_ident())
+            both_chose.wait()  # both have looked and chosen: the race, every time
+        return take(key, **options)
+
+    monkeypatch.setattr(_claims, "take", after_both_chose)
+    managers: list[dk.DeviceManager] = []
+    threads = [
+        threading.Thread(
+            target=lambda: managers.append(dk.DeviceManager(claim=True, backends=backends))
+        )
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert sorted(str(manager.device) for manager in managers) == ["cuda:0", "cuda:1"]
 
 
 def test_a_claim_outlives_its_manager_object(own_claims: Path) -> None:
@@ -369,15 +460,217 @@ def test_a_claim_lost_in_a_race_is_looked_at_again(
     take = _claims.take
     others: list[AnotherJob] = []
 
-    def another_job_first(key: str) -> _claims.Claim | None:
+    def another_job_first(key: str, **options: Any) -> _claims.Claim | None:
         if not others:
             others.append(AnotherJob(own_claims, key))
-        return take(key)
+        return take(key, **options)
 
     monkeypatch.setattr(_claims, "take", another_job_first)
     assert dk.DeviceManager(claim=True, backends=backends).device == cuda(1)
     assert others[0].holds
     others[0].release()
+
+
+class HeldLook:
+    """A look at the claims caught halfway, as a look whose process stops there would be.
+
+    ``kind`` says whose: ``devicekit info`` here, in a thread (wherever it locks a claim
+    file, it keeps the lock until let go), the same where the kernel shows no table of
+    locks (macOS), or an older devicekit's, which looked with a shared lock.
+    """
+
+    def __init__(self, kind: str, directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.go_on = threading.Event()
+        self.shared: int | None = None
+        if kind == "an older devicekit's look":
+            self.go_on.set()  # no thread: its lock is held through a file of its own
+            self.shared = os.open(directory / "GPU-0000.lock", os.O_RDONLY)
+            fcntl.flock(self.shared, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        if kind == "devicekit info, no lock table":
+            monkeypatch.setattr(
+                _claims, "_LOCK_TABLE", str(directory / "no-such-table"), raising=False
+            )
+        real_flock, paused = fcntl.flock, threading.Event()
+
+        def flock(descriptor: int, operation: int) -> None:
+            real_flock(descriptor, operation)
+            if threading.current_thread() is self.looker and operation & fcntl.LOCK_SH:
+                paused.set()
+                self.go_on.wait(5)
+
+        def look() -> None:
+            try:
+                _info_table(dk.DeviceManager(backends=server(free=(70,))[1]))
+            finally:
+                paused.set()
+
+        monkeypatch.setattr(fcntl, "flock", flock)
+        self.looker = threading.Thread(target=look)
+        self.looker.start()
+        paused.wait(5)  # the look holds what it took, or finished without taking anything
+
+    def end(self) -> None:
+        if self.shared is not None:
+            os.close(self.shared)  # closing drops the lock
+            self.shared = None
+        elif not self.go_on.is_set():
+            self.go_on.set()
+            self.looker.join(5)
+
+
+@pytest.mark.usefixtures("watchdog")
+@pytest.mark.parametrize(
+    "kind", ["devicekit info", "devicekit info, no lock table", "an older devicekit's look"]
+)
+def test_a_look_never_makes_a_free_gpu_look_claimed(
+    own_claims: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    _, backends = server(free=(70,))
+    dk.DeviceManager(claim=True, backends=backends).close()  # the file stays, as after any job
+    look = HeldLook(kind, own_claims, monkeypatch)
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:  # the claim tries again: the look ends meanwhile
+        pauses.append(seconds)
+        look.end()
+
+    monkeypatch.setattr(_claims, "_pause", pause, raising=False)
+    try:
+        manager = dk.DeviceManager(claim=True, fallback="error", backends=backends)
+    finally:
+        look.end()
+    assert manager.device == cuda(0)
+    # Where the kernel shows its locks, looking takes none, and a claim never waits on one.
+    assert len(pauses) == (0 if kind == "devicekit info" else 1)
+
+
+@pytest.mark.parametrize("table", [True, False], ids=["lock table", "no lock table"])
+def test_a_claim_is_still_a_claim_to_the_look_and_to_claiming(
+    own_claims: Path, monkeypatch: pytest.MonkeyPatch, table: bool
+) -> None:
+    if not table:
+        monkeypatch.setattr(_claims, "_LOCK_TABLE", str(own_claims / "no-such-table"))
+    pauses: list[float] = []
+    monkeypatch.setattr(_claims, "_pause", pauses.append)
+    other = AnotherJob(own_claims, "GPU-0000")
+    assert _claims.holders(["GPU-0000", "GPU-0001"]) == {"GPU-0000": _claims.Holder(4242)}
+    assert dk.DeviceManager(claim=True, backends=server(free=(70,))[1]).device == CPU
+    assert _claims.take("GPU-0000") is None  # what a claim meets, chosen before it was taken
+    # Without the table, a claim cannot tell a look from a claim: it tries for a moment.
+    assert pauses == [] if table else sum(pauses) >= _claims._LOOK_S
+    other.release()
+
+
+def _owner(uid: int) -> str:
+    """How a message names the owner of a claim file this user cannot open."""
+    try:
+        who = f"user {pwd.getpwuid(uid).pw_name} (uid {uid}, "
+    except KeyError:
+        who = f"user {uid} ("
+    return f"{who}whose claim file this user cannot open)"
+
+
+def test_another_user_s_claim_file_this_user_cannot_open_is_their_claim(
+    own_claims: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 0600 claim file of another user (as root, which opens anything, by a stand-in for
+    # the refusal; the test below drops to another user for real).
+    own_claims.mkdir(mode=0o1777)
+    (own_claims / "GPU-0000.lock").write_text("")
+    real_open = os.open
+
+    def theirs(path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
+        if str(path) == "GPU-0000.lock" and not flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(os, "open", theirs)
+    owner = _owner(os.getuid())
+    manager = _claim(server()[1])
+    assert manager.device == cuda(1)
+    assert f"Skipped cuda:0: claimed by {owner}." in manager.explain()
+    with pytest.raises(
+        dk.DeviceUnavailableError,
+        match=re.escape(f"Cannot claim cuda:0, asked for as 'cuda:0': {owner} claims it."),
+    ):
+        dk.DeviceManager("cuda:0", claim=True, backends=server()[1])
+    assert owner in _info_table(dk.DeviceManager(backends=server()[1]))
+
+
+def _as_user(uid: int, work: Callable[[], str]) -> str:
+    """What ``work()`` returns in a forked child that runs as user ``uid`` (a child that
+    raises fails the test with its error; the watchdog ends one that hangs)."""
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: forks with threads
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        status = 0
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            said = work()
+        except BaseException as err:  # said to the parent, whatever it is
+            said, status = f"the child raised {err!r}", 1
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(said.encode())
+        os._exit(status)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as pipe:
+            said = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    assert os.waitstatus_to_exitcode(status) == 0, said
+    return said
+
+
+def _another_user_s_job() -> str:
+    manager = dk.DeviceManager(claim=True, backends=server()[1])
+    try:
+        dk.DeviceManager("cuda:0", claim=True, backends=server()[1])
+        refused = ""
+    except dk.DeviceUnavailableError as err:
+        refused = str(err)
+    return json.dumps([str(manager.device), manager.explain(), refused])
+
+
+@pytest.mark.usefixtures("watchdog")
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root")
+def test_a_0600_claim_file_of_another_user_leaves_the_other_gpus_to_everyone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One user's job made GPU-0000.lock readable to that user alone; another user's job
+    # (nobody's, here) counts that GPU as claimed, by its owner, and takes the next.
+    try:
+        planter = pwd.getpwnam("daemon").pw_uid
+    except KeyError:
+        planter = 12345
+    shared = Path(tempfile.mkdtemp(prefix="devicekit-test-"))  # in /tmp: nobody may enter
+    try:
+        shared.chmod(0o755)
+        claims = shared / "claims"
+        claims.mkdir()
+        claims.chmod(0o1777)
+        planted = claims / "GPU-0000.lock"
+        planted.write_text("777\n")
+        planted.chmod(0o600)
+        os.chown(planted, planter, planter)
+        monkeypatch.setenv("DEVICEKIT_CLAIM_DIR", str(claims))
+        device, explained, refused = json.loads(_as_user(65534, _another_user_s_job))
+        owner = _owner(planter)
+        assert device == "cuda:1"
+        assert f"Skipped cuda:0: claimed by {owner}." in explained
+        assert refused == f"Cannot claim cuda:0, asked for as 'cuda:0': {owner} claims it."
+        assert planted.read_text() == "777\n"
+    finally:
+        shutil.rmtree(shared)
 
 
 def _claim(backends: list[object]) -> dk.DeviceManager:
