@@ -6,6 +6,7 @@ import collections
 import re
 import subprocess
 import sys
+import traceback
 from typing import Any
 
 import numpy as np
@@ -334,14 +335,36 @@ def test_objects_that_move_themselves_compare_by_what_they_hold() -> None:
 def test_sets_of_equal_tensors_match_without_pairwise_comparisons(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pairwise: list[object] = []
-    matches = _assertions._matches
+    comparisons: list[object] = []
+    comparison = _assertions._comparison
     monkeypatch.setattr(
-        _assertions, "_matches", lambda *a, **k: pairwise.append(a) or matches(*a, **k)
+        _assertions, "_comparison", lambda *a, **k: comparisons.append(a) or comparison(*a, **k)
     )
     members = {torch.full((2,), float(i)) for i in range(2000)}
     moved = {tensor.clone() for tensor in members}  # new objects: tensors hash by identity
     assert_batches_equal(moved, members)
-    assert pairwise == []  # matched by digest, in linear time
+    assert len(comparisons) == 1  # the sets' own: members matched by digest, in linear time
     nan = torch.tensor([float("nan")])
     assert_batches_equal({nan.clone()}, {nan})  # NaN equals NaN here, as elsewhere
+
+
+def test_sets_nested_in_sets_compare_without_recursion_and_say_so_briefly() -> None:
+    def nested(leaf: torch.Tensor, depth: int) -> frozenset[Any]:
+        found = frozenset({leaf})
+        for _ in range(depth):
+            found = frozenset({found, "x"})
+        return found
+
+    expected = nested(torch.ones(1), 300)
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(traceback.extract_stack()) + 60)  # recursion would fail
+    try:
+        assert_batches_equal(nested(torch.ones(1), 300), expected)  # members: new tensors
+        with pytest.raises(
+            AssertionError, match=re.escape("data: expected a member like")
+        ) as raised:
+            assert_batches_equal(nested(torch.zeros(1), 300), expected)
+    finally:
+        sys.setrecursionlimit(before)
+    assert "frozenset({...}" in str(raised.value)
+    assert len(str(raised.value)) < 500

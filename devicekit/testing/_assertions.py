@@ -9,7 +9,9 @@ and values on any device, numpy arrays by value, the rest by ``==``).
 from __future__ import annotations
 
 import collections
-from typing import Any, Final, NamedTuple
+import reprlib
+from collections.abc import Generator
+from typing import Any, Final, NamedTuple, TypeAlias
 
 import torch
 
@@ -102,7 +104,34 @@ def _shape(data: Any) -> _Shape:
     return _Shape(dict(containers + leaves), counts, containers + leaves, frozenset(leaf_paths))
 
 
+# A comparison: a generator that raises AssertionError where the two differ, and yields
+# the pairs whose comparison it needs (a set's members, matched one by one) to receive
+# whether they match. One loop runs them all, from a stack: no recursion, however deep
+# sets nest in sets.
+_Comparison: TypeAlias = Generator[tuple[Any, Any], bool, None]
+
+
 def _compare(actual: Any, expected: Any, *, values: bool) -> None:
+    """Compare, raising the outermost difference: comparisons asked for run on a stack."""
+    running: list[_Comparison] = [_comparison(actual, expected, values=values)]
+    answer: bool | None = None
+    while running:
+        try:
+            asked = running[-1].send(answer)  # type: ignore[arg-type] # None to start it
+        except StopIteration:  # noqa: PERF203 - the loop is the comparisons' stack
+            running.pop()
+            answer = True
+        except AssertionError:
+            running.pop()
+            if not running:
+                raise
+            answer = False
+        else:
+            running.append(_comparison(*asked, values=values))
+            answer = None
+
+
+def _comparison(actual: Any, expected: Any, *, values: bool) -> _Comparison:
     mine, theirs = _shape(actual), _shape(expected)
     compared_whole: list[str] = []  # sets: their members matched as a whole, unordered
     for path, want in theirs.order:
@@ -119,17 +148,33 @@ def _compare(actual: Any, expected: Any, *, values: bool) -> None:
         node = decide(type(want)).cast
         if node is SET:
             compared_whole.append(path)
-            _compare_members(got, want, where, values=values)
+            yield from _compare_members(got, want, where, values=values)
         elif node.mapping:
             keys, got_keys = [k for k, _ in mapping_items(want)], [k for k, _ in mapping_items(got)]
             # Python's dicts compare equal in any order; OrderedDicts do not.
             ordered = isinstance(want, collections.OrderedDict)
             if keys != got_keys if ordered else _differ_unordered(keys, got_keys):
-                msg = f"{where}: expected keys {keys!r}, got {got_keys!r}."
+                msg = f"{where}: expected keys {_shown(keys)}, got {_shown(got_keys)}."
                 raise AssertionError(msg)
         elif theirs.counts[path] != mine.counts[path]:
             msg = f"{where}: expected {theirs.counts[path]} items, got {mine.counts[path]}."
             raise AssertionError(msg)
+
+
+# Values in messages are shortened as reprlib shortens them: a few members a container,
+# a few levels (sets nested thousands deep), long strings and reprs cut in the middle.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 4, 200, 200
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdict = 8
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, of bounded length.
+
+    >>> _shown([*range(10)]), _shown("x" * 1000)[:12]
+    ('[0, 1, 2, 3, 4, 5, 6, 7, ...]', "'xxxxxxxxxxx")
+    """
+    return _REPR.repr(value)
 
 
 def _compare_leaves(got: Any, want: Any, where: str, *, values: bool) -> None:
@@ -139,10 +184,10 @@ def _compare_leaves(got: Any, want: Any, where: str, *, values: bool) -> None:
         _compare_tensors(got, want, where, values=values)
     elif how is Leaf.ARRAY:
         if not _equal_arrays(got, want):
-            msg = f"{where}: expected {want!r}, got {got!r}."
+            msg = f"{where}: expected {_shown(want)}, got {_shown(got)}."
             raise AssertionError(msg)
     elif got is not want and not _equal(got, want):
-        msg = f"{where}: expected {want!r}, got {got!r}."
+        msg = f"{where}: expected {_shown(want)}, got {_shown(got)}."
         raise AssertionError(msg)
 
 
@@ -169,7 +214,7 @@ def _differ_unordered(keys: list[Any], got_keys: list[Any]) -> bool:
     return len(keys) != len(got_keys) or any(key not in got_keys for key in keys)
 
 
-def _compare_members(got: Any, want: Any, where: str, *, values: bool) -> None:
+def _compare_members(got: Any, want: Any, where: str, *, values: bool) -> _Comparison:
     """Sets: each expected member matched by one actual member, in any order.
 
     Tensors hash by identity, so a moved set of tensors holds new members: members are
@@ -192,9 +237,15 @@ def _compare_members(got: Any, want: Any, where: str, *, values: bool) -> None:
             unmatched.append(member)
     left = [member for bucket in waiting.values() for member in bucket]
     for member in unmatched:
-        match = next((g for g in left if _matches(g, member, values=values)), _NO_MATCH)
+        match = _NO_MATCH
+        for candidate in left:
+            if (yield candidate, member):  # compared by the loop in _compare
+                match = candidate
+                break
         if match is _NO_MATCH:
-            msg = f"{where}: expected a member like {member!r}, found none among {got!r}."
+            msg = (
+                f"{where}: expected a member like {_shown(member)}, found none among {_shown(got)}."
+            )
             raise AssertionError(msg)
         left.remove(match)
 
@@ -216,14 +267,6 @@ def _digest(member: Any, *, values: bool) -> Any:
 
 
 _NO_MATCH: Any = object()
-
-
-def _matches(got: Any, want: Any, *, values: bool) -> bool:
-    try:
-        _compare(got, want, values=values)
-    except AssertionError:
-        return False
-    return True
 
 
 def _compare_tensors(
