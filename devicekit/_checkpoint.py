@@ -639,7 +639,7 @@ def _unloadable(obj: Any, refusal: str, where: str) -> str:
     try:
         found = _refused_in(obj, frozenset(names))
         lost = ""
-    except TransferError as err:  # a reference cycle: nothing to name, and no hang
+    except TransferError as err:  # a cycle, or depth past MAX_DEPTH: said with its path
         found, lost = None, f" Where it is could not be found: {err}"
     if found is None:
         said = _first_sentence(refusal)
