@@ -10,9 +10,12 @@ import io
 import pickle
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 __all__ = [
+    "DdpSync",
+    "ddp_forward_syncs",
+    "is_out_of_memory",
     "one_graph",
     "raise_past_the_compiler",
     "recomputed_attributes",
@@ -158,3 +161,92 @@ def _reparametrising_hooks() -> tuple[tuple[type, ...], tuple[type, ...]]:
     named = loaded("torch.nn.utils.weight_norm", "WeightNorm")
     named += loaded("torch.nn.utils.spectral_norm", "SpectralNorm")
     return pruning, named
+
+
+_OUT_OF_MEMORY_SAID = (
+    "CUDA out of memory",  # the caching allocator's words, raised as RuntimeError by extensions
+    "HIP out of memory",  # the same on ROCm
+    "CUDA error: out of memory",  # cudaErrorMemoryAllocation: memory the allocator does not own
+    "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS could not allocate its handle or workspace
+    "HIPBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "MPS backend out of memory",  # MPS raises a RuntimeError of its own
+    "XPU out of memory",  # so did XPU builds before torch.OutOfMemoryError
+)
+_CHAIN_MOST = 32
+"""The most exceptions of a chain looked at: a chain is short; a longer one is a loop."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a device running out of memory, or was raised because one did.
+
+    ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU), or a RuntimeError whose message says a
+    device or one of its libraries could not allocate (``"CUDA out of memory"`` from
+    extensions and older code, cuBLAS's ``CUBLAS_STATUS_ALLOC_FAILED``, MPS's
+    ``"MPS backend out of memory"``). The error's chain is followed as Python prints it
+    (``__cause__``, and ``__context__`` unless suppressed with ``from None``), so an
+    out-of-memory error wrapped in another is one too. The host running out
+    (``MemoryError``, the CPU allocator's RuntimeError) is not a device's.
+
+    >>> import torch
+    >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    True
+    >>> try:
+    ...     try:
+    ...         raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling ...")
+    ...     except RuntimeError as failed:
+    ...         raise ValueError("the attention kernel failed") from failed
+    ... except ValueError as wrapped:
+    ...     is_out_of_memory(wrapped)
+    True
+    >>> is_out_of_memory(MemoryError()), is_out_of_memory(RuntimeError("CUDA error: launch failed"))
+    (False, False)
+    """
+    import torch  # noqa: PLC0415 - loaded already: the error came from it
+
+    seen: set[int] = set()
+    pending = [error]
+    while pending and len(seen) < _CHAIN_MOST:
+        each = pending.pop()
+        if id(each) in seen:  # a chain that loops back
+            continue
+        seen.add(id(each))
+        if isinstance(each, torch.OutOfMemoryError):
+            return True
+        if isinstance(each, RuntimeError):
+            try:
+                said = str(each)
+            except Exception:  # a message that cannot be read says nothing
+                said = ""
+            if any(words in said for words in _OUT_OF_MEMORY_SAID):
+                return True
+        if each.__cause__ is not None:
+            pending.append(each.__cause__)
+        if each.__context__ is not None and not each.__suppress_context__:
+            pending.append(each.__context__)
+    return False
+
+
+class DdpSync(NamedTuple):
+    """What a forward of a DistributedDataParallel module synchronises across ranks."""
+
+    gradients: bool
+    """In the backward that follows: its gradient all-reduce."""
+    buffers: bool
+    """In the forward itself: its buffers, broadcast from rank 0."""
+
+
+def ddp_forward_syncs(module: Any) -> DdpSync:
+    """What a forward of the DistributedDataParallel ``module`` begun now would synchronise.
+
+    Read as DDP's own forward decides it: gradients where autograd records and the
+    module is not under ``no_sync()`` (``require_backward_grad_sync``); buffers where
+    ``broadcast_buffers`` is on, the module has buffers and the last forward did
+    synchronise gradients (``will_sync_module_buffers()``: the first forward under
+    ``no_sync()`` still broadcasts them, the later ones do not). Both attributes are
+    undocumented, though unprefixed.
+    """
+    import torch  # noqa: PLC0415 - loaded already: the module is a torch module
+
+    gradients = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
+    return DdpSync(gradients, bool(module.will_sync_module_buffers()))

@@ -3,17 +3,25 @@
 The search runs the user's own training step at a size and watches only for running
 out of memory::
 
+    agree:   every option that shapes the search, the same on every rank (one all-reduce)
+    keep:    a host copy of what restore= names, and of the random generators
     grow:    start, 2x start, 4x start, ...   until a step runs out of memory (or limit)
     narrow:  between the last size that fit and the first that did not, halving the gap
              until the size that fits is within a tenth of the one that did not
     room:    with headroom, the size shrinks until its measured peak leaves that share free
+    put back: the copy, on every way out (a fit, an error, Ctrl-C), then dropped
 
 Each try is freed before the next: the step's exception is dropped before the next
 step starts (its traceback holds the failed step's frames, and their tensors), then
 garbage is collected and the allocator's cache emptied, and the peak statistics are
-reset. Under a process group every rank runs the same search and agrees on every try
-with one all-reduce (MIN), so all ranks take the same sizes and end on the same one;
-a rank whose step fails otherwise tells the others before it raises, so none waits.
+reset. Under a process group every rank makes the same collective calls in the same
+order, so that none waits for another: the options are agreed before the first try
+(ranks given different ones all refuse, together), every try ends with one all-reduce
+(MIN) of its outcome, so all ranks take the same sizes and end on the same one, and a
+rank whose step fails otherwise tells the others before it raises. A step that
+synchronises a DistributedDataParallel's gradients cannot keep that promise (a rank out
+of memory inside it leaves the others in its all-reduce): where the wrapper is named
+in ``restore=``, that is seen and refused after the first try, on every rank.
 
 What the device can tell of its memory sits behind one small seam, :data:`MEMORY`, as
 the loader's streams do: the tests stand in for a GPU there.
@@ -21,20 +29,28 @@ the loader's streams do: the tests stand in for a GPU there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import gc
 import math
-from collections.abc import Callable
+import random
+import struct
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple, Protocol
 
 import torch
+from torch import nn
 
+from devicekit._compat import ddp_forward_syncs, is_out_of_memory
 from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import DeviceKitError
+from devicekit._transfer import to_device
 from devicekit._units import nbytes
 
-__all__ = ["MEMORY", "BatchFit", "DeviceMemory", "fit_batch", "out_of_memory"]
+__all__ = ["MEMORY", "BatchFit", "DeviceMemory", "fit_batch"]
 
 _NEAR: Final = 0.10
 """The search stops narrowing once the size that fits is within this share of the one
@@ -42,6 +58,8 @@ that did not: at least 90% of the largest size that fits, in a few more tries.""
 _MOST: Final = 2**20
 """The largest size tried without a ``limit``, on devices that never run out of memory."""
 _FIT, _OUT_OF_MEMORY, _FAILED = 1, 0, -1  # what a try came to, as ranks agree on it
+_HOST: Final = torch.device("cpu")
+"""Where the copy of restore= lives: not on the device, whose free memory the search measures."""
 
 
 class DeviceMemory(Protocol):
@@ -118,19 +136,6 @@ def _memory_of(device: torch.device) -> DeviceMemory:
     return _Unmeasured()
 
 
-def out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is a device running out of memory, and nothing else.
-
-    ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU), and MPS's and older XPU builds'
-    RuntimeError by the exact start of their message.
-    """
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and str(error).startswith(
-        ("MPS backend out of memory", "XPU out of memory")
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class BatchFit:
     """What :func:`fit_batch` found: the size to train at, and how it was found.
@@ -193,6 +198,7 @@ def fit_batch(
     target: int | None = None,
     headroom: float = 0.0,
     device: DeviceLike | None = None,
+    restore: object = (),
 ) -> BatchFit:
     """The largest batch size whose training step fits in the device's memory.
 
@@ -204,6 +210,17 @@ def fit_batch(
     Each failed try is freed before the next (``step`` should start with
     ``optimizer.zero_grad(set_to_none=True)``, so that a failed step's gradients go too).
 
+    The steps train whatever they use. Name your model and optimizer in ``restore`` and
+    they are put back exactly as they were once the search ends, however it ends (a
+    size found, an error, Ctrl-C): every parameter and buffer value (in place: the
+    tensors your optimizer holds stay the same), every gradient, every submodule's
+    ``training`` flag, the optimizer's state and its ``lr``. The copy is kept on the host,
+    so it takes none of the memory the search measures, and dropped after. The global
+    random generators (PyTorch's CPU one and the device's, Python's ``random``, NumPy's
+    global one where NumPy is loaded) are put back too, with or without ``restore``: a
+    seeded run trains the same after the search as without it, whatever sizes this
+    machine's memory made it try.
+
     >>> import torch, devicekit as dk
     >>> def step(batch_size):  # a stand-in: a real step runs out of memory by itself
     ...     if batch_size > 100:
@@ -211,6 +228,19 @@ def fit_batch(
     >>> fit = dk.fit_batch(step, limit=1024, device="cpu")
     >>> fit.batch_size, len(fit.tries)
     (96, 8)
+
+    With the model and optimizer a real step trains:
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    >>> weight = model.weight.detach().clone()
+    >>> def train_step(batch_size):
+    ...     optimizer.zero_grad(set_to_none=True)
+    ...     model(torch.randn(batch_size, 4)).square().mean().backward()
+    ...     optimizer.step()
+    >>> fit = dk.fit_batch(train_step, limit=64, device="cpu", restore=(model, optimizer))
+    >>> torch.equal(model.weight, weight), model.weight.grad, optimizer.state_dict()["state"]
+    (True, None, {})
 
     Args:
         step: Runs one training step at the batch size it is given.
@@ -224,26 +254,58 @@ def fit_batch(
             batches larger than the probe's: the size shrinks until its measured peak
             leaves it free.
         device: Where the step runs; None for :func:`~devicekit.current_device`.
+        restore: What the steps change and the search puts back: a module, an
+            optimizer, anything with ``state_dict()`` and ``load_state_dict()`` (an LR
+            scheduler, a ``GradScaler``), or a tuple of them.
 
     Returns:
         The size, the accumulation, and every try.
 
     Raises:
         DeviceKitError: Not even a batch of 1 fits: the message names the device, its
-            free memory and what was tried.
+            free memory and what was tried. Under a process group, also where the ranks
+            were given different ``start``, ``limit``, ``target`` or ``headroom`` (every
+            rank raises it, before any try), where another rank stopped the search, and
+            where the step synchronises the gradients of a DistributedDataParallel
+            named in ``restore``.
         ValueError: An option is out of range.
-        TypeError: ``step`` is not callable.
+        TypeError: ``step`` is not callable, or ``restore`` holds something that
+            cannot be put back.
     """
-    _check(step, start, limit, target, headroom)
-    where = current_device() if device is None else resolve_device(device)
-    search = _Search(step, _memory_of(where), where)
-    ranks = search.ranks
+    ranks = _Ranks()
+    options: dict[str, int | float | None] = {
+        "start": start,
+        "limit": limit,
+        "target": target,
+        "headroom": headroom,
+    }
+    kept, wrappers, where, refusal = None, [], None, None
+    try:
+        _check(step, start, limit, target, headroom)
+        entries = _restorable(restore)
+        where = current_device() if device is None else resolve_device(device)
+        wrappers = _wrappers(entries)
+        options["wrappers"] = len(wrappers)
+        kept = _Kept(entries, where)
+    except Exception as error:  # raised below, once the other ranks hear of it
+        refusal = error
+    ranks.agree_on(options, refusal, where)
+    assert kept is not None  # for mypy: refused above otherwise
+    assert where is not None
+    try:
+        with _Watch(wrappers) as watch:
+            return _search(_Search(step, _memory_of(where), where, ranks, watch), options)
+    finally:
+        kept.put_back()
+
+
+def _search(search: _Search, options: dict[str, Any]) -> BatchFit:
+    """The search itself, with options every rank agreed on."""
+    start, limit, target, headroom = (options[name] for name in _AGREED[:4])
     ceiling = _MOST if limit is None else limit
     if target is not None:
-        ceiling = min(ceiling, max(1, math.ceil(target / ranks)))
-    # Ranks given different limits or starts still take the same sizes: the smallest.
-    ceiling = search.smallest(ceiling)
-    start = search.smallest(min(start, ceiling))
+        ceiling = min(ceiling, max(1, math.ceil(target / search.ranks.count)))
+    start = min(start, ceiling)
     best, failed = search.grow(start, ceiling)
     if best is None:
         best, failed = search.down_from(start)
@@ -257,8 +319,9 @@ def fit_batch(
     )
     if headroom > 0:
         best, reason = search.leave_room(best, headroom, reason)
-    accumulation = 1 if target is None else max(1, math.ceil(target / (best * ranks)))
-    return BatchFit(best, accumulation, tuple(search.tries), where, reason)
+    count = search.ranks.count
+    accumulation = 1 if target is None else max(1, math.ceil(target / (best * count)))
+    return BatchFit(best, accumulation, tuple(search.tries), search.device, reason)
 
 
 def _check(step: object, start: object, limit: object, target: object, headroom: object) -> None:
@@ -279,29 +342,293 @@ def _check(step: object, start: object, limit: object, target: object, headroom:
         raise ValueError(msg)
 
 
+def _restorable(restore: object) -> tuple[object, ...]:
+    """The entries of ``restore=``, each one a module or has a state to save and load."""
+    if isinstance(restore, nn.Module) or _stateful(restore):
+        return (restore,)
+    if not isinstance(restore, tuple | list):
+        msg = (
+            "Expected restore to be a module, an optimizer, an object with state_dict() "
+            "and load_state_dict(), or a tuple of them such as restore=(model, optimizer), "
+            f"got {type(restore).__name__}."
+        )
+        raise TypeError(msg)
+    for index, entry in enumerate(restore):
+        if not isinstance(entry, nn.Module) and not _stateful(entry):
+            msg = (
+                f"Expected restore[{index}] to be a module, an optimizer or an object with "
+                f"state_dict() and load_state_dict(), got {type(entry).__name__}: "
+                "fit_batch could not put it back after the search."
+            )
+            raise TypeError(msg)
+    return tuple(restore)
+
+
+def _stateful(entry: object) -> bool:
+    return callable(getattr(entry, "state_dict", None)) and callable(
+        getattr(entry, "load_state_dict", None)
+    )
+
+
+def _wrappers(entries: Sequence[object]) -> list[nn.parallel.DistributedDataParallel]:
+    """The DistributedDataParallel modules named in ``restore=``, or held by one named there."""
+    found: dict[int, nn.parallel.DistributedDataParallel] = {}
+    for entry in entries:
+        if isinstance(entry, nn.Module):
+            for module in entry.modules():
+                if isinstance(module, nn.parallel.DistributedDataParallel):
+                    found[id(module)] = module
+    return list(found.values())
+
+
+_AGREED: Final = ("start", "limit", "target", "headroom", "wrappers")
+"""The options that shape the search, so that every rank must be given the same."""
+
+
+class _Ranks:
+    """This process's place in a process group, if any, and the all-reduces of the search."""
+
+    def __init__(self) -> None:
+        distributed = torch.distributed
+        self.grouped = distributed.is_available() and distributed.is_initialized()
+        self.count = distributed.get_world_size() if self.grouped else 1
+        self.device = _HOST
+
+    def agree_on(
+        self,
+        options: dict[str, int | float | None],
+        refusal: Exception | None,
+        device: torch.device | None,
+    ) -> None:
+        """Refuse, on every rank at once, options that are out of range or differ.
+
+        One all-reduce (MIN) of ``[ok, code, -code, ...]`` gives every rank whether all
+        are ready, and the least and the most of each option over the ranks.
+        """
+        if self.grouped and torch.distributed.get_backend() == "nccl":
+            # NCCL reduces on the device only: the search's, or (refused) the current one.
+            self.device = current_device() if device is None else device
+        if not self.grouped:
+            if refusal is not None:
+                raise refusal
+            return
+        codes = [0] * len(_AGREED) if refusal is not None else [_code(options[n]) for n in _AGREED]
+        agreed = self.least([int(refusal is None), *(x for code in codes for x in (code, -code))])
+        if refusal is not None:
+            raise refusal
+        if agreed[0] == 0:
+            msg = (
+                "Cannot fit the batch: another rank's fit_batch refused its arguments "
+                "before the first try (its own error says why), so this rank stops too."
+            )
+            raise DeviceKitError(msg)
+        differ = []
+        for index, name in enumerate(_AGREED):
+            least, most = agreed[1 + 2 * index], -agreed[2 + 2 * index]
+            if least != most:
+                differ.append(_differs(name, least, most))
+        if differ:
+            msg = (
+                f"{'; '.join(differ)}. Pass the same start, limit, target, headroom and "
+                "restore= on every rank: ranks that search differently make different "
+                "collective calls, and the group goes out of step. No rank tried a size."
+            )
+            raise DeviceKitError(msg)
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's ``value``: one all-reduce (MIN) under a group.
+
+        Every branch of the search follows values agreed so, so that every rank takes
+        the same sizes and makes the same collective calls: none waits for another.
+        """
+        return value if not self.grouped else self.least([value])[0]
+
+    def least(self, values: list[int]) -> list[int]:
+        """The least of each of ``values`` over the ranks (one all-reduce)."""
+        distributed = torch.distributed
+        flags = torch.tensor(values, device=self.device, dtype=torch.int64)
+        try:
+            distributed.all_reduce(flags, op=distributed.ReduceOp.MIN)
+        except RuntimeError as error:
+            msg = (
+                "Expected every rank to reach fit_batch's all-reduce, but it failed: a rank "
+                "left the search, or the ranks' collective calls went out of step. A rank "
+                "that runs out of memory inside a step of DistributedDataParallel leaves the "
+                "others in its gradient all-reduce: search with the module outside its "
+                "wrapper (ddp.module) or under ddp.no_sync() (see the guide, 'The largest "
+                f"batch that fits'). The process group said: {error}"
+            )
+            raise DeviceKitError(msg) from error
+        return [int(each) for each in flags.tolist()]
+
+
+def _code(value: int | float | None) -> int:
+    """An option as a whole number: None 0, a share its float's bits (ordered, as it is >= 0)."""
+    if value is None:
+        return 0
+    if isinstance(value, float):
+        bits: int = struct.unpack("<q", struct.pack("<d", value + 0.0))[0]  # -0.0 is 0.0
+        return bits
+    return int(value)
+
+
+def _differs(name: str, least: int, most: int) -> str:
+    if name == "wrappers":
+        return (
+            "restore= names a different number of DistributedDataParallel modules on "
+            f"different ranks: {least} on some, {most} on others"
+        )
+
+    def said(code: int) -> str:
+        if name == "headroom":
+            return shown(struct.unpack("<d", struct.pack("<q", code))[0])
+        return "None" if code == 0 else str(code)
+
+    return f"{name} differs between ranks: {said(least)} on some, {said(most)} on others"
+
+
+class _Kept:
+    """A host copy of what ``restore=`` names, and of the random generators, put back once.
+
+    Module tensors go back in place (an optimizer holds them), gradients in place where
+    the step left one of the same shape; other objects through their own
+    ``load_state_dict``, from a copy of their ``state_dict`` made by :func:`to_device`.
+    """
+
+    def __init__(self, entries: Sequence[object], device: torch.device) -> None:
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the live one, its copy)
+        self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.flags: list[tuple[nn.Module, bool]] = []
+        self.states: list[tuple[Any, object]] = []
+        seen: set[int] = set()
+        for entry in entries:
+            if isinstance(entry, nn.Module):
+                self._keep_module(entry, seen)
+            else:
+                state = to_device(entry.state_dict(), _HOST, copy=True)  # type: ignore[attr-defined]
+                self.states.append((entry, state))
+        self.generators = _generators(device)
+
+    def _keep_module(self, module: nn.Module, seen: set[int]) -> None:
+        self.flags.extend((each, each.training) for each in module.modules())
+        for tensor in (*module.parameters(), *module.buffers()):
+            if id(tensor) in seen or tensor.is_meta:  # a meta tensor has no values to keep
+                continue
+            seen.add(id(tensor))
+            self.tensors.append((tensor, tensor.detach().to(_HOST, copy=True)))
+            if isinstance(tensor, nn.Parameter):
+                grad = tensor.grad
+                self.grads.append((tensor, None if grad is None else grad.to(_HOST, copy=True)))
+
+    def put_back(self) -> None:
+        """Put everything back as it was, then drop the copy."""
+        with torch.no_grad():
+            for tensor, copy in self.tensors:
+                tensor.copy_(copy)
+            for parameter, grad in self.grads:
+                now = parameter.grad
+                if grad is None:
+                    parameter.grad = None
+                elif now is not None and now.shape == grad.shape and now.dtype == grad.dtype:
+                    now.copy_(grad)  # in place: DDP's gradients may be views of its buckets
+                else:
+                    parameter.grad = grad.to(parameter.device)
+        for module, training in self.flags:
+            module.training = training  # not train(): its recursion would overwrite the rest
+        for entry, state in self.states:
+            entry.load_state_dict(state)
+        for put in self.generators:
+            put()
+        self.tensors, self.grads, self.flags, self.states, self.generators = [], [], [], [], []
+
+
+def _generators(device: torch.device) -> list[Callable[[], object]]:
+    """What puts each global random generator back as it is now."""
+    kept: list[Callable[[], object]] = [
+        functools.partial(torch.set_rng_state, torch.get_rng_state()),
+        functools.partial(random.setstate, random.getstate()),
+    ]
+    backend: Any = getattr(torch, device.type, None) if device.type not in ("cpu", "meta") else None
+    get, put = getattr(backend, "get_rng_state", None), getattr(backend, "set_rng_state", None)
+    if callable(get) and callable(put):
+        if device.type == "mps":  # one generator, no device argument
+            kept.append(functools.partial(put, get()))
+        else:
+            kept.append(functools.partial(put, get(device), device))
+    numpy: Any = sys.modules.get("numpy")
+    if numpy is not None:  # NumPy's global generator, read only where NumPy is loaded
+        kept.append(functools.partial(numpy.random.set_state, numpy.random.get_state()))
+    return kept
+
+
+class _Watch:
+    """The DistributedDataParallel modules named in ``restore=``: what each try synchronised.
+
+    A forward pre-hook reads what the forward is about to synchronise, a forward hook
+    that it ended. Both are removed when the search ends.
+    """
+
+    def __init__(self, wrappers: Sequence[nn.Module]) -> None:
+        self.wrappers = wrappers
+        self.handles: list[Any] = []
+        self.gradients = False
+        """A forward of this try began that synchronises gradients in its backward."""
+        self.broadcasting: set[int] = set()
+        """The wrappers whose forward began broadcasting buffers and did not end."""
+
+    def __enter__(self) -> _Watch:
+        for wrapper in self.wrappers:
+            self.handles.append(wrapper.register_forward_pre_hook(self._began))
+            self.handles.append(wrapper.register_forward_hook(self._ended))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def start(self) -> None:
+        self.gradients, self.broadcasting = False, set()
+
+    def _began(self, module: nn.Module, args: object) -> None:
+        syncs = ddp_forward_syncs(module)
+        self.gradients = self.gradients or syncs.gradients
+        if syncs.buffers:
+            self.broadcasting.add(id(module))
+
+    def _ended(self, module: nn.Module, args: object, output: object) -> None:
+        self.broadcasting.discard(id(module))
+
+
 class _Search:
     """The tries of one search, on one rank, agreed with the others where there are any."""
 
     def __init__(
-        self, step: Callable[[int], object], memory: DeviceMemory, device: torch.device
+        self,
+        step: Callable[[int], object],
+        memory: DeviceMemory,
+        device: torch.device,
+        ranks: _Ranks,
+        watch: _Watch,
     ) -> None:
         self.step, self.memory, self.device = step, memory, device
+        self.ranks, self.watch = ranks, watch
         self.tries: list[BatchFit.Try] = []
-        distributed = torch.distributed
-        self.grouped = distributed.is_available() and distributed.is_initialized()
-        self.ranks = distributed.get_world_size() if self.grouped else 1
 
     def fits(self, size: int) -> bool:
         """Run the step at ``size``: whether it fit, on every rank."""
         self.memory.reset_peak()
+        self.watch.start()
         try:
             self.step(size)
         except Exception as error:
-            if not out_of_memory(error):
-                self._agree(_FAILED)  # the others stop too, rather than wait for this rank
+            if not is_out_of_memory(error):
+                if not self.watch.gradients:  # else DDP's all-reduce may hold the others
+                    self._tell_the_others()
                 raise
+            self._stop_where_out_of_step(size, error)
             outcome = _OUT_OF_MEMORY
         else:
+            self._stop_where_out_of_step(size, None)
             outcome = _FIT
         peak = self.memory.peak() if outcome == _FIT else None
         if outcome == _OUT_OF_MEMORY:
@@ -315,30 +642,59 @@ class _Search:
         self.tries.append(BatchFit.Try(size, agreed == _FIT, peak))
         return agreed == _FIT
 
+    def _stop_where_out_of_step(self, size: int, out_of_memory: BaseException | None) -> None:
+        """Raise where a DistributedDataParallel named in restore= makes agreeing unsafe.
+
+        Gradients synchronised in a try: on every rank, at the same try, since every
+        rank runs the same step; none calls the all-reduce of the try, which a rank
+        out of memory inside the step would meet with DDP's own. A forward stopped while
+        it broadcast buffers: this rank's next forward would broadcast again, the
+        others' not; the others hear of it through the try's all-reduce.
+        """
+        if self.watch.gradients:
+            where = (
+                f" This rank ran out of memory at batch size {size}; the other ranks may wait "
+                "in that all-reduce until this process ends."
+                if out_of_memory is not None
+                else ""
+            )
+            msg = (
+                "Cannot search with a step that synchronises the gradients of a "
+                "DistributedDataParallel named in restore=: where one rank runs out of "
+                "memory inside such a step and another does not, the other waits in its "
+                "gradient all-reduce, and the process group hangs or aborts. Run the step "
+                "on the wrapped module (ddp.module) or under ddp.no_sync(), keep "
+                f"restore=(ddp, optimizer), and train with the wrapper as usual.{where}"
+            )
+            raise DeviceKitError(msg) from out_of_memory
+        if self.watch.broadcasting and out_of_memory is not None:
+            self._tell_the_others()
+            msg = (
+                f"Cannot go on fitting the batch: the step ran out of memory at batch size "
+                f"{size} inside the forward of a DistributedDataParallel that broadcasts its "
+                "buffers, so this rank's next forward would broadcast them again and the "
+                "other ranks' would not. Run the step on the wrapped module (ddp.module), "
+                "or build the wrapper with forward_sync_buffers=False (broadcast_buffers=False "
+                "in older PyTorch)."
+            )
+            raise DeviceKitError(msg) from out_of_memory
+
+    def _tell_the_others(self) -> None:
+        """Stop the other ranks too, at this try's all-reduce, rather than wait for this one."""
+        with contextlib.suppress(DeviceKitError):  # the group failed: this rank's error says more
+            self._agree(_FAILED)
+
     def _agree(self, outcome: int) -> int:
         """The worst outcome of this try over every rank."""
-        agreed = self.smallest(outcome)
+        agreed = self.ranks.smallest(outcome)
         if agreed == _FAILED and outcome != _FAILED:
             msg = (
-                "Cannot go on fitting the batch: another rank's step raised an error other "
-                "than running out of memory (its own traceback says which)."
+                "Cannot go on fitting the batch: another rank's step raised an error, "
+                "or ran out of memory where the ranks cannot go on together (its own "
+                "traceback says which)."
             )
             raise DeviceKitError(msg)
         return agreed
-
-    def smallest(self, value: int) -> int:
-        """The smallest of every rank's ``value``: one all-reduce (MIN) under a group.
-
-        Every branch of the search follows values agreed so, so that every rank takes
-        the same sizes and makes the same collective calls: none waits for another.
-        """
-        if not self.grouped:
-            return value
-        distributed = torch.distributed
-        on = self.device if distributed.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([value], device=on, dtype=torch.int64)
-        distributed.all_reduce(flag, op=distributed.ReduceOp.MIN)
-        return int(flag.item())
 
     def grow(self, start: int, ceiling: int) -> tuple[int | None, int | None]:
         """Double from ``start`` until a size fails or ``ceiling`` fits: (fits, failed)."""
@@ -383,13 +739,14 @@ class _Search:
 
     def leave_room(self, size: int, headroom: float, reason: str) -> tuple[int, str]:
         """Shrink ``size`` until its measured peak leaves ``headroom`` of the memory free."""
+        smallest = self.ranks.smallest
         free = self.memory.free()
         peak = next(
             (each.peak_memory for each in reversed(self.tries) if each.batch_size == size), None
         )
-        if not self.smallest(int(free is not None and peak is not None)):
+        if not smallest(int(free is not None and peak is not None)):
             # Nothing to measure (on some rank): the share itself, off the size.
-            smaller = self.smallest(max(1, math.floor(size * (1 - headroom))))
+            smaller = smallest(max(1, math.floor(size * (1 - headroom))))
             return smaller, f"{reason}; {headroom:.0%} less for headroom (peak memory unknown)"
         assert free is not None  # for mypy: agreed above
         allowed = (1 - headroom) * free[1]
@@ -397,7 +754,7 @@ class _Search:
             wanted = size
             if peak is not None and peak > allowed:
                 wanted = max(1, min(size - 1, math.floor(size * allowed / peak)))
-            wanted = self.smallest(wanted)
+            wanted = smallest(wanted)
             if wanted == size:
                 break
             size = wanted
