@@ -114,3 +114,5 @@ def test_every_copy_is_timed_on_the_side_stream(cuda: torch.device) -> None:
     assert all(seconds > 0 for seconds in stats.copy_per_batch)
     assert stats.copy_s == pytest.approx(sum(stats.copy_per_batch))
     assert stats.samples == 64
+    # Reading the DataLoader draws nothing (it does not shuffle): read ahead from batch 2.
+    assert (stats.read_ahead, stats.reads_draw) == (True, False)
