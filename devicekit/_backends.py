@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -327,13 +328,12 @@ def _cpu_name() -> str | None:
     ``uname -p`` the first time, under a lock (Python 3.11) that a process forked
     meanwhile finds held forever.
 
-    >>> import platform
     >>> _cpu_name() == (platform.machine() or None)
     True
     """
     if hasattr(os, "uname"):
         return os.uname().machine or None
-    return os.environ.get("PROCESSOR_ARCHITECTURE") or None  # Windows, which has no uname
+    return platform.machine() or None  # Windows: no uname, and no fork to leave a lock held
 
 
 def _sysconf(name: str) -> int | None:
