@@ -89,14 +89,14 @@ def fit_demo_batch(device: torch.device) -> BatchFit:
     """The largest batch of the demo's training step that fits on ``device``.
 
     Up to :data:`FIT_LIMIT`. Each try is one real step (forward, backward, the
-    optimizer's step) on synthetic images, as :func:`~devicekit.fit_batch` asks; the
-    model and optimizer are the demo's.
+    optimizer's step) on synthetic images, as :func:`~devicekit.fit_batch` asks, with the
+    model and optimizer made as :func:`train` makes them; ``restore=`` puts both back as
+    they were once the search ends, as a loop that goes on to train them needs.
     """
     torch.manual_seed(0)
     limit = FIT_LIMIT
     images = synthetic_images(limit)
-    model = to_device(SmallCNN(), device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model, optimizer = _model_and_optimizer(device)
 
     def step(batch_size: int) -> None:
         optimizer.zero_grad(set_to_none=True)  # a failed try's gradients go with it
@@ -105,7 +105,12 @@ def fit_demo_batch(device: torch.device) -> BatchFit:
         loss.backward()  # type: ignore[no-untyped-call]  # untyped in PyTorch's stubs
         optimizer.step()
 
-    return fit_batch(step, start=64, limit=limit, device=device)
+    return fit_batch(step, start=64, limit=limit, device=device, restore=(model, optimizer))
+
+
+def _model_and_optimizer(device: torch.device) -> tuple[SmallCNN, torch.optim.Adam]:
+    model = to_device(SmallCNN(), device)
+    return model, torch.optim.Adam(model.parameters(), lr=3e-3)
 
 
 def train(
@@ -140,8 +145,7 @@ def train(
         synthetic_images(samples), batch_size=batch_size, shuffle=True, collate_fn=collate
     )
     loader = DeviceDataLoader(images, device)
-    model = to_device(SmallCNN(), device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model, optimizer = _model_and_optimizer(device)
     with guard(model):
         for epoch in range(1, epochs + 1):
             start = time.perf_counter()

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit import _compat, _memory
+from devicekit import _compat, _demo, _memory
 
 from .helpers import CPU
 from .programs import run_program
@@ -954,3 +954,24 @@ def test_a_rank_out_of_memory_inside_ddp_s_all_reduce_says_so_instead_of_abortin
     )
     assert first["restored"]
     assert "error" in second
+
+
+def test_the_demo_s_search_leaves_its_model_and_optimizer_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]] = []
+    make = _demo._model_and_optimizer
+
+    def recorded(device: torch.device) -> tuple[Any, Any]:
+        model, optimizer = make(device)
+        made.append((model, optimizer, [each.detach().clone() for each in model.parameters()]))
+        return model, optimizer
+
+    monkeypatch.setattr(_demo, "_model_and_optimizer", recorded)
+    monkeypatch.setattr(_demo, "FIT_LIMIT", 128)  # fewer, smaller tries
+    fit = _demo.fit_demo_batch(CPU)
+    assert fit.batch_size == 128
+    [(model, optimizer, initial)] = made
+    assert all(map(torch.equal, model.parameters(), initial))
+    assert all(each.grad is None for each in model.parameters())
+    assert not optimizer.state
