@@ -581,10 +581,22 @@ def skipping_view(
     view and how it learns a type are made once per skip set, and kept with the
     decisions they come from (a registry change starts them over too).
     """
-    key = (number, skip)
-    found = _skipping.get(key)
+    if torch.compiler.is_compiling():
+        # A trace makes a view of its own: the compiler traces no lock ("Unsupported
+        # context manager"), and a stored view, which eager calls fill as they learn
+        # types, would make it guard on the view's size and compile again.
+        return _new_view(number, skip)
+    found = _skipping.get((number, skip))
     if found is not None:
         return found
+    with _lock:
+        if len(_skipping) >= SKIP_SETS_KEPT:
+            _skipping.clear()  # skip sets made at run time must not pile up
+        # The stored view is the one handed out, even when a thread beside us stored first.
+        return _skipping.setdefault((number, skip), _new_view(number, skip))
+
+
+def _new_view(number: int, skip: frozenset[Any]) -> tuple[dict[type, Any], Any]:
     nodes: dict[type, Any] = {Kept: INERT}
 
     def learn(cls: type) -> Any:
@@ -597,15 +609,7 @@ def skipping_view(
             )
         return node
 
-    if torch.compiler.is_compiling():
-        # The compiler traces no lock ("Unsupported context manager"): a skip set new to
-        # the process serves this trace alone, and is kept by the first eager call.
-        return nodes, learn
-    with _lock:
-        if len(_skipping) >= SKIP_SETS_KEPT:
-            _skipping.clear()  # skip sets made at run time must not pile up
-        # The stored view is the one handed out, even when a thread beside us stored first.
-        return _skipping.setdefault(key, (nodes, learn))
+    return nodes, learn
 
 
 def leaf_how(cls: type) -> tuple[Leaf | None, Any]:

@@ -588,7 +588,14 @@ def _move_cache(cache: Any, call: _Call, detail: object) -> Any:
                 leaves[index] = _in_layer(leaves[index], call)
             if any(new is not old for new, old in zip(leaves, flat.leaves, strict=True)):
                 setattr(layer, name, _tree.unflatten(flat.spec, leaves))
+                # The memo knows tensors by id: one it moved must outlive the call, or a
+                # tensor made later (by the next layer's prefetch) could take its id.
+                call.memo.setdefault(_OUTLIVING, []).append(value)
     return cache
+
+
+_OUTLIVING: Final = object()
+"""The memo's key for what a call replaced in place and keeps alive to its end."""
 
 
 def _in_layer(leaf: Any, call: _Call) -> Any:

@@ -192,6 +192,23 @@ def test_every_kind_of_cache_layer_moves_whole_and_the_checks_see_all_of_it(kind
     assert len(_layer_tensors(cache)) == len(tensors)
 
 
+def test_a_cache_s_new_tensors_are_never_taken_for_those_it_moved_before() -> None:
+    # The call's memo knows tensors by id: a tensor it moved and then dropped (a sliding
+    # window's, replaced in place) must not lend its id to the next layer's new keys.
+    transformers = require_package("transformers")
+    cache_utils = require_package("transformers.cache_utils")
+    config = transformers.PreTrainedConfig(
+        layer_types=["sliding_attention"] * 4, num_hidden_layers=4, sliding_window=2
+    )
+    for _ in range(20):  # ids are reused where memory is: each try a chance
+        cache = cache_utils.DynamicCache(config=config)
+        for layer in cache.layers:
+            layer.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+        dk.to_device(cache, META)
+        shapes = {(layer.keys.dim(), layer._sliding_window_tensor.dim()) for layer in cache.layers}
+        assert shapes == {(4, 0)}
+
+
 def test_caches_of_sliding_window_and_linear_attention_models_move_whole() -> None:
     transformers = require_package("transformers")
     sizes = {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "vocab_size": 50}
