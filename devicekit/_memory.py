@@ -469,7 +469,7 @@ def _code(value: int | float | None) -> int:
     if isinstance(value, float):
         bits: int = struct.unpack("<q", struct.pack("<d", value + 0.0))[0]  # -0.0 is 0.0
         return bits
-    return int(value)
+    return min(int(value), 2**62)  # in an int64, negated too; no batch is larger
 
 
 def _differs(name: str, least: int, most: int) -> str:
