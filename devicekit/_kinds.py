@@ -524,6 +524,7 @@ _views: tuple[dict[type, Any], dict[type, Any], dict[type, Any]] = ({}, {}, {})
 _leaves: dict[type, tuple[Leaf | None, Any]] = {}
 _decisions: dict[type, Decision] = {}
 _skipping: dict[tuple[int, frozenset[Any]], tuple[dict[type, Any], Callable[[type], Any]]] = {}
+_is_compiling = torch.compiler.is_compiling  # one global lookup per skip_keys walk
 SKIP_SETS_KEPT: Final = 64
 """Distinct skip_keys sets whose views the table keeps before it starts over."""
 
@@ -581,7 +582,7 @@ def skipping_view(
     view and how it learns a type are made once per skip set, and kept with the
     decisions they come from (a registry change starts them over too).
     """
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         # A trace makes a view of its own: the compiler traces no lock ("Unsupported
         # context manager"), and a stored view, which eager calls fill as they learn
         # types, would make it guard on the view's size and compile again.
