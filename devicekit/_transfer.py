@@ -694,12 +694,9 @@ def _keep_skipped(original: Mapping[Any, Any], moved: Any, skip: frozenset[Hasha
                 kept[here] = True
             elif isinstance(value, Mapping):
                 if depth + 1 >= _tree.MAX_DEPTH:  # as flatten counts
+                    # The message of every walk, as a template: the caller adds the path.
                     where = _escaped([*_keys_to(met, here), f"[{key!r}]"])
-                    msg = (
-                        f"Expected data nested at most {_tree.MAX_DEPTH:,} containers deep, "
-                        f"but {{path}}{where} goes deeper."
-                    )
-                    raise LeafError(msg)
+                    raise LeafError(str(_tree.too_deep_at("{path}", [where])))
                 met.append((value, theirs[key], here, key, depth + 1))
                 kept.append(False)
                 waiting.append(len(met) - 1)

@@ -439,10 +439,7 @@ def _too_deep(stack: list[tuple[Node, Any, Iterator[Any], int]]) -> TransferErro
                 f"{type(container).__name__} {there} itself, which contains it."
             )
             return TransferError(msg)
-    path = format_path("data", fragments)
-    return TransferError(
-        f"Expected data nested at most {MAX_DEPTH:,} containers deep, but {path} goes deeper."
-    )
+    return too_deep_at("data", fragments)
 
 
 def too_deep_at(root: str, fragments: Sequence[str]) -> TransferError:
