@@ -6,6 +6,7 @@ file locks in a directory of the test's own, taken by real processes where it ma
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -475,8 +476,9 @@ class HeldLook:
     """A look at the claims caught halfway, as a look whose process stops there would be.
 
     ``kind`` says whose: ``devicekit info`` here, in a thread (wherever it locks a claim
-    file, it keeps the lock until let go), the same where the kernel shows no table of
-    locks (macOS), or an older devicekit's, which looked with a shared lock.
+    file, it keeps the lock until let go), the same where the kernel answers fewer
+    questions about locks (see ``kernel_answers``), or an older devicekit's, which looked
+    with a shared lock.
     """
 
     def __init__(self, kind: str, directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -487,10 +489,7 @@ class HeldLook:
             self.shared = os.open(directory / "GPU-0000.lock", os.O_RDONLY)
             fcntl.flock(self.shared, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return
-        if kind == "devicekit info, no lock table":
-            monkeypatch.setattr(
-                _claims, "_LOCK_TABLE", str(directory / "no-such-table"), raising=False
-            )
+        kernel_answers(kind.removeprefix("devicekit info, "), directory, monkeypatch)
         real_flock, paused = fcntl.flock, threading.Event()
 
         def flock(descriptor: int, operation: int) -> None:
@@ -519,12 +518,36 @@ class HeldLook:
             self.looker.join(5)
 
 
+def kernel_answers(what: str, directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the kernel answer what it does where ``what`` says.
+
+    ``"everything"``: Linux; ``"no lock table"``: Linux without ``/proc/locks``;
+    ``"a lock table that hides the claim"``: ``/proc/locks`` read in another container
+    (PID namespace) than the claim's; ``"no open-file locks"``: Linux before 3.15 (the
+    table only); ``"nothing"``: macOS, where only a lock tells.
+    """
+    if what in ("no lock table", "nothing"):
+        monkeypatch.setattr(_claims, "_LOCK_TABLE", str(directory.parent / "no-such-table"))
+    if what == "a lock table that hides the claim":
+        (directory.parent / "empty-table").touch()
+        monkeypatch.setattr(_claims, "_LOCK_TABLE", str(directory.parent / "empty-table"))
+    if what in ("no open-file locks", "nothing"):
+        monkeypatch.setattr(_claims, "_OFD", False, raising=False)
+
+
 @pytest.mark.usefixtures("watchdog")
 @pytest.mark.parametrize(
-    "kind", ["devicekit info", "devicekit info, no lock table", "an older devicekit's look"]
+    ("kind", "waits"),
+    [
+        ("devicekit info, everything", False),
+        ("devicekit info, no lock table", False),
+        ("devicekit info, no open-file locks", False),
+        ("devicekit info, nothing", True),
+        ("an older devicekit's look", True),
+    ],
 )
 def test_a_look_never_makes_a_free_gpu_look_claimed(
-    own_claims: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+    own_claims: Path, monkeypatch: pytest.MonkeyPatch, kind: str, waits: bool
 ) -> None:
     _, backends = server(free=(70,))
     dk.DeviceManager(claim=True, backends=backends).close()  # the file stays, as after any job
@@ -541,25 +564,235 @@ def test_a_look_never_makes_a_free_gpu_look_claimed(
     finally:
         look.end()
     assert manager.device == cuda(0)
-    # Where the kernel shows its locks, looking takes none, and a claim never waits on one.
-    assert len(pauses) == (0 if kind == "devicekit info" else 1)
+    # Where the kernel answers about locks, looking takes none, and a claim never waits.
+    assert len(pauses) == (1 if waits else 0)
 
 
-@pytest.mark.parametrize("table", [True, False], ids=["lock table", "no lock table"])
+class ClaimingJob:
+    """Another job, forked from this one: it claims ``key`` with this devicekit and forks
+    a worker that ends at once (closing its copies of the claim), then holds the claim
+    until :meth:`end` (its exit) or :meth:`kill` (``kill -9``). Run under the watchdog."""
+
+    def __init__(self, key: str) -> None:
+        told, self._tell = os.pipe()
+        self._hold, held = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: forks with threads
+            self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the job
+            try:
+                os.close(told)
+                os.close(held)
+                claim = _claims.take(key)
+                worker = os.fork()
+                if worker == 0:
+                    os._exit(0)
+                os.waitpid(worker, 0)
+                os.write(self._tell, b"claimed" if claim is not None else b"refused")
+                os.read(self._hold, 1)  # until the test ends it, or ends itself
+            finally:
+                os._exit(0)
+        os.close(self._tell)
+        os.close(self._hold)
+        self._held = held
+        with os.fdopen(told, "rb") as pipe:
+            said = pipe.read(7)
+        if said != b"claimed":
+            self.kill()
+            raise AssertionError(f"the job forked to claim {key} said {said!r}")
+
+    def kill(self) -> None:
+        """``kill -9``: no close, no atexit; the OS alone lets go."""
+        if self._held >= 0:
+            os.kill(self.pid, signal.SIGKILL)
+            self.end()
+
+    def end(self) -> None:
+        if self._held >= 0:
+            os.close(self._held)
+            self._held = -1
+            os.waitpid(self.pid, 0)
+
+
+def write_locked(path: Path) -> bool:
+    """Whether a write lock of fcntl's (which a claim adds to its flock) is on ``path``.
+
+    Told by trying a read lock of this process's own (POSIX locks of a process conflict
+    with a write lock of any other open file), without devicekit's code.
+    """
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.lockf(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    finally:
+        os.close(descriptor)  # drops the read lock just taken
+    return False
+
+
+_OLDER = "an older devicekit's claim"
+
+
+@pytest.mark.usefixtures("watchdog")
+@pytest.mark.parametrize(
+    ("claim", "answers", "named", "waits"),
+    [
+        ("a claim", "everything", True, False),
+        ("a claim", "a lock table that hides the claim", True, False),
+        ("a claim", "no lock table", True, False),
+        ("a claim", "no open-file locks", True, False),
+        ("a claim", "nothing", True, True),
+        (_OLDER, "everything", True, False),
+        (_OLDER, "a lock table that hides the claim", False, True),
+        (_OLDER, "no lock table", False, True),
+        (_OLDER, "no open-file locks", True, False),
+        (_OLDER, "nothing", True, True),
+    ],
+)
 def test_a_claim_is_still_a_claim_to_the_look_and_to_claiming(
-    own_claims: Path, monkeypatch: pytest.MonkeyPatch, table: bool
+    own_claims: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    claim: str,
+    answers: str,
+    named: bool,
+    waits: bool,
 ) -> None:
-    if not table:
-        monkeypatch.setattr(_claims, "_LOCK_TABLE", str(own_claims / "no-such-table"))
-    pauses: list[float] = []
-    monkeypatch.setattr(_claims, "_pause", pauses.append)
-    other = AnotherJob(own_claims, "GPU-0000")
-    assert _claims.holders(["GPU-0000", "GPU-0001"]) == {"GPU-0000": _claims.Holder(4242)}
-    assert dk.DeviceManager(claim=True, backends=server(free=(70,))[1]).device == CPU
-    assert _claims.take("GPU-0000") is None  # what a claim meets, chosen before it was taken
-    # Without the table, a claim cannot tell a look from a claim: it tries for a moment.
-    assert pauses == [] if table else sum(pauses) >= _claims._LOOK_S
-    other.release()
+    # A claim of this devicekit's is named, and refused at once, wherever the kernel
+    # answers whether a claim's write lock is on the file: also where the table of locks
+    # hides it (another container's claim). An older devicekit's claim holds a flock
+    # alone: the table shows it to a look in the same container, and only a lock tells
+    # where there is no table, while a claim meeting it cannot tell it from a look.
+    own_claims.mkdir()
+    other = AnotherJob(own_claims, "GPU-0000") if claim == _OLDER else ClaimingJob("GPU-0000")
+    pid = 4242 if isinstance(other, AnotherJob) else other.pid
+    try:
+        kernel_answers(answers, own_claims, monkeypatch)
+        pauses: list[float] = []
+        monkeypatch.setattr(_claims, "_pause", pauses.append)
+        found = _claims.holders(["GPU-0000", "GPU-0001"])
+        assert found == ({"GPU-0000": _claims.Holder(pid)} if named else {})
+        assert _claims.take("GPU-0000") is None  # what a claim meets, chosen before it was taken
+        # A claim that cannot tell a look from a claim tries for a moment; none else waits.
+        assert sum(pauses) >= _claims._LOOK_S if waits else pauses == []
+        manager = dk.DeviceManager(claim=True, backends=server()[1])
+        assert manager.device == cuda(1)
+        assert (f"Skipped cuda:0: claimed by pid {pid}." in manager.explain()) == named
+        assert (f"pid {pid}" in _info_table(dk.DeviceManager(backends=server()[1]))) == named
+    finally:
+        if isinstance(other, ClaimingJob):
+            other.end()
+        else:
+            other.release()
+
+
+_LOOK_FROM_ANOTHER_CONTAINER = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+import devicekit as dk
+from devicekit import _claims
+from devicekit._backends import CpuBackend
+from devicekit.cli import _info_table
+from tests.fakes import FakeGpus
+claim_file = os.stat({path!r})
+pauses = []
+_claims._pause = pauses.append
+found = _claims.holders(["GPU-0000"])
+refused = _claims.take("GPU-0000") is None
+manager = dk.DeviceManager(claim=True, backends=[FakeGpus((70, 70)), CpuBackend()])
+print(json.dumps({{
+    "table hides its flock": not [
+        line for line in open("/proc/locks").read().splitlines()
+        if " FLOCK " in line and line.split()[5].endswith(f":{{claim_file.st_ino}}")
+    ],
+    "holders": {{key: holder.pid for key, holder in found.items()}},
+    "refused": refused,
+    "pauses": pauses,
+    "device": str(manager.device),
+    "explain": manager.explain(),
+    "info": _info_table(dk.DeviceManager(backends=[FakeGpus((70, 70)), CpuBackend()])),
+}}))
+"""
+
+
+def _pid_namespaces() -> bool:
+    """Whether this process may start a program in a PID namespace of its own (root may)."""
+    if shutil.which("unshare") is None:
+        return False
+    command = ["unshare", "--pid", "--fork", "--mount-proc", "true"]
+    return subprocess.run(command, capture_output=True, check=False, timeout=60).returncode == 0
+
+
+@pytest.mark.skipif(not _pid_namespaces(), reason="needs unshare --pid (root, or user namespaces)")
+def test_a_claim_of_a_job_in_another_container_is_named_and_refused_at_once(
+    own_claims: Path,
+) -> None:
+    # The look runs in a PID namespace of its own, with its own /proc, as a job in
+    # another container sharing the claim directory would: since Linux 4.9 its
+    # /proc/locks leaves out this process's flock. The kernel still answers whether a
+    # claim's write lock is on the file. (A program with run_program's time limit.)
+    claim = _claims.take("GPU-0000")
+    assert claim is not None
+    try:
+        code = _LOOK_FROM_ANOTHER_CONTAINER.format(root=str(ROOT), path=str(claim.path))
+        command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code]
+        result = run_program(command, timeout=120)
+    finally:
+        claim.release()
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    if not seen["table hides its flock"]:
+        pytest.skip("this kernel's /proc/locks shows flocks of other PID namespaces")
+    assert seen["holders"] == {"GPU-0000": os.getpid()}
+    assert seen["refused"]
+    assert seen["pauses"] == []  # refused at once: never taken for a look
+    assert seen["device"] == "cuda:1"
+    assert f"Skipped cuda:0: claimed by pid {os.getpid()}." in seen["explain"]
+    assert f"pid {os.getpid()}" in seen["info"]
+
+
+@pytest.mark.usefixtures("watchdog")
+@pytest.mark.skipif(not hasattr(fcntl, "F_OFD_GETLK"), reason="Linux's open-file locks")
+def test_a_claim_s_write_lock_is_read_back_as_the_kernel_wrote_it(own_claims: Path) -> None:
+    # The struct flock devicekit packs is the kernel's: asked about a claim from another
+    # open file, the kernel fills in a write lock over the whole file, of no one process.
+    claim = _claims.take("GPU-0000")
+    assert claim is not None
+    descriptor = os.open(claim.path, os.O_RDONLY)
+    try:
+        asked = _claims._FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
+        answer = fcntl.fcntl(descriptor, fcntl.F_OFD_GETLK, asked)
+        assert _claims._FLOCK.unpack(answer) == (fcntl.F_WRLCK, os.SEEK_SET, 0, 0, -1)
+        assert _claims._write_locked(descriptor) is True
+        assert write_locked(claim.path)
+        claim.release()
+        assert _claims._write_locked(descriptor) is False
+        assert not write_locked(claim.path)
+    finally:
+        os.close(descriptor)
+    if os.uname().machine in ("x86_64", "aarch64"):
+        assert _claims._FLOCK.size == 32
+
+
+@pytest.mark.usefixtures("watchdog")
+def test_a_forked_worker_s_exit_leaves_the_claim_whole_and_kill_9_frees_it(
+    own_claims: Path,
+) -> None:
+    job = ClaimingJob("GPU-0000")  # its worker has ended, closing its copies of the claim
+    path = own_claims / "GPU-0000.lock"
+    try:
+        assert claimed(own_claims, "GPU-0000")  # the flock
+        assert write_locked(path) == hasattr(fcntl, "F_OFD_GETLK")  # and the write lock
+        assert _claims.holders(["GPU-0000"]) == {"GPU-0000": _claims.Holder(job.pid)}
+        job.kill()
+        assert not claimed(own_claims, "GPU-0000")
+        assert not write_locked(path)
+        assert _claims.holders(["GPU-0000"]) == {}
+        assert _claims.take("GPU-0000") is not None
+    finally:
+        job.kill()
 
 
 def _owner(uid: int) -> str:
