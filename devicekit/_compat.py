@@ -9,7 +9,8 @@ from __future__ import annotations
 import io
 import pickle
 import sys
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "raise_past_the_compiler",
     "recomputed_attributes",
     "run_while_tracing",
+    "weights_only_build_refusal",
     "weights_only_refusal",
 ]
 
@@ -250,3 +252,65 @@ def ddp_forward_syncs(module: Any) -> DdpSync:
 
     gradients = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
     return DdpSync(gradients, bool(module.will_sync_module_buffers()))
+
+
+def weights_only_build_refusal(pickled: bytes, allowing: Iterable[Any] = ()) -> str | None:
+    """Why a weights-only load would stop building this pickle of torch.save's; None if not.
+
+    What :func:`weights_only_refusal` cannot see from the globals: the load builds only
+    some containers with items (a ``defaultdict`` holding items is refused even where
+    ``defaultdict`` is allowed: "Can only SETITEM for dict, ..."). The pickle is built by
+    the load's own loop, with the globals allowed now and ``allowing`` (globals, or
+    ``(global, name)`` pairs, as ``add_safe_globals`` takes them) added for this build
+    alone: the process's list is not touched, so another thread's load meanwhile allows
+    nothing more. Each tensor is built on the meta device (its shape, no data). Only the
+    load's refusals (``pickle.UnpicklingError``) are reported; an error raised by the
+    code of a class being built passes through.
+
+    >>> import collections, io, torch, zipfile
+    >>> def pickled(obj):
+    ...     buffer = io.BytesIO()
+    ...     torch.save(obj, buffer)
+    ...     return zipfile.ZipFile(buffer).read("archive/data.pkl")
+    >>> filled = pickled(collections.defaultdict(list, a=[]))
+    >>> weights_only_build_refusal(filled, [collections.defaultdict, list]).split(", but")[0]
+    'Can only SETITEM for dict, collections.OrderedDict, collections.Counter'
+    >>> empty = pickled(collections.defaultdict(list))
+    >>> weights_only_build_refusal(empty, [collections.defaultdict, list]) is None
+    True
+    """
+    import torch  # noqa: PLC0415 - loaded already: the pickle is torch.save's
+    from torch import _weights_only_unpickler  # noqa: PLC0415 - private: read here
+
+    loader: Any = _weights_only_unpickler  # partly untyped
+    added = {}
+    for each in allowing:  # as add_safe_globals takes them: a global, or (global, its name)
+        value, name = each if isinstance(each, tuple) else (each, None)
+        added[name or f"{value.__module__}.{value.__qualname__}"] = value
+
+    def user_allowed() -> dict[str, Any]:
+        return {**loader._get_user_allowed_globals(), **added}
+
+    # The load's loop, run with its own module's names but the allowlist above; its
+    # list of sparse tensors to check after a load is a fresh one (meta tensors here).
+    names = {
+        **vars(loader),
+        "_get_user_allowed_globals": user_allowed,
+        "_sparse_tensors_to_validate": [],
+    }
+    load = types.FunctionType(loader.Unpickler.load.__code__, names, "load")
+
+    def meta_storage(saved_id: tuple[Any, ...]) -> Any:
+        kind, numel = saved_id[1], saved_id[4]
+        dtype = torch.uint8 if kind is torch.UntypedStorage else kind.dtype
+        storages: Any = torch.storage  # untyped constructors
+        data = storages.UntypedStorage(numel * dtype.itemsize, device="meta")
+        return storages.TypedStorage(wrap_storage=data, dtype=dtype, _internal=True)
+
+    unpickler = loader.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler.persistent_load = meta_storage
+    try:
+        load(unpickler)
+    except pickle.UnpicklingError as refused:
+        return str(refused).strip()
+    return None

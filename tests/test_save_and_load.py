@@ -296,6 +296,28 @@ def test_a_folder_that_cannot_be_opened_to_flush_the_rename_still_saves(
     assert os.listdir(tmp_path) == ["model.pt"]
 
 
+def test_a_folder_that_refuses_to_be_flushed_still_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Some FUSE and network mounts refuse fsync on a folder (EINVAL), after the rename.
+    real_fsync = os.fsync
+    refused: list[int] = []
+
+    def no_folder_flush(descriptor: int) -> None:
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            refused.append(descriptor)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(_checkpoint.os, "fsync", no_folder_flush)
+    dk.save({"epoch": 1}, tmp_path / "model.pt")
+    dk.save({"epoch": 2}, tmp_path / "model.pt")
+    monkeypatch.undo()
+    assert len(refused) == 2  # the folder was asked, and refused, each time
+    assert dk.load(tmp_path / "model.pt", "cpu") == {"epoch": 2}
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
 # Another user's checkpoint: replacing it would make it this user's, which only root can
 # undo, so it is refused before anything is written.
 
@@ -486,7 +508,8 @@ def test_saving_to_a_file_object_writes_in_place() -> None:
     assert torch.equal(dk.load(buffer, "cpu")[0], torch.ones(2))
 
 
-# A file object cannot be replaced: nothing reaches it unless the whole save succeeds.
+# A file object cannot be replaced: what a weights-only load would refuse is refused
+# before a byte reaches it (a dry pass), and then torch.save writes to it directly.
 
 
 def test_a_refused_save_writes_nothing_to_the_file_object() -> None:
@@ -500,93 +523,73 @@ def test_a_refused_save_writes_nothing_to_the_file_object() -> None:
     assert buffer.getvalue() == b"kept"  # not the 674 bytes of an empty archive
 
 
-def test_a_save_to_a_file_object_that_dies_half_way_writes_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    def dies_half_way(obj: Any, f: Any, **options: Any) -> None:
-        f.write(b"PK\x03\x04 half a checkpoint")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(_checkpoint.torch, "save", dies_half_way)
+def test_what_torch_save_refuses_while_pickling_leaves_the_file_object_as_it_was() -> None:
+    weight = torch.zeros(4)
     buffer = io.BytesIO(b"kept")
     buffer.seek(0, io.SEEK_END)
-    with pytest.raises(KeyboardInterrupt):
-        dk.save({"weight": torch.ones(2)}, buffer)
+    with pytest.raises(RuntimeError, match=re.escape("view the same data as different types")):
+        dk.save({"weight": weight, "bits": weight.view(torch.int32)}, buffer)
     assert buffer.getvalue() == b"kept"
 
 
-class _Trickle(io.RawIOBase):
-    """A raw stream that takes a few bytes a write, as a pipe may."""
+class _Recording(io.RawIOBase):
+    """A raw stream that keeps the size of every write it is given."""
 
     def __init__(self) -> None:
-        self.received = bytearray()
+        self.writes: list[int] = []
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        taken = bytes(data[:1000])
-        self.received += taken
-        return len(taken)
+        self.writes.append(len(memoryview(data).cast("B")))
+        return self.writes[-1]
 
 
-class _TakesNothing(io.RawIOBase):
-    def writable(self) -> bool:
-        return True
+def test_a_file_object_is_written_as_torch_save_writes_it_with_no_copy_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A copy made first (in memory, or in $TMPDIR past a size) would reach the stream in
+    # chunks of the copy's, and would need a temporary folder: neither is there.
+    def no_temporary_files(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a save to a file object made a temporary file")
 
-    def write(self, data: Any) -> int:
-        return 0
-
-
-def test_a_stream_that_takes_no_bytes_is_an_error_not_a_hang() -> None:
-    with pytest.raises(
-        OSError, match=re.escape("Cannot save to the file object: it took none of the bytes")
-    ):
-        dk.save({"weight": torch.ones(2)}, _TakesNothing())
+    state = {"weight": torch.arange(300_000.0), "step": 7}
+    expected = _Recording()
+    torch.save(state, expected)
+    monkeypatch.setattr(tempfile, "SpooledTemporaryFile", no_temporary_files)
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_temporary_files)
+    saved = _Recording()
+    dk.save(state, saved)
+    assert saved.writes == expected.writes
 
 
 @pytest.mark.usefixtures("watchdog")
 def test_a_refused_save_to_a_fifo_does_not_wait_for_a_reader(tmp_path: Path) -> None:
-    # Opened for writing, a FIFO waits for a reader: it is opened once the checkpoint is whole.
+    # Opened for writing, a FIFO waits for a reader: it is opened once the check has passed.
     fifo = tmp_path / "stream"
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match=re.escape(f"Cannot save to '{fifo}': ['model'] is")):
         dk.save({"model": torch.nn.Linear(2, 2)}, fifo)
 
 
-def test_a_large_checkpoint_reaches_a_stream_whole_through_a_file_on_disk(
+def test_what_torch_save_writes_before_its_pickle_is_checked_is_held_until_it_passes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_checkpoint, "_IN_MEMORY", 4096)  # kept in memory up to here
-    stream = _Trickle()
-    dk.save({"weight": torch.arange(100_000.0)}, stream)
-    loaded = dk.load(io.BytesIO(bytes(stream.received)), "cpu")
-    assert torch.equal(loaded["weight"], torch.arange(100_000.0))
+    # None today: a PyTorch that wrote a header first must neither lose it nor leave it.
+    real_save = torch.save
 
+    def with_a_header(obj: Any, f: Any, **options: Any) -> None:
+        f.write(b"head")
+        real_save(obj, f, **options)
 
-def test_a_checkpoint_that_cannot_be_made_on_disk_first_says_where(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_checkpoint, "_IN_MEMORY", 4096)
-
-    def no_space(*args: Any, **kwargs: Any) -> Any:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(tempfile, "TemporaryFile", no_space)
-    buffer = io.BytesIO()
-    with pytest.raises(
-        OSError,
-        match=re.escape(
-            "Cannot save to the file object: the checkpoint is made whole before it is "
-            "written there, in the temporary folder"
-        ),
-    ) as raised:
-        dk.save({"weight": torch.arange(100_000.0)}, buffer)
-    assert raised.value.errno == errno.ENOSPC
-    assert str(raised.value).endswith(
-        "writing it there failed (No space left on device); nothing was written to the file object."
-    )
-    assert buffer.getvalue() == b""
+    monkeypatch.setattr(_checkpoint.torch, "save", with_a_header)
+    saved, refused = io.BytesIO(), io.BytesIO()
+    dk.save({"weight": torch.ones(2)}, saved)
+    with pytest.raises(ValueError, match=re.escape("Cannot save to the file object: ['model']")):
+        dk.save({"model": torch.nn.Linear(2, 2)}, refused)
+    assert saved.getvalue().startswith(b"headPK\x03\x04")
+    assert refused.getvalue() == b""
 
 
 _SLOW_SAVE = textwrap.dedent(
@@ -771,6 +774,14 @@ def _optimizer() -> torch.optim.Optimizer:
     return torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
 
 
+def _stepped_optimizer() -> torch.optim.Optimizer:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # its state, a defaultdict, now holds items
+    return optimizer
+
+
 @pytest.fixture
 def own_safe_globals() -> Iterator[None]:
     """PyTorch's default allowlist only, for the length of a test.
@@ -832,10 +843,22 @@ def _looped_namespace() -> argparse.Namespace:
             "StepLR",
         ),
         (
+            _stepped_optimizer(),
+            "the object at the top level is torch.optim.sgd.SGD,",
+            "Save its state_dict() instead",
+            None,  # a weights-only load fills no defaultdict, allowed or not
+        ),
+        (
             {"counts": collections.defaultdict(list, a=[1])},
             "['counts'] is collections.defaultdict,",
             "Save it as a plain dict instead (dict(...))",
-            "defaultdict",
+            None,
+        ),
+        (
+            {"counts": collections.defaultdict(list)},
+            "['counts'] is collections.defaultdict,",
+            "Save it as a plain dict instead (dict(...))",
+            "defaultdict, list",  # the load refuses builtins.list, a global as any other
         ),
         (
             {"settings": Settings(torch.nn.Linear(2, 2))},
@@ -857,23 +880,136 @@ def _looped_namespace() -> argparse.Namespace:
         "nested",
         "optimizer",
         "scheduler",
+        "stepped-optimizer",
         "defaultdict",
+        "empty-defaultdict",
         "dataclass",
         "in-attributes",
     ],
 )
 @pytest.mark.usefixtures("own_safe_globals")
 def test_what_a_weights_only_load_would_refuse_is_refused_at_save_naming_where(
-    tmp_path: Path, state: Any, where: str, fix: str, allowed: str
+    tmp_path: Path, state: Any, where: str, fix: str, allowed: str | None
 ) -> None:
     path = tmp_path / "ckpt.pt"
     with pytest.raises(ValueError, match=re.escape(f"Cannot save to '{path}': {where}")) as raised:
         dk.save(state, path)
     message = str(raised.value)
     assert fix in message
-    assert f"torch.serialization.add_safe_globals([{allowed}" in message
+    if allowed is None:
+        assert "add_safe_globals" not in message
+        assert message.endswith(
+            "Allowing its classes would not do: a weights-only load refuses to build it even "
+            'then (PyTorch: "Can only SETITEM'
+            + ("S" if "SGD" in where else "")
+            + " for dict, collections.OrderedDict, collections.Counter, but got "
+            "<class 'collections.defaultdict'>\")."
+        )
+    else:
+        assert f"torch.serialization.add_safe_globals([{allowed}" in message
     _no_advice_to_run_code(message)
     assert os.listdir(tmp_path) == []  # nothing written, no temporary
+
+
+_ADVISED = re.compile(r"add_safe_globals\(\[([^]]*)\]\)")
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"config": Config()},
+        {"model": torch.nn.Linear(2, 2)},
+        _optimizer(),
+        torch.optim.lr_scheduler.StepLR(_optimizer(), 1),
+        _stepped_optimizer(),
+        {"counts": collections.defaultdict(list, a=[1])},
+        {"counts": collections.defaultdict(list)},
+        {"settings": Settings(torch.nn.Linear(2, 2))},
+    ],
+    ids=[
+        "own-class",
+        "module",
+        "optimizer",
+        "scheduler",
+        "stepped-optimizer",
+        "defaultdict",
+        "empty-defaultdict",
+        "dataclass",
+    ],
+)
+@pytest.mark.usefixtures("own_safe_globals")
+def test_the_classes_a_refusal_advises_to_allow_make_the_save_load_back(state: Any) -> None:
+    # What the advice names, allowed, is all a weights-only load needs: where allowing
+    # would not do (a defaultdict that holds items), nothing is advised.
+    with pytest.raises(ValueError, match=re.escape("Cannot save to the file object")) as raised:
+        dk.save(state, io.BytesIO())
+    advised = _ADVISED.search(str(raised.value))
+    if advised is None:
+        return
+    known = {
+        kind.__name__: kind
+        for kind in (
+            Config,
+            Settings,
+            torch.nn.Linear,
+            torch.optim.Adam,
+            torch.optim.lr_scheduler.StepLR,
+            collections.defaultdict,
+            dict,
+            list,
+        )
+    }
+    allowed = [known[name] for name in advised.group(1).split(", ")]
+    buffer = io.BytesIO()
+    with torch.serialization.safe_globals(allowed):
+        dk.save(state, buffer)
+        buffer.seek(0)
+        loaded = dk.load(buffer, "cpu")
+    assert type(loaded) is type(state)
+
+
+@pytest.mark.parametrize(
+    ("state", "allowing"),
+    [
+        (collections.defaultdict(list, a=[1]), [collections.defaultdict, list]),
+        (collections.defaultdict(list), [collections.defaultdict, list]),
+        (collections.defaultdict(list), [collections.defaultdict]),
+        ({"config": Config()}, [Config]),
+        ({"config": Config()}, []),
+        (_stepped_optimizer(), [torch.optim.SGD, collections.defaultdict, dict]),
+        (_optimizer(), [torch.optim.Adam, collections.defaultdict, dict]),
+        ({"weight": torch.ones(2), "ids": {1, 2}}, []),
+        ([collections.UserList([1])], [collections.UserList, list]),
+    ],
+    ids=[
+        "defaultdict",
+        "empty-defaultdict",
+        "its-factory-not-allowed",
+        "allowed-class",
+        "class-not-allowed",
+        "stepped-optimizer",
+        "optimizer",
+        "plain",
+        "userlist",
+    ],
+)
+@pytest.mark.usefixtures("own_safe_globals")
+def test_the_trial_build_agrees_with_a_weights_only_load(state: Any, allowing: list[Any]) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    pickled = zipfile.ZipFile(buffer).read("archive/data.pkl")
+    buffer.seek(0)
+    with torch.serialization.safe_globals(allowing):
+        try:
+            torch.load(buffer, weights_only=True)
+        except pickle.UnpicklingError:
+            loads = False
+        else:
+            loads = True
+    before = torch.serialization.get_safe_globals()
+    tried = _compat.weights_only_build_refusal(pickled, allowing)
+    assert (tried is None) == loads
+    assert torch.serialization.get_safe_globals() == before  # the process's list untouched
 
 
 def test_the_search_for_what_is_refused_keeps_to_the_depth_rule() -> None:
@@ -893,6 +1029,51 @@ def test_the_search_for_what_is_refused_keeps_to_the_depth_rule() -> None:
         "but data[0][0][0][0][0][0][0][0]...<9,984 more levels>...[0][0][0][0][0][0][0][0] "
         "goes deeper."
     )
+
+
+def _nested(value: Any, levels: int) -> Any:
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_the_search_counts_containers_and_attributes_together_against_the_depth_rule() -> None:
+    # 9,995 lists, an attribute, then 20 more: each walk alone is shallow enough.
+    args = argparse.Namespace(table=_nested(torch.nn.Linear(1, 1), 20))
+    refusal = "Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global"
+    message = _checkpoint._unloadable(_nested(args, 9_995), refusal, "'ckpt.pt'")
+    assert message.endswith(
+        "Where it is could not be found: Expected data nested at most 10,000 containers deep, "
+        "but data[0][0][0][0][0][0][0][0]...<9,984 more levels>...[0][0][0].table[0][0][0][0] "
+        "goes deeper."
+    )
+
+
+def test_the_search_finds_what_is_refused_within_the_depth_rule() -> None:
+    args = argparse.Namespace(table=_nested(torch.nn.Linear(1, 1), 3))
+    refusal = "Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global"
+    message = _checkpoint._unloadable({"run": _nested(args, 2)}, refusal, "'ckpt.pt'")
+    assert "['run'][0][0].table[0][0][0] is torch.nn.modules.linear.Linear" in message
+
+
+def test_the_search_walks_in_pickle_s_order_with_flatten_s_paths() -> None:
+    Point = collections.namedtuple("Point", ["x", "y"])
+    data = {"a": [1, (2, "x")], "p": Point([3], {"k": 4}), "e": [], "s": "text"}
+    flat = _tree.flatten(data)
+    leaf_paths, container_paths = _tree.paths(flat)
+    walked: list[tuple[str, Any]] = []
+    prefix: list[str] = []
+    for depth, key, value, is_container in _tree.preorder(flat):
+        del prefix[max(depth - 1, 0) :]
+        if depth:
+            prefix.append(key)
+        walked.append(("".join(prefix), value))
+        assert is_container == any(value is entry[2] for entry in flat.spec)
+    assert sorted(path for path, _ in walked) == sorted(leaf_paths + container_paths)
+    assert [path for path, _ in walked] == [
+        "", "['a']", "['a'][0]", "['a'][1]", "['a'][1][0]", "['a'][1][1]", "['p']", "['p'].x",
+        "['p'].x[0]", "['p'].y", "['p'].y['k']", "['e']", "['s']",
+    ]  # fmt: skip
 
 
 @pytest.mark.usefixtures("watchdog")
