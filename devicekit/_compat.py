@@ -185,9 +185,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU), or a RuntimeError whose message says a
     device or one of its libraries could not allocate (``"CUDA out of memory"`` from
     extensions and older code, cuBLAS's ``CUBLAS_STATUS_ALLOC_FAILED``, MPS's
-    ``"MPS backend out of memory"``). The error's chain is followed as Python prints it
-    (``__cause__``, and ``__context__`` unless suppressed with ``from None``), so an
-    out-of-memory error wrapped in another is one too. The host running out
+    ``"MPS backend out of memory"``). An error raised *from* one (``raise ... from
+    error``, its ``__cause__``, followed down the chain) is one too: a library that wraps
+    the allocator's error says so. An error raised while one was being handled, without
+    ``from`` (its ``__context__`` only), is not: it is another error, such as a
+    ``KeyError`` in an ``except`` block, and must reach the user. The host running out
     (``MemoryError``, the CPU allocator's RuntimeError) is not a device's.
 
     >>> import torch
@@ -201,17 +203,23 @@ def is_out_of_memory(error: BaseException) -> bool:
     ... except ValueError as wrapped:
     ...     is_out_of_memory(wrapped)
     True
+    >>> try:
+    ...     try:
+    ...         raise torch.OutOfMemoryError("CUDA out of memory")
+    ...     except torch.OutOfMemoryError:
+    ...         {}["batch_size"]  # a mistake of the handler: no device out of memory
+    ... except KeyError as mistake:
+    ...     is_out_of_memory(mistake)
+    False
     >>> is_out_of_memory(MemoryError()), is_out_of_memory(RuntimeError("CUDA error: launch failed"))
     (False, False)
     """
     import torch  # noqa: PLC0415 - loaded already: the error came from it
 
     seen: set[int] = set()
-    pending = [error]
-    while pending and len(seen) < _CHAIN_MOST:
-        each = pending.pop()
-        if id(each) in seen:  # a chain that loops back
-            continue
+    each: BaseException | None = error
+    # A chain that loops back, or runs past _CHAIN_MOST, ends the walk.
+    while each is not None and id(each) not in seen and len(seen) < _CHAIN_MOST:
         seen.add(id(each))
         if isinstance(each, torch.OutOfMemoryError):
             return True
@@ -222,10 +230,7 @@ def is_out_of_memory(error: BaseException) -> bool:
                 said = ""
             if any(words in said for words in _OUT_OF_MEMORY_SAID):
                 return True
-        if each.__cause__ is not None:
-            pending.append(each.__cause__)
-        if each.__context__ is not None and not each.__suppress_context__:
-            pending.append(each.__context__)
+        each = each.__cause__
     return False
 
 

@@ -209,11 +209,15 @@ OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
         (RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"), True),
         (RuntimeError("XPU out of memory. Tried to allocate 1 GiB"), True),
-        # Wrapped: the chain Python prints, as far as it goes.
+        # Raised from one (`raise ... from error`): down the chain of causes.
         (_chained(ValueError("attention failed"), cause=OOM), True),
-        (_chained(KeyError("batch"), context=_chained(ValueError("x"), cause=OOM)), True),
+        (_chained(KeyError("batch"), cause=_chained(ValueError("x"), cause=OOM)), True),
+        # Raised while one was handled (the context only): another error, shown as it is.
+        (_chained(KeyError("missing_config_key"), context=OOM), False),
+        (_chained(KeyError("batch"), context=_chained(ValueError("x"), cause=OOM)), False),
+        (_chained(ValueError("x"), cause=_chained(ValueError("y"), context=OOM)), False),
         (_chained(ValueError("retried"), context=OOM, suppress=True), False),  # from None
-        (_chained(ValueError("x"), cause=_loop(), context=OOM), True),
+        (_chained(ValueError("x"), cause=_loop(), context=OOM), False),
         (_loop(), False),  # a chain that loops ends the walk
         (_long_chain(8), True),
         (_long_chain(40), False),  # past 32 errors the walk stops
@@ -248,6 +252,33 @@ def test_out_of_memory_in_other_words_goes_on_with_the_search(error: BaseExcepti
 
     fit = dk.fit_batch(step, start=8, limit=1024, device="cpu")
     assert fit.batch_size == 96
+
+
+def test_an_error_raised_while_handling_out_of_memory_reaches_the_caller_unchanged() -> None:
+    # A mistake in the step's own except block is no device out of memory, although
+    # Python chains the OutOfMemoryError it was handling to it as its __context__.
+    sizes: list[int] = []
+    ran_out: list[torch.OutOfMemoryError] = []
+    config: dict[str, int] = {}
+
+    def allocate(batch_size: int) -> None:
+        if batch_size > 16:
+            ran_out.append(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+            raise ran_out[-1]
+
+    def step(batch_size: int) -> None:
+        sizes.append(batch_size)
+        try:
+            allocate(batch_size)
+        except torch.OutOfMemoryError:
+            config["missing_config_key"]  # the handler's own mistake: a KeyError
+
+    with pytest.raises(KeyError, match="missing_config_key") as info:
+        dk.fit_batch(step, start=8, limit=1024, device="cpu")
+    assert type(info.value) is KeyError
+    assert info.value.__context__ is ran_out[0]
+    assert info.value.__cause__ is None
+    assert sizes == [8, 16, 32]  # no try after it
 
 
 def test_when_nothing_fits_the_error_names_the_device_its_memory_and_the_tries(
