@@ -270,7 +270,8 @@ def fit_batch(
             named in ``restore``.
         ValueError: An option is out of range.
         TypeError: ``step`` is not callable, or ``restore`` holds something that
-            cannot be put back.
+            cannot be put back (a module whose parameters are not initialised yet: a lazy
+            module before its first forward).
     """
     ranks = _Ranks()
     options: dict[str, int | float | None] = {
@@ -345,6 +346,8 @@ def _check(step: object, start: object, limit: object, target: object, headroom:
 def _restorable(restore: object) -> tuple[object, ...]:
     """The entries of ``restore=``, each one a module or has a state to save and load."""
     if isinstance(restore, nn.Module) or _stateful(restore):
+        if isinstance(restore, nn.Module):
+            _refuse_uninitialised(restore, "restore")
         return (restore,)
     if not isinstance(restore, tuple | list):
         msg = (
@@ -361,7 +364,30 @@ def _restorable(restore: object) -> tuple[object, ...]:
                 "fit_batch could not put it back after the search."
             )
             raise TypeError(msg)
+        if isinstance(entry, nn.Module):
+            _refuse_uninitialised(entry, f"restore[{index}]")
     return tuple(restore)
+
+
+_UNINITIALISED: Final = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
+
+
+def _refuse_uninitialised(module: nn.Module, name: str) -> None:
+    """Refuse a lazy module not yet run: its parameters have no values to copy, nor put back."""
+    for kind, named in (
+        ("parameter", module.named_parameters()),
+        ("buffer", module.named_buffers()),
+    ):
+        for path, tensor in named:
+            if isinstance(tensor, _UNINITIALISED):
+                msg = (
+                    f"Expected every parameter and buffer of {name} to be initialised, so that "
+                    f"fit_batch can keep a copy to put back, got the {kind} '{path}' not "
+                    "initialised yet: a lazy module (such as torch.nn.LazyLinear) makes its "
+                    "parameters in its first forward. Run one forward first (model(batch)), "
+                    "or leave it out of restore= (the search then initialises and trains it)."
+                )
+                raise TypeError(msg)
 
 
 def _stateful(entry: object) -> bool:

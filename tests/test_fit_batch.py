@@ -602,6 +602,57 @@ def test_what_cannot_be_put_back_is_refused_before_any_step(restore: object, mes
     assert step.sizes == []
 
 
+def _lazy_buffer() -> nn.Module:
+    module = nn.Linear(2, 2)
+    module.register_buffer("stats", nn.parameter.UninitializedBuffer())
+    return module
+
+
+@pytest.mark.parametrize(
+    ("restore", "name", "found"),
+    [
+        (
+            (nn.Linear(2, 2), nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))),
+            "restore[1]",
+            "the parameter '1.weight'",
+        ),
+        (nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2)), "restore", "the parameter '1.weight'"),
+        ((_lazy_buffer(),), "restore[0]", "the buffer 'stats'"),
+    ],
+    ids=["in-a-tuple", "alone", "buffer"],
+)
+def test_a_lazy_module_not_yet_run_is_refused_before_any_step(
+    restore: object, name: str, found: str
+) -> None:
+    step = Step(None)
+    message = (
+        f"Expected every parameter and buffer of {name} to be initialised, so that fit_batch "
+        f"can keep a copy to put back, got {found} not initialised yet: a lazy module (such "
+        "as torch.nn.LazyLinear) makes its parameters in its first forward. Run one forward "
+        "first (model(batch)), or leave it out of restore= (the search then initialises and "
+        "trains it)."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        dk.fit_batch(step, device="cpu", restore=restore)
+    assert step.sizes == []
+
+
+def test_a_lazy_module_after_its_first_forward_is_put_back() -> None:
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+    model(torch.randn(1, 8))  # the fix the refusal advises
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = [t.detach().clone() for t in model.parameters()]
+
+    def step(batch_size: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(batch_size, 8)).square().mean().backward()
+        optimizer.step()
+
+    dk.fit_batch(step, limit=64, device="cpu", restore=(model, optimizer))
+    assert all(map(torch.equal, model.parameters(), before))
+    assert not optimizer.state
+
+
 # DistributedDataParallel, in a process group of one: what each forward synchronises is
 # read as DDP decides it, and a step that would leave the ranks out of step is refused.
 
