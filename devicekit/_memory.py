@@ -38,11 +38,12 @@ import random
 import struct
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol, TypeGuard
 
 import torch
 from torch import nn
 
+from devicekit import _tree
 from devicekit._compat import ddp_forward_syncs, is_out_of_memory
 from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, shown
@@ -214,8 +215,10 @@ def fit_batch(
     they are put back exactly as they were once the search ends, however it ends (a
     size found, an error, Ctrl-C): every parameter and buffer value (in place: the
     tensors your optimizer holds stay the same), every gradient, every submodule's
-    ``training`` flag, the optimizer's state and its ``lr``. The copy is kept on the host,
-    so it takes none of the memory the search measures, and dropped after. The global
+    ``training`` flag, the optimizer's state and every value of its ``param_groups`` (its
+    ``lr`` too), into the same dicts and tensors: a group you or an LR scheduler hold
+    still steers it. The copy is kept on the host, so it takes none of the memory the
+    search measures, and dropped after. The global
     random generators (PyTorch's CPU one and the device's, Python's ``random``, NumPy's
     global one where NumPy is loaded) are put back too, with or without ``restore``: a
     seeded run trains the same after the search as without it, whatever sizes this
@@ -241,6 +244,10 @@ def fit_batch(
     >>> fit = dk.fit_batch(train_step, limit=64, device="cpu", restore=(model, optimizer))
     >>> torch.equal(model.weight, weight), model.weight.grad, optimizer.state_dict()["state"]
     (True, None, {})
+    >>> group = optimizer.param_groups[0]
+    >>> fit = dk.fit_batch(train_step, limit=64, device="cpu", restore=(model, optimizer))
+    >>> optimizer.param_groups[0] is group
+    True
 
     Args:
         step: Runs one training step at the batch size it is given.
@@ -517,7 +524,8 @@ class _Kept:
     """A host copy of what ``restore=`` names, and of the random generators, put back once.
 
     Module tensors go back in place (an optimizer holds them), gradients in place where
-    the step left one of the same shape; other objects through their own
+    the step left one of the same shape; an optimizer's groups and state into the same
+    objects (:class:`_KeptOptimizer`); other objects through their own
     ``load_state_dict``, from a copy of their ``state_dict`` made by :func:`to_device`.
     """
 
@@ -525,14 +533,16 @@ class _Kept:
         self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the live one, its copy)
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.flags: list[tuple[nn.Module, bool]] = []
-        self.states: list[tuple[Any, object]] = []
+        self.states: list[Callable[[], object]] = []  # each puts one object's state back
         seen: set[int] = set()
         for entry in entries:
             if isinstance(entry, nn.Module):
                 self._keep_module(entry, seen)
+            elif _optimizer_in_place(entry):
+                self.states.append(_KeptOptimizer(entry).put_back)
             else:
                 state = to_device(entry.state_dict(), _HOST, copy=True)  # type: ignore[attr-defined]
-                self.states.append((entry, state))
+                self.states.append(functools.partial(entry.load_state_dict, state))  # type: ignore[attr-defined]
         self.generators = _generators(device)
 
     def _keep_module(self, module: nn.Module, seen: set[int]) -> None:
@@ -561,11 +571,114 @@ class _Kept:
                     parameter.grad = grad.to(parameter.device)
         for module, training in self.flags:
             module.training = training  # not train(): its recursion would overwrite the rest
-        for entry, state in self.states:
-            entry.load_state_dict(state)
-        for put in self.generators:
+        for put in (*self.states, *self.generators):
             put()
         self.tensors, self.grads, self.flags, self.states, self.generators = [], [], [], [], []
+
+
+def _optimizer_in_place(entry: object) -> TypeGuard[torch.optim.Optimizer]:
+    """Whether ``entry`` is an optimizer whose whole state is its groups and ``state``.
+
+    So it is where its class keeps Optimizer's own ``state_dict`` and ``load_state_dict``,
+    which read and write nothing else; a class that defines its own (ZeroRedundancyOptimizer
+    keeps its shard in an inner optimizer, accelerate's wrapper hands on to one) is put
+    back through them.
+    """
+    base = torch.optim.Optimizer
+    return (
+        isinstance(entry, base)
+        and type(entry).state_dict is base.state_dict
+        and type(entry).load_state_dict is base.load_state_dict
+    )
+
+
+class _KeptOptimizer:
+    """An optimizer's ``param_groups`` and ``state`` as they were, put back into the same objects.
+
+    ``load_state_dict`` would put new dicts in ``param_groups``: a group that the user
+    or an LR scheduler holds would then no longer steer the optimizer. Here the list,
+    each group's dict, the ``state`` mapping and each parameter's dict stay the objects
+    they were, with the keys they had (keys added during the search go, keys removed
+    come back) and their values as they were, tensors in place. A group's ``params`` are
+    the optimizer's own and are left alone.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.groups = [(group, _kept_values(group, "params")) for group in self.param_groups]
+        self.state = optimizer.state
+        self.parameters: list[tuple[object, object, dict[Any, _Value] | _Value]] = [
+            (key, each, _kept_values(each) if isinstance(each, dict) else _Value(each))
+            for key, each in self.state.items()
+        ]
+
+    def put_back(self) -> None:
+        optimizer = self.optimizer
+        if optimizer.param_groups is not self.param_groups:  # a step replaced the list
+            optimizer.param_groups = self.param_groups
+        self.param_groups[:] = [group for group, _ in self.groups]  # add_param_group undone
+        for group, values in self.groups:
+            _refill(group, values, "params")
+        if optimizer.state is not self.state:
+            optimizer.state = self.state
+        state: dict[Any, Any] = self.state
+        kept = {id(key) for key, _, _ in self.parameters}
+        for key in [key for key in state if id(key) not in kept]:  # state the search began
+            del state[key]
+        for key, each, kept_values in self.parameters:
+            if isinstance(kept_values, _Value):
+                state[key] = kept_values.value()
+            else:
+                assert isinstance(each, dict)  # for mypy: kept as one above
+                state[key] = each
+                _refill(each, kept_values)
+
+
+def _kept_values(mapping: dict[Any, Any], *left: object) -> dict[Any, _Value]:
+    return {key: _Value(value) for key, value in mapping.items() if key not in left}
+
+
+def _refill(mapping: dict[Any, Any], values: dict[Any, _Value], *left: object) -> None:
+    """``mapping`` holding ``values`` again, and no other key but those ``left`` alone."""
+    for key in [key for key in mapping if key not in values and key not in left]:
+        del mapping[key]
+    for key, value in values.items():
+        mapping[key] = value.value()
+
+
+class _Value:
+    """One value of an optimizer's groups or state, copied with its tensors on the host.
+
+    Containers are copied (a step may append to a list in place) and given back as
+    copies; each tensor goes back into the tensor it was, in place (a compiled step, a
+    scheduler or the user may hold it: a tensor ``lr`` is filled in place by schedulers).
+    Other leaves are kept as they are, as ``load_state_dict`` keeps them.
+    """
+
+    def __init__(self, value: object) -> None:
+        self.tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the copy
+        self.copy = _tree.map_leaves(self._keep, value, root=None)
+
+    def _keep(self, leaf: Any, _: object) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.is_meta:  # meta: no values to keep
+            return leaf
+        copy = leaf.detach().to(_HOST, copy=True)
+        self.tensors[id(copy)] = (leaf, copy)
+        return copy
+
+    def value(self) -> Any:
+        """The value as it was: its containers anew, its tensors the same, refilled."""
+        return _tree.map_leaves(self._back, self.copy, root=None)
+
+    def _back(self, leaf: Any, _: object) -> Any:
+        kept = self.tensors.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+        if kept is None:
+            return leaf
+        tensor, copy = kept
+        with torch.no_grad():
+            tensor.copy_(copy)
+        return tensor
 
 
 def _generators(device: torch.device) -> list[Callable[[], object]]:

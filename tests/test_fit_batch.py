@@ -562,6 +562,146 @@ def test_the_host_copy_is_dropped_after_the_search() -> None:
     assert not any(each.tensors or each.grads or each.states for each in kept)
 
 
+def test_restore_puts_an_optimizer_back_into_the_same_objects() -> None:
+    # A group the user or a scheduler holds must steer the optimizer after the search,
+    # as it did before: load_state_dict would have put new dicts in param_groups.
+    training = Training()
+    _trained_once(training)
+    optimizer, weight = training.optimizer, training.model.head.weight
+    groups, group, state = optimizer.param_groups, optimizer.param_groups[0], optimizer.state
+    group["note"] = "kept by the user"
+    adam = state[weight]
+    exp_avg, step_count = adam["exp_avg"], adam["step"]
+    before = copy.deepcopy(
+        ({k: v for k, v in group.items() if k != "params"}, dict(adam), len(state))
+    )
+    seen: list[float] = []
+
+    def step(batch_size: int) -> torch.Tensor:
+        seen.append(group["lr"])
+        group["added_in_search"] = batch_size
+        group.pop("note", None)
+        return training(batch_size)
+
+    fit = dk.fit_batch(step, start=8, limit=1024, device="cpu", restore=training.restore())
+    assert fit.batch_size == 96
+    assert len(set(seen)) > 5  # the scheduler changed lr at every try
+    assert optimizer.param_groups is groups
+    assert optimizer.param_groups[0] is group
+    assert optimizer.state is state
+    assert state[weight] is adam
+    assert adam["exp_avg"] is exp_avg
+    assert adam["step"] is step_count
+    assert _same(
+        ({k: v for k, v in group.items() if k != "params"}, dict(adam), len(state)), before
+    )
+    assert "added_in_search" not in group
+    assert group["note"] == "kept by the user"
+    # The group the user holds steers the optimizer: no learning rate, no change.
+    parameters = [p.detach().clone() for p in training.model.parameters()]
+    group["lr"] = 0.0
+    training.model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    assert all(map(torch.equal, training.model.parameters(), parameters))
+
+
+def test_a_param_group_added_during_the_search_is_taken_out_again() -> None:
+    training = Training()
+    _trained_once(training)
+    optimizer = training.optimizer
+    groups, before = optimizer.param_groups, copy.deepcopy(optimizer.state_dict())
+    extra = nn.Parameter(torch.zeros(3))
+
+    def step(batch_size: int) -> torch.Tensor:
+        if len(groups) == 1:
+            optimizer.add_param_group({"params": [extra]})
+        extra.grad = torch.ones(3)  # the new group gains state too
+        return training(batch_size)
+
+    dk.fit_batch(step, start=8, limit=1024, device="cpu", restore=training.restore())
+    assert optimizer.param_groups is groups
+    assert len(groups) == 1
+    assert extra not in optimizer.state
+    assert _same(optimizer.state_dict(), before)
+
+
+def test_a_tensor_learning_rate_is_put_back_in_place() -> None:
+    # A scheduler fills a tensor lr in place; it goes back into the same tensor, on its
+    # own device (load_state_dict would have given the group the host copy).
+    model = nn.Linear(4, 2)
+    lr = torch.tensor(0.01)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    seen: list[float] = []
+
+    def step(batch_size: int) -> None:
+        seen.append(float(optimizer.param_groups[0]["lr"]))
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(batch_size, 4)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+
+    dk.fit_batch(step, limit=64, device="cpu", restore=(model, optimizer, scheduler))
+    assert seen[-1] < seen[0]
+    assert optimizer.param_groups[0]["lr"] is lr
+    assert lr.item() == pytest.approx(0.01)
+
+
+def test_restore_puts_back_optimizer_state_held_in_lists() -> None:
+    # L-BFGS keeps its history in lists it appends to in place.
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), history_size=4, max_iter=3)
+    inputs = torch.randn(16, 4)
+
+    def step(batch_size: int) -> None:
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(inputs[: min(batch_size, 16)]).square().mean()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
+    step(16)
+    first = next(iter(optimizer.state.values()))
+    directions, before = list(first["old_dirs"]), copy.deepcopy(dict(first))
+    dk.fit_batch(step, limit=64, device="cpu", restore=(model, optimizer))
+    assert next(iter(optimizer.state.values())) is first
+    assert _same(dict(first), before)  # the search's appends undone
+    # The lists come back as copies, holding the tensors that they held.
+    assert all(a is b for a, b in zip(first["old_dirs"], directions, strict=True))
+
+
+def test_an_optimizer_with_its_own_state_dict_is_put_back_through_it() -> None:
+    class Counting(torch.optim.SGD):
+        """An optimizer keeping state of its own beside its groups, in its state_dict."""
+
+        steps = 0
+
+        def step(self, closure: Any = None) -> Any:
+            self.steps += 1
+            return super().step(closure)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {**super().state_dict(), "steps": self.steps}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.steps = state_dict["steps"]
+            super().load_state_dict({k: v for k, v in state_dict.items() if k != "steps"})
+
+    model = nn.Linear(4, 2)
+    optimizer = Counting(model.parameters(), lr=0.1)
+    optimizer.steps = 3
+
+    def step(batch_size: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(batch_size, 4)).square().mean().backward()
+        optimizer.step()
+
+    dk.fit_batch(step, limit=64, device="cpu", restore=(model, optimizer))
+    assert optimizer.steps == 3
+
+
 def test_restore_takes_one_object_as_well_as_a_tuple() -> None:
     training = Training()
     parameters = [p.detach().clone() for p in training.model.parameters()]
