@@ -2,8 +2,9 @@
 
 Read from the environment, parsed once here: the manager's rules for ``LOCAL_RANK`` and
 the variables that give each process its own devices (``CUDA_VISIBLE_DEVICES`` and the
-like) read these functions, never ``os.environ`` directly, and so does ``devicekit
-doctor``, on the environment of its snapshot: one reading of each variable for both.
+like, and Slurm's word that it bound GPUs to each task) read these functions, never
+``os.environ`` directly, and so does ``devicekit doctor``, on the environment of its
+snapshot: one reading of each variable for both.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "given_devices",
     "local_rank",
     "own_devices_variable",
+    "slurm_gpus_per_task",
     "whole_number",
 ]
 
@@ -116,6 +118,9 @@ and only they tell the processes apart; Slurm, which starts the others, comes la
 """
 
 
+_SLURM: Final = next(launcher for launcher in LAUNCHERS if launcher.name == "Slurm")
+
+
 class LocalRank(NamedTuple):
     """This process's rank on its node, as its launcher set it.
 
@@ -128,6 +133,9 @@ class LocalRank(NamedTuple):
     launcher: Launcher
     size: int | None  # the processes on the node, where the launcher says
     outer: tuple[Launcher, ...] = ()  # launchers whose variables it inherited, not read
+    per_task: str = ""
+    """Where the rank is Slurm's own, the variable saying that Slurm bound each task to
+    GPUs of its own (:func:`slurm_gpus_per_task`), as messages show it; else ""."""
 
     @property
     def said(self) -> str:
@@ -163,6 +171,8 @@ def local_rank(environ: Mapping[str, str] | None = None) -> LocalRank | BadRank 
     ``SLURM_LOCALID`` (srun): the first set is read, the others are named as ``outer``.
     A value that is not a whole number of 0 or more comes back as a :class:`BadRank`,
     for whoever uses the rank to refuse; a device the user names does not need it.
+    Where the rank is Slurm's own, ``per_task`` says whether Slurm bound GPUs to each task
+    (an inner launcher's processes share what Slurm gave its one task).
 
     >>> rank = local_rank({"SLURM_LOCALID": "0", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     >>> rank.rank, rank.size, rank.started_by
@@ -181,4 +191,51 @@ def local_rank(environ: Mapping[str, str] | None = None) -> LocalRank | BadRank 
     rank = whole_number(value)
     if rank is None:
         return BadRank(launcher, value)
-    return LocalRank(rank, launcher, whole_number(environ.get(launcher.size, "")), tuple(outer))
+    size = whole_number(environ.get(launcher.size, ""))
+    per_task = slurm_gpus_per_task(environ) if launcher is _SLURM else ""
+    return LocalRank(rank, launcher, size, tuple(outer), per_task)
+
+
+def slurm_gpus_per_task(environ: Mapping[str, str] | None = None) -> str:
+    """Where Slurm bound each task to GPUs of its own, the variable that says so; else "".
+
+    ``srun --gpus-per-task=N`` binds each task to N GPUs (``--gpu-bind=per_task:N``,
+    implied since Slurm 21.08), and so does ``--gpu-bind=per_task:N`` itself. Slurm 23.11
+    and later say so in ``SLURM_TRES_BIND`` (``gres/gpu:per_task:2``, implied or given);
+    earlier releases in ``SLURM_GPUS_PER_TASK``, with ``SLURM_GPU_BIND`` where
+    ``--gpu-bind`` was given. Any other GPU binding (``none``, ``closest``, a map or mask)
+    overrides the implied one, and tasks may then share their GPUs: "".
+
+    >>> slurm_gpus_per_task({"SLURM_TRES_BIND": "gres/gpu:verbose,per_task:2"})
+    'SLURM_TRES_BIND=gres/gpu:verbose,per_task:2'
+    >>> slurm_gpus_per_task({"SLURM_GPUS_PER_TASK": "2"})
+    'SLURM_GPUS_PER_TASK=2'
+    >>> slurm_gpus_per_task({"SLURM_GPUS_PER_TASK": "2", "SLURM_GPU_BIND": "closest"})
+    ''
+    """
+    environ = _environment(environ)
+    bind = environ.get("SLURM_TRES_BIND", "")  # "gres/gpu:per_task:2+gres/nic:..."
+    for part in bind.split("+"):
+        kind, _, options = part.strip().partition(":")
+        if kind.strip().lower() == "gres/gpu":
+            return f"SLURM_TRES_BIND={part.strip()}" if _per_task(options) else ""
+    bind = environ.get("SLURM_GPU_BIND", "").strip()  # "[verbose,]per_task:2"
+    if bind:
+        return f"SLURM_GPU_BIND={bind}" if _per_task(bind) else ""
+    count = environ.get("SLURM_GPUS_PER_TASK", "").strip()  # "2", "a100:2", "a100:1,v100:1"
+    counts = [item.rpartition(":")[2] for item in count.split(",")]
+    if count and all(whole_number(number) for number in counts):
+        return f"SLURM_GPUS_PER_TASK={count}"
+    return ""
+
+
+def _per_task(options: str) -> bool:
+    """Whether Slurm's GPU binding options bind each task to GPUs of its own (``per_task:N``).
+
+    >>> _per_task("verbose,per_task:2"), _per_task("single:1"), _per_task("per_task:0")
+    (True, False, False)
+    """
+    return any(
+        name.strip().lower() == "per_task" and bool(whole_number(number))
+        for name, _, number in (option.partition(":") for option in options.split(","))
+    )

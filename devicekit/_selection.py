@@ -329,28 +329,34 @@ class _Choice:
             devices,
             own_devices_variable(device_type),
         )
-        if not split and ranks is not None and ranks > devices:
+        one = f"{local.said}, and this process sees one {name} device"
+        if devices == 1 and split:
+            # One visible device per process: the launcher already split them.
+            return self.of_rank(found[0], local, one)
+        if split and local.per_task:
+            # srun --gpus-per-task=2 binds each task to two GPUs of its own, which it sees
+            # as cuda:0 and cuda:1, and gives the third task SLURM_LOCALID=2: the rank
+            # numbers tasks, not these devices. Only Slurm's word says so: the same
+            # CUDA_VISIBLE_DEVICES=0,1 given to every process (plain --gres, or torchrun
+            # and mpirun, whose ranks share what their launcher was given) looks the same.
+            return self.of_rank(
+                found[0],
+                local,
+                f"{local.said} ({local.started_by}), and Slurm bound each task to {name} "
+                f"devices of its own ({local.per_task}): the first of this process's {devices}",
+            )
+        if ranks is not None and ranks > devices:
             return Refused(
                 f"Expected at most {_processes(devices)} on this node, one per {name} "
                 f"device, but {local.launcher.size}={ranks}: "
                 + _shared(f"Start {devices}", problem),
                 problem._replace(variable=local.launcher.size, value=str(ranks)),
             )
-        if devices == 1 and (split or rank == 0):
-            # One visible device per process: the launcher already split them.
-            return self.of_rank(
-                found[0], local, f"{local.said}, and this process sees one {name} device"
-            )
-        if split and rank >= devices:
-            # srun --gpus-per-task=2 gives each task two GPUs of its own, numbered from 0,
-            # and SLURM_LOCALID=2 to the third task: its rank numbers no device of its own.
-            return self.of_rank(
-                found[0],
-                local,
-                f"{local.said} ({local.started_by}), and its launcher gave this process "
-                f"{devices} {name} devices of its own: the first",
-            )
+        if devices == 1 and rank == 0:
+            return self.of_rank(found[0], local, one)
         if rank >= devices:
+            # Also where a visibility variable is set: torchrun, mpirun and srun without
+            # per-task GPUs give every process the same ones, so ranks would share them.
             return Refused(
                 f"Expected {local.launcher.rank} to be below the number of {name} devices "
                 f"this process sees ({devices}), got {rank}: "
@@ -386,10 +392,22 @@ class _Choice:
             return self.chosen(torch.device("cpu"), "prefer asks for the CPU")
         looked = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
         why = why or f"no {looked} device is usable"
-        if request.waiting:
+        visible = {info.device: info for name in wanted for info in self.family(name)}
+        # Claims of this process's other managers: a wait would wait for itself (a
+        # notebook cell run twice on a one-GPU machine would wait out its wait=).
+        ours = [device for device in visible if _ours(self.seen.claimed.get(device))]
+        if ours and len(ours) == len(visible):
+            why += (
+                f": {_listing(ours)} {'is' if len(ours) == 1 else 'are'} claimed by this "
+                "process (another of its managers): close() it, leave its with block, or "
+                "name the device to share it"
+            )
+            if request.waiting:
+                why += " (wait= does not wait for this process)"
+        elif request.waiting:
             # Waiting frees a busy or claimed device; it never makes one appear (a
             # PyTorch without CUDA, a machine without GPUs): there, give up at once.
-            if any(self.family(name) for name in wanted):
+            if visible:
                 return Wait(why, tuple(self.passed_over()))
             why += " (none is visible, so wait= has nothing to wait for)"
         if request.waited is not None:
@@ -454,6 +472,12 @@ def _by(holder: Holder | int | None) -> str:
 def _ours(holder: Holder | int | None) -> bool:
     """Whether this process holds the claim: one of its other managers took it."""
     return isinstance(holder, Holder) and holder.ours
+
+
+def _listing(devices: list[torch.device]) -> str:
+    """``cuda:0``, ``cuda:0 and cuda:1``, ``cuda:0, cuda:1 and cuda:2``."""
+    names = [str(device) for device in devices]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _shared(start: str, problem: RankProblem) -> str:

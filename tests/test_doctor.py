@@ -56,6 +56,11 @@ MIXED = gpus("NVIDIA A100-SXM4-80GB", H100)
 XPUS = gpus("Intel Data Center GPU Max 1550", "Intel Data Center GPU Max 1550", device_type="xpu")
 NO_XPU = gpus(device_type="xpu", note="no XPU device is available to this PyTorch build")
 
+# srun --ntasks-per-node=4: the third task; with --gpus-per-task=2, as Slurm says it.
+THIRD_TASK = {"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"}
+PER_TASK = {"SLURM_GPUS_PER_TASK": "2"}  # up to Slurm 23.02
+TRES_BIND = {"SLURM_TRES_BIND": "gres/gpu:per_task:2"}  # from Slurm 23.11
+
 # (name, machine, the findings as (severity, code), in the order they are listed)
 CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
     ("a clean machine with two GPUs", on(TWO, environ={}), []),
@@ -132,15 +137,40 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
     ),
     (
         "srun --gpus-per-task=2: each task its own two GPUs",
+        on(TWO, environ={**THIRD_TASK, "CUDA_VISIBLE_DEVICES": "4,5", **PER_TASK}),
+        [],
+    ),
+    (
+        "srun --gpus-per-task=2 on Slurm 23.11 and later",
+        on(TWO, environ={**THIRD_TASK, "CUDA_VISIBLE_DEVICES": "4,5", **TRES_BIND}),
+        [],
+    ),
+    (
+        "srun with plain --gres: every task the same two GPUs",
+        on(TWO, environ={**THIRD_TASK, "CUDA_VISIBLE_DEVICES": "0,1"}),
+        [("error", "more-ranks-than-devices")],
+    ),
+    (
+        "torchrun --nproc_per_node=4 with CUDA_VISIBLE_DEVICES=0,1",
+        on(
+            TWO,
+            environ={"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "0,1"},
+        ),
+        [("error", "more-ranks-than-devices")],
+    ),
+    (
+        "torchrun inside srun --gpus-per-task=2: its ranks share the task's GPUs",
         on(
             TWO,
             environ={
-                "SLURM_LOCALID": "2",
-                "SLURM_NTASKS_PER_NODE": "4",
+                **THIRD_TASK,
+                **PER_TASK,
                 "CUDA_VISIBLE_DEVICES": "4,5",
+                "LOCAL_RANK": "2",
+                "LOCAL_WORLD_SIZE": "4",
             },
         ),
-        [],
+        [("error", "more-ranks-than-devices")],
     ),
     (
         "each rank its own AMD GPU through HIP_VISIBLE_DEVICES",
@@ -449,6 +479,7 @@ def _in_environment(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]) ->
     """Make ``environ`` the process's launcher, visibility and devicekit variables."""
     names = {name for launcher in LAUNCHERS for name in (launcher.rank, launcher.size)}
     names |= {name for group in VISIBILITY_VARIABLES.values() for name in group}
+    names |= {"SLURM_GPUS_PER_TASK", "SLURM_TRES_BIND", "SLURM_GPU_BIND"}
     for name in (*names, "DEVICEKIT_DEVICE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
@@ -495,10 +526,37 @@ AGREEMENT: list[tuple[str, tuple[Family, ...], dict[str, str]]] = [
         {"OMPI_COMM_WORLD_LOCAL_RANK": "3", "SLURM_LOCALID": "0"},
     ),
     ("torchrun inside Slurm", (TWO,), {"LOCAL_RANK": "1", "SLURM_LOCALID": "7"}),
+    ("srun --gpus-per-task=2", (TWO,), {**THIRD_TASK, "CUDA_VISIBLE_DEVICES": "4,5", **PER_TASK}),
     (
-        "srun --gpus-per-task=2",
+        "srun --gpus-per-task=2, Slurm 23.11",
         (TWO,),
-        {"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4", "CUDA_VISIBLE_DEVICES": "4,5"},
+        {**THIRD_TASK, "CUDA_VISIBLE_DEVICES": "4,5", **TRES_BIND},
+    ),
+    ("srun with plain --gres", (TWO,), {**THIRD_TASK, "CUDA_VISIBLE_DEVICES": "0,1"}),
+    (
+        "srun with plain --gres, no task count",
+        (TWO,),
+        {"SLURM_LOCALID": "2", "CUDA_VISIBLE_DEVICES": "0,1"},
+    ),
+    (
+        "srun --gpus-per-task=2 --gpu-bind=none",
+        (TWO,),
+        {**THIRD_TASK, "CUDA_VISIBLE_DEVICES": "0,1", **PER_TASK, "SLURM_GPU_BIND": "none"},
+    ),
+    (
+        "torchrun --nproc_per_node=4, CUDA_VISIBLE_DEVICES=0,1, rank 2",
+        (TWO,),
+        {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "0,1"},
+    ),
+    (
+        "torchrun --nproc_per_node=4, CUDA_VISIBLE_DEVICES=0,1, rank 0",
+        (TWO,),
+        {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "0,1"},
+    ),
+    (
+        "mpirun inside srun --gpus-per-task=2, a rank past the task's GPUs",
+        (TWO,),
+        {**THIRD_TASK, **PER_TASK, "CUDA_VISIBLE_DEVICES": "4,5", "MPI_LOCALRANKID": "2"},
     ),
     (
         "eight Slurm tasks on four GPUs",

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _manager, _units
+from devicekit import _claims, _launch, _manager, _units
 
 from .fakes import FakeGpus, machine
 from .helpers import CPU, META, cuda
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from pathlib import Path
 
 FALLBACK_WARNING = (
     "devicekit uses the CPU: no cuda, xpu or mps device is usable; see DeviceManager().explain()."
@@ -27,7 +28,10 @@ EXPECTED_A_DEVICE = "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', '
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "DEVICEKIT_DEVICE", "CUDA_VISIBLE_DEVICES"):
+    launchers = [name for launcher in _launch.LAUNCHERS for name in (launcher.rank, launcher.size)]
+    slurm = ("SLURM_GPUS_PER_TASK", "SLURM_TRES_BIND", "SLURM_GPU_BIND")
+    visibility = [name for names in _launch.VISIBILITY_VARIABLES.values() for name in names]
+    for name in (*launchers, *slurm, *visibility, "DEVICEKIT_DEVICE", "DEVICEKIT_CLAIM_DIR"):
         monkeypatch.delenv(name, raising=False)
     _manager._fallback_warned.clear()
     yield
@@ -129,6 +133,70 @@ def test_fallback_error_lists_what_was_found() -> None:
         dk.DeviceManager(
             fallback="error", backends=machine(note="this PyTorch build has no CUDA support")
         )
+
+
+# Claims of this very process: nothing to wait for.
+
+
+class FakeClock:
+    """time.monotonic and time.sleep for a manager that may wait: sleeping moves time on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+        monkeypatch.setattr(_manager, "_clock", lambda: self.now)
+        monkeypatch.setattr(_manager, "_sleep", self.sleep)
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def claims(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A claim directory for this test alone, and the claims it took given back after it."""
+    directory = tmp_path / "claims"
+    monkeypatch.setenv("DEVICEKIT_CLAIM_DIR", str(directory))
+    yield directory
+    for claim in list(_claims._taken.values()):
+        while claim.key in _claims._taken:
+            claim.release()
+
+
+OWN_CLAIM = (
+    "no cuda, xpu or mps device is usable: cuda:0 is claimed by this process (another of its "
+    "managers): close() it, leave its with block, or name the device to share it (wait= does "
+    "not wait for this process)"
+)
+
+
+@pytest.mark.usefixtures("claims")
+def test_a_cell_run_twice_falls_back_at_once_rather_than_wait_for_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A notebook on a one-GPU machine: the cell's first run still holds cuda:0. Only this
+    # process can give it back, so wait="10m" would wait ten minutes, then use the CPU.
+    clock, backends = FakeClock(monkeypatch), machine(70)
+    first = dk.DeviceManager(claim=True, wait="10m", backends=backends)
+    assert first.device == cuda(0)
+    msg = f"devicekit uses the CPU: {OWN_CLAIM}; see DeviceManager().explain()."
+    with pytest.warns(RuntimeWarning, match=f"^{re.escape(msg)}$"):
+        second = dk.DeviceManager(claim=True, wait="10m", backends=backends)
+    assert (second.device, clock.sleeps) == (CPU, [])
+    assert second.reason == f"{OWN_CLAIM}, so the CPU is the fallback"
+    assert "Skipped cuda:0: claimed by this process (another of its managers)." in (
+        second.explain()
+    )
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(f"but {OWN_CLAIM}. Passed")):
+        dk.DeviceManager(claim=True, wait="10m", fallback="error", backends=backends)
+    assert clock.sleeps == []
+    # What the reason advises: name the device (its claim is shared), or close the first.
+    named = dk.DeviceManager("cuda:0", claim=True, wait="10m", backends=backends)
+    assert named.device == cuda(0)
+    named.close()
+    first.close()
+    assert dk.DeviceManager(claim=True, wait="10m", backends=backends).device == cuda(0)
+    assert clock.sleeps == []
 
 
 def test_preferring_the_cpu_is_not_a_fallback() -> None:
@@ -365,20 +433,63 @@ def test_mpirun_inside_a_slurm_job_follows_the_mpi_rank(
     )
 
 
-def test_a_task_given_gpus_of_its_own_uses_its_first(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("SLURM_GPUS_PER_TASK", "2"), ("SLURM_TRES_BIND", "gres/gpu:per_task:2")],
+)
+def test_a_task_given_gpus_of_its_own_uses_its_first(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
     # srun --ntasks-per-node=4 --gpus-per-task=2: the third task sees GPUs 4 and 5 as
-    # cuda:0 and cuda:1, and SLURM_LOCALID=2.
+    # cuda:0 and cuda:1, and SLURM_LOCALID=2; Slurm says it bound GPUs to each task
+    # (SLURM_GPUS_PER_TASK up to 23.02, SLURM_TRES_BIND from 23.11).
     monkeypatch.setenv("SLURM_LOCALID", "2")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    monkeypatch.setenv(variable, value)
     backends = machine(70, 70)
     manager = dk.DeviceManager.from_env(backends=backends)
     assert manager.device == cuda(0)
     assert manager.reason == (
-        "SLURM_LOCALID=2 (Slurm), and its launcher gave this process 2 cuda devices of its "
-        "own: the first"
+        "SLURM_LOCALID=2 (Slurm), and Slurm bound each task to cuda devices of its own "
+        f"({variable}={value}): the first of this process's 2"
     )
     assert backends[0].made_current == [cuda(0)]  # type: ignore[attr-defined]
+
+
+def test_tasks_given_the_same_gpus_by_slurm_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # srun --ntasks-per-node=4 --gres=gpu:2: every task sees CUDA_VISIBLE_DEVICES=0,1.
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    msg = (
+        "Expected SLURM_LOCALID to be below the number of cuda devices this process sees (2), "
+        "got 2: ranks would share a device, which NCCL refuses ('Duplicate GPU detected'). "
+        "Start at most 2 processes per node (srun --ntasks-per-node=2), or give each process "
+        "its own CUDA_VISIBLE_DEVICES."
+    )
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager.from_env(backends=machine(70, 70))
+    monkeypatch.setenv("SLURM_LOCALID", "0")  # the first task is told too
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape("SLURM_NTASKS_PER_NODE=4")):
+        dk.DeviceManager.from_env(backends=machine(70, 70))
+
+
+def test_torchrun_ranks_past_the_visible_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node=4: ranks 0, 2 and 3 took cuda:0.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "2")  # inside srun --gpus-per-task: the same
+    msg = (
+        "Expected at most 2 processes on this node, one per cuda device, but "
+        "LOCAL_WORLD_SIZE=4: ranks would share a device, which NCCL refuses ('Duplicate GPU "
+        "detected'). Start 2 per node (torchrun --nproc_per_node=2), or give each process its "
+        "own CUDA_VISIBLE_DEVICES."
+    )
+    for local in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+            dk.DeviceManager.from_env(backends=machine(70, 70))
 
 
 def test_a_device_named_wins_over_a_malformed_launcher_variable(

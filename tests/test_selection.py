@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from devicekit._backends import DeviceInfo
-from devicekit._launch import LAUNCHERS, BadRank, LocalRank, local_rank
+from devicekit._claims import Holder
+from devicekit._launch import LAUNCHERS, BadRank, LocalRank, local_rank, slurm_gpus_per_task
 from devicekit._selection import (
     Chosen,
     Family,
@@ -50,6 +51,13 @@ def rank(number: int, size: int | None = None, launcher: Any = TORCHRUN, *outer:
     return LocalRank(number, launcher, size, outer)
 
 
+def launched(environ: dict[str, str]) -> LocalRank:
+    """The local rank :func:`devicekit._launch.local_rank` reads in ``environ``."""
+    found = local_rank(environ)
+    assert isinstance(found, LocalRank)
+    return found
+
+
 def sharing(variable: str, value: int, devices: int, launcher: Any = TORCHRUN) -> RankProblem:
     """What a refusal of ranks that would share a device says of itself, for the doctor."""
     own = "CUDA_VISIBLE_DEVICES"
@@ -64,6 +72,20 @@ def machine(*gpus: DeviceInfo, **seen: Any) -> Seen:
 
 TWO = machine(gpu(0), gpu(1))
 BUSY_FIRST = machine(gpu(0, busy=0.9), gpu(1))
+CUDA = frozenset({"cuda"})  # a visibility variable set: the launcher gave devices
+
+# srun --ntasks-per-node=4 on a node's GPUs: the third task, which sees two of them.
+SLURM_TASK_2 = {"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"}
+PER_TASK = {**SLURM_TASK_2, "SLURM_GPUS_PER_TASK": "2"}  # with --gpus-per-task=2 (<= 23.02)
+PER_TASK_THIRD = launched(PER_TASK)
+
+OWN = Holder(ours=True)
+OURS = "this process (another of its managers)"
+ONE_OURS = machine(gpu(0), claimed={cuda(0): OWN})
+OWN_CLAIM = (
+    "no cuda, xpu or mps device is usable: cuda:0 is claimed by this process (another of its "
+    "managers): close() it, leave its with block, or name the device to share it"
+)
 
 CASES: list[tuple[str, Seen, Request, Any]] = [
     (
@@ -354,20 +376,46 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
     ),
     (
         "srun --gpus-per-task=2: a task's rank past its own GPUs takes its first",
-        machine(gpu(0), gpu(1), local_rank=rank(2, 4, SLURM), split=frozenset({"cuda"})),
+        machine(gpu(0), gpu(1), local_rank=PER_TASK_THIRD, split=CUDA),
         Request(),
         Chosen(
             cuda(0),
-            "SLURM_LOCALID=2 (Slurm), and its launcher gave this process 2 cuda devices of its "
-            "own: the first",
+            "SLURM_LOCALID=2 (Slurm), and Slurm bound each task to cuda devices of its own "
+            "(SLURM_GPUS_PER_TASK=2): the first of this process's 2",
             current=True,
         ),
     ),
     (
-        "per-task GPUs, a rank among them: still its rank's",
-        machine(gpu(0), gpu(1), local_rank=rank(1, 4, SLURM), split=frozenset({"cuda"})),
+        "srun --gpus-per-task=2 on Slurm 23.11 and later: SLURM_TRES_BIND says so",
+        machine(
+            gpu(0),
+            gpu(1),
+            local_rank=launched({**SLURM_TASK_2, "SLURM_TRES_BIND": "gres/gpu:per_task:2"}),
+            split=CUDA,
+        ),
         Request(),
-        Chosen(cuda(1), "SLURM_LOCALID=1 (Slurm) selects it", current=True),
+        Chosen(
+            cuda(0),
+            "SLURM_LOCALID=2 (Slurm), and Slurm bound each task to cuda devices of its own "
+            "(SLURM_TRES_BIND=gres/gpu:per_task:2): the first of this process's 2",
+            current=True,
+        ),
+    ),
+    (
+        "per-task GPUs, a rank among them: its own first too",
+        machine(
+            gpu(0),
+            gpu(1),
+            local_rank=PER_TASK_THIRD._replace(rank=1),
+            split=CUDA,
+        ),
+        Request(),
+        Chosen(
+            cuda(0),
+            "SLURM_LOCALID=1 (Slurm), and Slurm bound each task to cuda devices of its own "
+            "(SLURM_GPUS_PER_TASK=2): the first of this process's 2",
+            current=True,
+        ),
     ),
     (
         "a rank past the GPUs, which are the same for every process: refused",
@@ -380,6 +428,180 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
             "each process its own CUDA_VISIBLE_DEVICES.",
             sharing("SLURM_NTASKS_PER_NODE", 4, 2, SLURM),
         ),
+    ),
+    (
+        "srun with plain --gres: one CUDA_VISIBLE_DEVICES=0,1 for every task, refused",
+        machine(gpu(0), gpu(1), local_rank=launched(SLURM_TASK_2), split=CUDA),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "SLURM_NTASKS_PER_NODE=4: ranks would share a device, which NCCL refuses "
+            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or give "
+            "each process its own CUDA_VISIBLE_DEVICES.",
+            sharing("SLURM_NTASKS_PER_NODE", 4, 2, SLURM),
+        ),
+    ),
+    (
+        "srun with plain --gres, no task count: the rank past the GPUs refused",
+        machine(gpu(0), gpu(1), local_rank=rank(2, None, SLURM), split=CUDA),
+        Request(),
+        Refused(
+            "Expected SLURM_LOCALID to be below the number of cuda devices this process sees "
+            "(2), got 2: ranks would share a device, which NCCL refuses ('Duplicate GPU "
+            "detected'). Start at most 2 processes per node (srun --ntasks-per-node=2), or "
+            "give each process its own CUDA_VISIBLE_DEVICES.",
+            sharing("SLURM_LOCALID", 2, 2, SLURM),
+        ),
+    ),
+    (
+        "srun --gpus-per-task with --gpu-bind=none: tasks may share, refused",
+        machine(
+            gpu(0),
+            gpu(1),
+            local_rank=launched(
+                {**SLURM_TASK_2, "SLURM_GPUS_PER_TASK": "2", "SLURM_TRES_BIND": "gres/gpu:none"}
+            ),
+            split=CUDA,
+        ),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "SLURM_NTASKS_PER_NODE=4: ranks would share a device, which NCCL refuses "
+            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or give "
+            "each process its own CUDA_VISIBLE_DEVICES.",
+            sharing("SLURM_NTASKS_PER_NODE", 4, 2, SLURM),
+        ),
+    ),
+    (
+        "torchrun --nproc_per_node=4 with CUDA_VISIBLE_DEVICES=0,1: rank 2 refused",
+        machine(gpu(0), gpu(1), local_rank=rank(2, 4), split=CUDA),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "LOCAL_WORLD_SIZE=4: ranks would share a device, which NCCL refuses ('Duplicate "
+            "GPU detected'). Start 2 per node (torchrun --nproc_per_node=2), or give each "
+            "process its own CUDA_VISIBLE_DEVICES.",
+            sharing("LOCAL_WORLD_SIZE", 4, 2),
+        ),
+    ),
+    (
+        "torchrun --nproc_per_node=4 with CUDA_VISIBLE_DEVICES=0,1: rank 0 refused too",
+        machine(gpu(0), gpu(1), local_rank=rank(0, 4), split=CUDA),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "LOCAL_WORLD_SIZE=4: ranks would share a device, which NCCL refuses ('Duplicate "
+            "GPU detected'). Start 2 per node (torchrun --nproc_per_node=2), or give each "
+            "process its own CUDA_VISIBLE_DEVICES.",
+            sharing("LOCAL_WORLD_SIZE", 4, 2),
+        ),
+    ),
+    (
+        "a torchrun rank past the visible GPUs, no LOCAL_WORLD_SIZE: refused",
+        machine(gpu(0), gpu(1), local_rank=rank(2), split=CUDA),
+        Request(),
+        Refused(
+            "Expected LOCAL_RANK to be below the number of cuda devices this process sees "
+            "(2), got 2: ranks would share a device, which NCCL refuses ('Duplicate GPU "
+            "detected'). Start at most 2 processes per node (torchrun --nproc_per_node=2), or "
+            "give each process its own CUDA_VISIBLE_DEVICES.",
+            sharing("LOCAL_RANK", 2, 2),
+        ),
+    ),
+    (
+        "torchrun inside a task Slurm gave GPUs of its own: its ranks share them, refused",
+        machine(
+            gpu(0),
+            gpu(1),
+            local_rank=launched({**PER_TASK, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}),
+            split=CUDA,
+        ),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "LOCAL_WORLD_SIZE=4: ranks would share a device, which NCCL refuses ('Duplicate "
+            "GPU detected'). Start 2 per node (torchrun --nproc_per_node=2), or give each "
+            "process its own CUDA_VISIBLE_DEVICES.",
+            sharing("LOCAL_WORLD_SIZE", 4, 2),
+        ),
+    ),
+    (
+        "mpirun inside a task Slurm gave GPUs of its own: a rank past them refused",
+        machine(
+            gpu(0),
+            gpu(1),
+            local_rank=launched({**PER_TASK, "OMPI_COMM_WORLD_LOCAL_RANK": "2"}),
+            split=CUDA,
+        ),
+        Request(),
+        Refused(
+            "Expected OMPI_COMM_WORLD_LOCAL_RANK to be below the number of cuda devices this "
+            "process sees (2), got 2: ranks would share a device, which NCCL refuses "
+            "('Duplicate GPU detected'). Start at most 2 processes per node (mpirun "
+            "--npernode 2), or give each process its own CUDA_VISIBLE_DEVICES.",
+            sharing("OMPI_COMM_WORLD_LOCAL_RANK", 2, 2, OPEN_MPI),
+        ),
+    ),
+    (
+        "one GPU per process given by the launcher: its own, as before",
+        machine(gpu(0), local_rank=rank(2, 4), split=CUDA),
+        Request(),
+        Chosen(cuda(0), "LOCAL_RANK=2, and this process sees one cuda device", current=True),
+    ),
+    (
+        "this process's own claim on the only GPU, waiting: no wait, the CPU at once",
+        ONE_OURS,
+        Request(waiting=True),
+        Chosen(
+            CPU,
+            f"{OWN_CLAIM} (wait= does not wait for this process), so the CPU is the fallback",
+            (f"cuda:0: claimed by {OURS}",),
+            fell_back=f"{OWN_CLAIM} (wait= does not wait for this process)",
+        ),
+    ),
+    (
+        "this process's own claim on the only GPU, fallback=error: refused at once",
+        ONE_OURS,
+        Request(waiting=True, fallback="error"),
+        Refused(
+            f"Expected a usable cuda, xpu or mps device, but {OWN_CLAIM} (wait= does not "
+            f"wait for this process). Passed over cuda:0: claimed by {OURS}. Devices here: "
+            "cuda:0."
+        ),
+    ),
+    (
+        "this process's own claims on two GPUs, one also busy: no wait",
+        machine(gpu(0), gpu(1, busy=0.9), claimed={cuda(0): OWN, cuda(1): OWN}),
+        Request(max_busy=0.5, waiting=True),
+        Chosen(
+            CPU,
+            "no cuda, xpu or mps device is usable: cuda:0 and cuda:1 are claimed by this "
+            "process (another of its managers): close() it, leave its with block, or name "
+            "the device to share it (wait= does not wait for this process), so the CPU is the "
+            "fallback",
+            (
+                f"cuda:0: claimed by {OURS}",
+                f"cuda:1: 90% busy, more than the 50% max_utilization allows; claimed by {OURS}",
+            ),
+            fell_back="no cuda, xpu or mps device is usable: cuda:0 and cuda:1 are claimed by "
+            "this process (another of its managers): close() it, leave its with block, or "
+            "name the device to share it (wait= does not wait for this process)",
+        ),
+    ),
+    (
+        "this process's claim and another job's: another job's may end, so wait",
+        machine(gpu(0), gpu(1), claimed={cuda(0): OWN, cuda(1): 4242}),
+        Request(waiting=True),
+        Wait(
+            "no cuda, xpu or mps device is usable",
+            (f"Passed over cuda:0: claimed by {OURS}.", "Passed over cuda:1: claimed by pid 4242."),
+        ),
+    ),
+    (
+        "this process's claim, a GPU named: shared",
+        ONE_OURS,
+        Request(device="cuda:0", waiting=True),
+        Chosen(cuda(0), "asked for cuda:0"),
     ),
     (
         "a local rank that is no number, where it is used",
@@ -477,3 +699,43 @@ def test_an_outer_launcher_s_malformed_rank_is_not_read() -> None:
     assert isinstance(found, LocalRank)
     assert found.said == "LOCAL_RANK=1"
     assert local_rank({"LOCAL_RANK": " ", "SLURM_LOCALID": "0"}) == BadRank(TORCHRUN, " ")
+
+
+@pytest.mark.parametrize(
+    ("environ", "said"),
+    [
+        ({"SLURM_GPUS_PER_TASK": "2"}, "SLURM_GPUS_PER_TASK=2"),  # srun/sbatch up to 23.02
+        ({"SLURM_GPUS_PER_TASK": "a100:1,v100:1"}, "SLURM_GPUS_PER_TASK=a100:1,v100:1"),
+        ({"SLURM_GPUS_PER_TASK": "0"}, ""),
+        ({"SLURM_GPUS_PER_TASK": "two"}, ""),
+        # 23.11 and later: --gpus-per-task implies, and --gpu-bind sets, SLURM_TRES_BIND.
+        ({"SLURM_TRES_BIND": "gres/gpu:per_task:2"}, "SLURM_TRES_BIND=gres/gpu:per_task:2"),
+        (
+            {"SLURM_TRES_BIND": "gres/shard:per_task:1+gres/gpu:verbose,per_task:4"},
+            "SLURM_TRES_BIND=gres/gpu:verbose,per_task:4",
+        ),
+        ({"SLURM_TRES_BIND": "gres/gpu:single:1"}, ""),
+        ({"SLURM_TRES_BIND": "gres/gpu:closest", "SLURM_GPUS_PER_TASK": "2"}, ""),
+        ({"SLURM_TRES_BIND": "gres/shard:per_task:1"}, ""),  # no GPU binding said
+        ({"SLURM_GPU_BIND": "per_task:2"}, "SLURM_GPU_BIND=per_task:2"),  # --gpu-bind, <= 23.02
+        ({"SLURM_GPU_BIND": "none", "SLURM_GPUS_PER_TASK": "2"}, ""),
+        ({"SLURM_GPU_BIND": "map_gpu:0,1"}, ""),
+        ({"SLURM_STEP_GPUS": "4,5", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"}, ""),  # step-wide
+        ({}, ""),
+    ],
+)
+def test_slurm_s_word_that_each_task_has_gpus_of_its_own(
+    environ: dict[str, str], said: str
+) -> None:
+    assert slurm_gpus_per_task(environ) == said
+    found = local_rank({"SLURM_LOCALID": "2", **environ})
+    assert isinstance(found, LocalRank)
+    assert found.per_task == said
+
+
+def test_only_slurm_s_own_rank_reads_its_per_task_gpus() -> None:
+    # torchrun or mpirun inside such a task: their ranks share the task's GPUs.
+    for variable in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        found = local_rank({"SLURM_LOCALID": "0", "SLURM_GPUS_PER_TASK": "2", variable: "1"})
+        assert isinstance(found, LocalRank)
+        assert (found.launcher.name != "Slurm", found.per_task) == (True, "")
