@@ -82,7 +82,9 @@ class Seen(NamedTuple):
     local_rank: LocalRank | BadRank | None = None
     """The innermost launcher's local rank; a BadRank matters only where the rank is used."""
     split: frozenset[str] = frozenset()
-    """Device types whose devices a launcher gave this process (CUDA_VISIBLE_DEVICES...)."""
+    """Device types with a visibility variable set (CUDA_VISIBLE_DEVICES...): one device
+    seen is this process's own; several are its own only where Slurm bound them to the
+    task (``local_rank.per_task``), since a launcher gives every process the same ones."""
     cuda_index: int = 0  # what "cuda" names: the current CUDA device, 0 before CUDA starts
     loaded: Callable[[str], bool] = lambda device_type: False
     """Whether PyTorch has a backend for a device type no family lists (torch_xla's)."""
@@ -334,11 +336,10 @@ class _Choice:
             # One visible device per process: the launcher already split them.
             return self.of_rank(found[0], local, one)
         if split and local.per_task:
-            # srun --gpus-per-task=2 binds each task to two GPUs of its own, which it sees
-            # as cuda:0 and cuda:1, and gives the third task SLURM_LOCALID=2: the rank
-            # numbers tasks, not these devices. Only Slurm's word says so: the same
-            # CUDA_VISIBLE_DEVICES=0,1 given to every process (plain --gres, or torchrun
-            # and mpirun, whose ranks share what their launcher was given) looks the same.
+            # srun --gpus-per-task=2 binds each task to two GPUs of its own, seen as cuda:0
+            # and cuda:1, and gives the third task SLURM_LOCALID=2: the rank numbers tasks,
+            # not these devices. Only Slurm's word tells this from one CUDA_VISIBLE_DEVICES
+            # for every process (plain --gres; torchrun or mpirun inside a task).
             return self.of_rank(
                 found[0],
                 local,
