@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import sys
 import types
 from collections.abc import Callable, Iterable
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 __all__ = [
     "DdpSync",
     "ddp_forward_syncs",
+    "is_device_mismatch",
     "is_out_of_memory",
     "one_graph",
     "raise_past_the_compiler",
@@ -319,3 +321,63 @@ def weights_only_build_refusal(pickled: bytes, allowing: Iterable[Any] = ()) -> 
     except pickle.UnpicklingError as refused:
         return str(refused).strip()
     return None
+
+
+_DEVICE_MISMATCH_SAID = (
+    "Expected all tensors to be on the same device",  # c10, TensorIterator, fake tensors
+    "is not on the expected device",  # reference ops, as on meta: "Tensor on device meta is ..."
+    "tensors are not at the same device",  # the RNNs: "Input and hidden tensors are not at ..."
+    "to have the same device as tensor for",  # cuDNN's argument checks
+    "indices should be either on",  # indexing: "... on cpu or on the same device as ..."
+    "Placeholder storage has not been allocated on MPS device",  # a host tensor in an MPS op
+)
+# cuDNN's and oneDNN's convolutions name the two tensors' types, which say their devices:
+# "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the
+# same", or "(CPUFloatType) and ... (CUDAFloatType)"; types that differ in dtype only are
+# not a mismatch of devices.
+_TYPES_SAID = re.compile(r"Input type \((?P<a>[^)]*)\) and \w+ type \((?P<b>[^)]*)\) should be")
+_TYPE_FAMILIES = ("cuda", "hip", "mps", "xpu", "meta")
+
+
+def _type_family(name: str) -> str:
+    lowered = name.lower()
+    return next((family for family in _TYPE_FAMILIES if family in lowered), "cpu")
+
+
+def is_device_mismatch(error: BaseException) -> bool:
+    """Whether ``error`` is PyTorch refusing an operation on tensors on different devices.
+
+    Recognised by PyTorch's words, which differ by where the check is made: most
+    operations (``"Expected all tensors to be on the same device"``), the reference
+    implementations that meta tensors run (``"Tensor on device meta is not on the
+    expected device cpu!"``), the RNNs (``"Input and hidden tensors are not at the same
+    device"``), cuDNN (``"Expected tensor for argument #1 'input' to have the same device
+    as tensor for argument #2 'weight'"``, or a convolution's ``"Input type
+    (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the same"``),
+    indexing, and MPS (``"Placeholder storage has not been allocated on MPS device!"``).
+    Only the error itself is read, not the errors it was raised from.
+
+    >>> import torch
+    >>> try:
+    ...     torch.ones(2, device="meta") + torch.ones(2)
+    ... except RuntimeError as error:
+    ...     is_device_mismatch(error)
+    True
+    >>> said = "Input type ({}) and weight type (torch.cuda.FloatTensor) should be the same"
+    >>> is_device_mismatch(RuntimeError(said.format("torch.FloatTensor")))
+    True
+    >>> is_device_mismatch(RuntimeError(said.format("torch.cuda.DoubleTensor")))  # dtypes only
+    False
+    >>> is_device_mismatch(RuntimeError("mat1 and mat2 shapes cannot be multiplied (1x3 and 4x2)"))
+    False
+    """
+    if not isinstance(error, RuntimeError):
+        return False
+    try:
+        said = str(error)
+    except Exception:  # a message that cannot be read says nothing
+        return False
+    if any(words in said for words in _DEVICE_MISMATCH_SAID):
+        return True
+    types = _TYPES_SAID.search(said)
+    return types is not None and _type_family(types["a"]) != _type_family(types["b"])

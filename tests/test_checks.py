@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import devicekit as dk
-from devicekit import _tree
+from devicekit import _compat, _tree
 from devicekit.testing import batches, tensors
 
 from .helpers import CPU, META
@@ -369,3 +371,200 @@ def test_a_guarded_forward_does_not_list_the_parameters_each_call(
         msg = "input is on cpu but the parameters of Sequential (e.g. 0.weight"
         with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
             model(torch.ones(1, 4))
+
+
+# guard: tensors a forward made on another device, named when PyTorch refuses them.
+
+
+class Sequence(nn.Module):
+    """PyTorch's time-sequence-prediction example: the states are made in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm1 = nn.LSTMCell(1, 8)
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        h_t = torch.zeros(input.size(0), 8, dtype=torch.double)  # on the host
+        c_t = torch.zeros(input.size(0), 8, dtype=torch.double)
+        for input_t in input.split(1, dim=1):
+            h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+            outputs.append(self.linear(h_t))
+        return torch.cat(outputs, dim=1)
+
+
+def test_guard_names_the_states_a_forward_made_on_the_host() -> None:
+    model = Sequence().double().to(META)
+    msg = "h_t and c_t in Sequence.forward (test_checks.py:"  # the line of the failing call
+    fix = (
+        "are on cpu but the input and the parameters of Sequence are on meta. A tensor made "
+        "inside forward is put on the host unless told otherwise. Make them on the input's "
+        "device: torch.zeros(..., device=input.device), input.new_zeros(...) or "
+        "torch.zeros_like(input)."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(model):
+        model(torch.zeros(2, 3, dtype=torch.double, device=META))
+    assert fix in str(info.value)
+    assert info.value.devices == {META: ["input"], CPU: ["h_t", "c_t"]}
+    # PyTorch's own error is kept as the cause, and the hooks are gone all the same.
+    assert type(info.value.__cause__) is RuntimeError
+    assert "is not on the expected device" in str(info.value.__cause__)
+    assert not model._forward_pre_hooks
+
+
+def test_an_input_on_the_wrong_device_keeps_its_advice_in_the_same_model() -> None:
+    model = Sequence().double().to(META)
+    msg = (
+        "input is on cpu but the parameters of Sequence (e.g. lstm1.weight_ih, lstm1.weight_hh) "
+        "are on meta. Devices seen: meta has the parameters of Sequence; cpu has input. Move "
+        "the inputs with devicekit.to_device(..., 'meta'), or the module to the inputs' device."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(model):
+        model(torch.zeros(2, 3, dtype=torch.double))
+    assert info.value.__cause__ is None  # raised before the forward ran
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(3, 3)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(0.5)  # a host scalar: PyTorch takes it next to any device
+        return self.cell(x * scale, h)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        h0 = torch.zeros(2, 3)
+        return self.block(batch["x"], h0)
+
+
+def test_a_tensor_passed_down_is_named_where_the_forward_made_it() -> None:
+    model = Outer().to(META)
+    msg = "h0 in Outer.forward (test_checks.py:"
+    fix = (
+        "is on cpu but the input and the parameters of Outer are on meta. A tensor made inside "
+        "forward is put on the host unless told otherwise. Make it on the input's device: "
+        "torch.zeros(..., device=batch['x'].device), batch['x'].new_zeros(...) or "
+        "torch.zeros_like(batch['x'])."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(model):
+        model({"x": torch.zeros(2, 3, device=META)})
+    assert fix in str(info.value)
+    assert info.value.devices == {META: ["batch['x']"], CPU: ["h0"]}
+
+
+class Inline(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(1, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x, (torch.zeros(1, x.size(0), 4), torch.zeros(1, x.size(0), 4)))
+        return out
+
+
+def test_a_factory_called_in_the_failing_call_without_device_is_named() -> None:
+    model = Inline().to(META)
+    msg = (
+        "The call self.lstm(x, (torch.zeros(1, x.size(0), 4), torch.zeros(1, x.size(0), 4))) in "
+        "Inline.forward (test_checks.py:"
+    )
+    fix = (
+        "makes a tensor without device=, which puts it on cpu, but the input and the parameters "
+        "of Inline are on meta. Make it on the input's device: torch.zeros(..., "
+        "device=x.device), x.new_zeros(...) or torch.zeros_like(x)."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(model):
+        model(torch.zeros(2, 5, 1, device=META))
+    assert fix in str(info.value)
+    assert "are not at the same device" in str(info.value.__cause__)  # the RNNs' own words
+
+
+class Reshaping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = torch.tensor([3, 1])  # kept on the host on purpose, as pack_padded_sequence's
+        return self.fc(x.view(-1, 3)) + lengths.sum()
+
+
+def test_errors_other_than_mixed_devices_reach_the_user_unchanged() -> None:
+    model = Reshaping().to(META)
+    x = torch.zeros(2, 4, device=META)
+    with pytest.raises(RuntimeError) as info, dk.guard(model):
+        model(x)
+    assert not isinstance(info.value, dk.DeviceKitError)
+    assert "shape '[-1, 3]' is invalid" in str(info.value)
+    # Mixed devices outside the guarded call are not the forward's either.
+    with pytest.raises(RuntimeError) as info, dk.guard(model):
+        model.fc(x) + torch.ones(2)
+    assert not isinstance(info.value, dk.DeviceKitError)
+    assert "is not on the expected device" in str(info.value)
+
+
+def test_a_named_error_keeps_no_tensor_of_the_forward_alive() -> None:
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    class Keeping(Sequence):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            h_t = torch.zeros(input.size(0), 8, dtype=torch.double)
+            made.append(weakref.ref(h_t))
+            return self.lstm1(input, (h_t, h_t))[0]
+
+    model = Keeping().double().to(META)
+    msg = "h_t in Keeping.forward"
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)), dk.guard(model):
+        model(torch.zeros(2, 1, dtype=torch.double, device=META))
+    gc.collect()  # the error, its traceback and their frames form cycles
+    assert made[0]() is None
+
+
+MIXED_SAID = [
+    (
+        "Expected all tensors to be on the same device, but found at least two devices, cuda:0 "
+        "and cpu!"
+    ),
+    (
+        "Expected all tensors to be on the same device, but got mat1 is on cpu, different from "
+        "other tensors on cuda:0 (when checking argument in method wrapper_CUDA_addmm)"
+    ),
+    "Tensor on device meta is not on the expected device cpu!",
+    (
+        "Input and hidden tensors are not at the same device, found input tensor at cuda:0 and "
+        "hidden tensor at cpu"
+    ),
+    (
+        "Expected tensor for argument #1 'input' to have the same device as tensor for argument "
+        "#2 'weight'; but device 1 does not equal 0 (while checking arguments for "
+        "cudnn_convolution)"
+    ),
+    "indices should be either on cpu or on the same device as the indexed tensor (cuda:0)",
+    "Placeholder storage has not been allocated on MPS device!",
+    (
+        "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the "
+        "same or input should be a MKLDNN tensor and weight is a dense tensor"
+    ),
+    "Input type (CUDAFloatType) and bias type (CPUFloatType) should be the same",
+]
+OTHER_SAID = [
+    (
+        "Input type (torch.cuda.DoubleTensor) and weight type (torch.cuda.FloatTensor) should be "
+        "the same"
+    ),
+    "mat1 and mat2 shapes cannot be multiplied (2x3 and 4x2)",
+]
+
+
+@pytest.mark.parametrize("said", MIXED_SAID + OTHER_SAID)
+def test_pytorch_s_words_for_mixed_devices_are_recognised(said: str) -> None:
+    assert _compat.is_device_mismatch(RuntimeError(said)) is (said in MIXED_SAID)
+    assert _compat.is_device_mismatch(ValueError(said)) is False  # PyTorch raises RuntimeError
