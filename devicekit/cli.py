@@ -22,7 +22,7 @@ import torch
 import devicekit
 from devicekit import _bench
 from devicekit._claims import Holder
-from devicekit._demo import fit_demo_batch, train
+from devicekit._demo import BATCH_SIZE, fit_demo_batch, schedule_for, train
 from devicekit._doctor import diagnose, look
 from devicekit._errors import DeviceKitError
 from devicekit._manager import DeviceManager, claim_holders
@@ -83,9 +83,11 @@ def _demo(
         print(f"devicekit {devicekit.__version__}: a small CNN on synthetic 16x16 images")
         print(f"device: {manager.device} ({manager.reason})", flush=True)
     found = fit_demo_batch(manager.device) if fit else None
+    # A larger batch trains as the default one only with its learning rate scaled.
+    schedule = schedule_for(BATCH_SIZE if found is None else found.batch_size)
     if found is not None and not as_json:
         print(found.explain(), flush=True)
-    batch_size = 64 if found is None else found.batch_size
+        print(schedule.explain(), flush=True)
     progress = None if as_json else _progress(epochs)
     reports = []
     # Over a progress line, the epoch's line goes back to the start and covers it.
@@ -93,7 +95,10 @@ def _demo(
     for report in train(
         manager.device,
         epochs=epochs,
-        batch_size=batch_size,
+        samples=schedule.samples,
+        batch_size=schedule.batch_size,
+        learning_rate=schedule.learning_rate,
+        warmup_steps=schedule.warmup_steps,
         slow_data=slow_data,
         on_batch=progress,
     ):
@@ -117,6 +122,9 @@ def _demo(
                 "batch_size": found.batch_size,
                 "tries": [each._asdict() for each in found.tries],
                 "reason": found.reason,
+                "learning_rate": schedule.learning_rate,
+                "warmup_steps": schedule.warmup_steps,
+                "samples": schedule.samples,
             }
         print(json.dumps(summary, indent=2))
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import torch
 import _devicekit_cli
 import devicekit
 from devicekit import cli
+from devicekit._demo import Schedule, schedule_for
 
 
 def _run(*args: str, **environ: str) -> str:
@@ -349,12 +351,41 @@ def test_a_mistyped_command_gets_the_closest_one(
 def test_the_demo_fits_its_batch_first_where_asked(capsys: pytest.CaptureFixture[str]) -> None:
     assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu", "--fit-batch"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2:5] == [
+    assert lines[2:6] == [
         "Batch size 1024 on cpu.",
         "Tried: 64 fits, 128 fits, 256 fits, 512 fits, 1024 fits.",  # the CPU never runs out
         "Chose 1024: the limit (1024) fit.",
+        (
+            "Learning rate 0.003 -> 0.012 for batch 1024 (square-root scaling from batch 64, "
+            "as for Adam, warm-up 4 steps); each epoch 16,384 images in 16 steps."
+        ),
     ]
-    assert lines[5].startswith("epoch 1/1")
+    epoch = re.match(r"epoch 1/1  loss (\d\.\d+) -> (\d\.\d+)  ", lines[6])
+    assert epoch is not None, lines[6]
+    # The loss falls as at batch 64 (2.292 -> 1.885 in its first epoch; here 2.317 ->
+    # 1.912). At batch 1024 with batch 64's learning rate it fell to 2.296 in one epoch,
+    # and to 2.198 in three.
+    assert float(epoch[2]) < 2.1 < float(epoch[1])
+
+
+def test_the_demo_scales_its_learning_rate_with_the_batch() -> None:
+    # Square-root scaling from batch 64, warmed up where it grows; an epoch of
+    # 64 / sqrt(batch / 64) steps, so that the learning rate times the steps is kept.
+    table = {
+        64: Schedule(64, 0.003, 0, 4096),
+        128: Schedule(128, 0.003 * 2**0.5, 4, 45 * 128),
+        256: Schedule(256, 0.006, 4, 32 * 256),
+        1024: Schedule(1024, 0.012, 4, 16 * 1024),
+        32: Schedule(32, 0.003 / 2**0.5, 0, 91 * 32),  # a smaller one, as on a small GPU
+    }
+    found = {batch: schedule_for(batch) for batch in table}
+    assert {batch: dataclasses.astuple(each) for batch, each in found.items()} == {
+        batch: pytest.approx(dataclasses.astuple(each)) for batch, each in table.items()
+    }
+    assert found[64].explain() == (
+        "Learning rate 0.003 -> 0.003 for batch 64 (square-root scaling from batch 64, "
+        "as for Adam); each epoch 4,096 images in 64 steps."
+    )
 
 
 def test_the_demo_s_json_holds_the_fit(
@@ -371,5 +402,8 @@ def test_the_demo_s_json_holds_the_fit(
             {"batch_size": 128, "fitted": True, "peak_memory": None},
         ],
         "reason": "the limit (128) fit",
+        "learning_rate": pytest.approx(0.003 * 2**0.5),
+        "warmup_steps": 4,
+        "samples": 45 * 128,
     }
     assert len(report["epochs"]) == 1
