@@ -538,7 +538,11 @@ class _Call(NamedTuple):
     def where(self) -> str:
         """``Sequence.forward (model.py:42)``."""
         code = self.frame.f_code
-        qualname = getattr(code, "co_qualname", code.co_name).rpartition(".<locals>.")[2]
+        qualname = getattr(code, "co_qualname", None)  # Python 3.11 and later
+        if qualname is None:
+            owner = self.frame.f_locals.get("self")
+            qualname = code.co_name if owner is None else f"{type(owner).__name__}.{code.co_name}"
+        qualname = qualname.rpartition(".<locals>.")[2]
         return f"{qualname} ({os.path.basename(code.co_filename)}:{self.lineno})"
 
 
