@@ -425,6 +425,20 @@ def test_an_input_on_the_wrong_device_keeps_its_advice_in_the_same_model() -> No
     assert info.value.__cause__ is None  # raised before the forward ran
 
 
+@pytest.mark.cuda
+def test_guard_names_the_states_a_forward_made_on_the_host_of_a_cuda_model() -> None:
+    # CUDA's own words for the mix differ from meta's (the RNN cell's or TensorIterator's).
+    model = Sequence().double().cuda()
+    msg = "h_t and c_t in Sequence.forward (test_checks.py:"
+    fix = "are on cpu but the input and the parameters of Sequence are on cuda:"
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(model):
+        model(torch.zeros(2, 3, dtype=torch.double, device="cuda"))
+    assert fix in str(info.value)
+    cause = info.value.__cause__
+    assert cause is not None
+    assert _compat.is_device_mismatch(cause)
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
