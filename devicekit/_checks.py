@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 import torch
 
 from devicekit import _compat, _tree
-from devicekit._audit import is_library
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import DeviceKitError, DeviceMismatchError
 from devicekit._kinds import READ
@@ -561,6 +560,9 @@ def _inside_calls(module: torch.nn.Module, error: BaseException) -> list[_Call]:
     calling it (``module(x)``); a user's method of the module that called it (a
     ``fit()``) is not inside.
     """
+    # Loaded on an error only: import devicekit leaves track_transfers' module unloaded.
+    from devicekit._audit import is_library  # noqa: PLC0415
+
     forward = getattr(type(module).forward, "__code__", None)
     calls: list[_Call] = []
     inside = False
