@@ -298,12 +298,24 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
     skip: frozenset[Hashable] | None = None,
     root: str | None = "data",
     max_depth: int = MAX_DEPTH,
+    kept: tuple[type, Callable[[Any], bool]] | None = None,
 ) -> Any:
     """``tree`` rebuilt with ``fn(leaf, state)`` applied to each leaf that is not inert.
 
     >>> import torch
     >>> map_leaves(lambda t, _: t + 1, {"a": [torch.zeros(1)], "n": 3})
     {'a': [tensor([1.])], 'n': 3}
+
+    ``kept`` is ``(leaf type, stays)``, where ``fn`` gives back as it is every leaf of
+    exactly that type for which ``stays(leaf)`` is true: a plain list, tuple or dict of
+    fewer than 64 such leaves is then copied without a call to ``fn``. ``stays`` is
+    C-level (``operator.attrgetter``): a Python call per leaf would cost what it saves.
+
+    >>> import operator
+    >>> batch = (torch.zeros(1), torch.ones(1))
+    >>> on_cpu = (torch.Tensor, operator.attrgetter("is_cpu"))
+    >>> map_leaves(lambda t, _: t.to("cpu"), batch, kept=on_cpu) == batch
+    True
 
     Raises:
         TransferError: As :func:`map_flat`, paths starting at ``root``. Without a root (a
@@ -312,10 +324,26 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
     nodes, learn = (
         (_kinds._views[view], _LEARN[view]) if skip is None else _kinds.skipping_view(view, skip)
     )
-    try:  # inline, not a helper: a call costs a twentieth of a small batch's walk
-        node = _entry(type(tree), nodes, learn)
+    kind = type(tree)
+    try:  # _entry inline, as for the children: a call cost 1.5-2.7 us of a flat batch's
+        try:  # 15-19 in a loop of tiny steps (benchmarks/bench_tiny_steps.py)
+            node = nodes[kind]
+        except KeyError:
+            node = learn(kind)
     except LeafError as err:  # a type first met in a compiled region
         raise _with_path(err, root or "data", tree) from None
+    if (
+        kept is not None
+        and (kind is tuple or kind is list or kind is dict)
+        and (node is TUPLE or node is LIST or node is DICT)  # not a rule's, nor skip_keys'
+        and len(tree) < _SCAN_FROM
+    ):
+        leaf, stays = kept
+        for value in tree.values() if kind is dict else tree:
+            if type(value) is not leaf or not stays(value):
+                break
+        else:  # new containers, as the walk makes them: (*tree,) is a new tuple, tuple(tree) not
+            return (*tree,) if kind is tuple else kind(tree)
     if (
         (node is LIST or node is TUPLE)
         and len(tree) >= _SCAN_FROM

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import collections.abc
 import importlib.util
+import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import dataloader
 
 import devicekit as dk
-from devicekit import _loader, _packing
+from devicekit import _loader, _packing, _transfer
 from devicekit.testing import assert_same_structure
 
-from .helpers import tensor_leaves
+from .helpers import CPU, META, Pair, tensor_leaves
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -146,3 +150,175 @@ def test_the_checks_benchmark_times_what_it_names() -> None:
     assert dk.find_unmoved(model) == {}  # a clean model: the walk is all that is timed
     batch = checks_bench.long_scalar_list(100)
     assert dk.find_devices(batch) == {torch.device("cpu"): ["['x']"]}  # the ints are no tensors
+
+
+# The loop of tiny steps (benchmarks/bench_tiny_steps.py), and what was cut from
+# devicekit's share of each of its steps.
+
+tiny_bench = _load_benchmark("bench_tiny_steps")
+
+
+def test_the_tiny_steps_benchmark_reports_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = tiny_bench.main(["--quick"])
+    out = capsys.readouterr().out
+    assert [row.name for row in rows] == list(tiny_bench.VARIANTS)
+    assert "The whole step (what a script sees):" in out
+    assert "devicekit's own time, in the loop and alone:" in out
+    for name in tiny_bench.VARIANTS:  # in both tables, but the plain loop in the first only
+        assert out.count(f"  {name} ") == (1 if name == "plain loop" else 2), name
+    # Like with like: each variant trains the same model on the same batches.
+    assert len({row.loss for row in rows}) == 1, rows
+    assert all(row.alone_us > 0 for row in rows if row.name not in ("plain loop", "guard(model)"))
+
+
+PIECES = {
+    "plain loop": set(),
+    "to_device(batch, device)": {"to_device"},
+    "DeviceDataLoader(prefetch=1)": {"DeviceDataLoader"},
+    "DeviceDataLoader(prefetch=0)": {"DeviceDataLoader"},
+    "guard(model)": {"guard"},
+    "with manager:": {"with manager"},
+    "current_device() per step": {"current_device"},
+    "all together, as the docs teach": {
+        "with manager",
+        "to_device",
+        "guard",
+        "DeviceDataLoader",
+        "current_device",
+    },
+}
+
+
+@pytest.mark.parametrize("variant", list(tiny_bench.VARIANTS))
+def test_each_tiny_steps_variant_adds_the_pieces_it_names(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    used: list[str] = []
+
+    def counted(name: str, original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            used.append(name)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("to_device", "guard", "current_device"):
+        monkeypatch.setattr(dk, name, counted(name, getattr(dk, name)))
+    iterate = dk.DeviceDataLoader.__iter__
+    monkeypatch.setattr(dk.DeviceDataLoader, "__iter__", counted("DeviceDataLoader", iterate))
+    enter = dk.DeviceManager.__enter__
+    monkeypatch.setattr(dk.DeviceManager, "__enter__", counted("with manager", enter))
+    steps = 3
+    with warnings.catch_warnings():  # current_device() makes the process's manager: the CPU
+        warnings.filterwarnings("ignore", "devicekit uses the CPU", RuntimeWarning)
+        tiny_bench.VARIANTS[variant](nn.Linear(4, 1), dk.DeviceManager("cpu"), steps)
+    assert set(used) == PIECES[variant]
+    if "current_device" in PIECES[variant]:
+        assert used.count("current_device") == steps  # once a step, where the batch is made
+
+
+def _devicekit_calls(call: Any) -> tuple[Any, list[str]]:
+    """What ``call()`` returns, and the functions of _transfer and _tree it entered."""
+    calls: list[str] = []
+
+    def record(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.endswith(
+            ("devicekit/_transfer.py", "devicekit/_tree.py")
+        ):
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(record)
+    try:
+        result = call()
+    finally:
+        sys.setprofile(None)
+    return result, calls
+
+
+FLAT_BATCHES = {
+    "tuple": lambda x, y: (x, y),
+    "list": lambda x, y: [x, y],
+    "dict": lambda x, y: {"x": x, "y": y},
+}
+
+
+@pytest.mark.parametrize("kind", list(FLAT_BATCHES))
+def test_a_flat_batch_already_on_the_cpu_is_copied_without_a_call_per_tensor(kind: str) -> None:
+    # In a loop of tiny steps every Python call devicekit makes costs 1.5-3 us, PyTorch's
+    # step leaving nothing of it in the CPU's caches: to_device((x, y), "cpu") made 8.
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    batch = FLAT_BATCHES[kind](x, y)
+    dk.to_device(batch, CPU)  # the plan is made, the container's type learnt
+    moved, calls = _devicekit_calls(lambda: dk.to_device(batch, CPU))
+    assert calls == ["to_device", "_run", "__init__", "map_leaves"]  # no _plan, _entry, move
+    assert type(moved) is type(batch)
+    assert moved is not batch  # a new container, as the walk makes
+    assert list(tensor_leaves(moved)) == [x, y] or list(moved.values()) == [x, y]
+    assert all(a is b for a, b in zip(tensor_leaves(moved), tensor_leaves(batch), strict=True))
+    # The loader's move in line, the same way (after the epoch's first batch, which the
+    # loader's stats look into to count its samples).
+    epoch = iter(dk.DeviceDataLoader([batch] * 3, CPU))
+    next(epoch)
+    _, calls = _devicekit_calls(lambda: next(epoch))
+    assert calls == ["_run", "__init__", "map_leaves"]
+
+
+def _on_meta(x: torch.Tensor) -> torch.Tensor:
+    return x.to("meta")
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+BATCHES_WALKED = {
+    "one tensor elsewhere": lambda: (torch.ones(2), _on_meta(torch.ones(2))),
+    "a parameter": lambda: [torch.ones(2), nn.Parameter(torch.ones(2))],
+    "a tensor subclass": lambda: (torch.ones(2), torch.ones(2).as_subclass(_Sub)),
+    "a plain value": lambda: {"x": torch.ones(2), "id": 3},
+    "nested": lambda: ([torch.ones(2)], torch.ones(2)),
+    "a namedtuple": lambda: Pair(torch.ones(2), torch.ones(2)),
+    "one tensor twice": lambda: (torch.ones(2),) * 2,
+    "empty": lambda: (),
+    "64 tensors": lambda: [torch.ones(1)] * 64,
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHES_WALKED))
+@pytest.mark.parametrize("device", [CPU, META])
+def test_batches_the_shortcut_leaves_to_the_walk_move_as_before(
+    name: str, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = BATCHES_WALKED[name]()
+    if name == "one tensor elsewhere" and device == CPU:  # a meta tensor cannot come back
+        with pytest.raises(dk.TransferError, match=re.escape("Cannot move data[1] to cpu")):
+            dk.to_device(batch, device)
+        return
+    expected = dk.to_device(batch, device)
+    plan = _transfer._plan(device, _transfer._DEFAULTS)
+    assert plan.kept is not None
+    monkeypatch.setattr(plan, "kept", None)  # the walk alone, as before the shortcut
+    walked = dk.to_device(batch, device)
+    assert_same_structure(expected, walked)
+    assert [(t.device, type(t)) for t in tensor_leaves(expected)] == [
+        (t.device, type(t)) for t in tensor_leaves(walked)
+    ]
+    given = list(tensor_leaves(batch))
+    kept = [a is b for a, b in zip(given, tensor_leaves(expected), strict=True)]
+    assert kept == [a is b for a, b in zip(given, tensor_leaves(walked), strict=True)]
+
+
+def test_a_rule_for_sequences_still_takes_a_flat_list_of_tensors_on_the_cpu() -> None:
+    seen: list[Any] = []
+
+    @dk.register_transfer(collections.abc.Sequence)
+    def move_sequence(sequence: Any, device: Any, **options: Any) -> Any:
+        seen.append(sequence)
+        return sequence
+
+    try:
+        batch = [torch.ones(1), torch.ones(1)]
+        assert dk.to_device(batch, CPU) is batch
+        assert seen == [batch]
+    finally:
+        dk.unregister_transfer(collections.abc.Sequence)
