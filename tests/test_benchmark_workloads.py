@@ -217,14 +217,15 @@ def test_each_tiny_steps_variant_adds_the_pieces_it_names(
         assert used.count("current_device") == steps  # once a step, where the batch is made
 
 
-def _devicekit_calls(call: Any) -> tuple[Any, list[str]]:
-    """What ``call()`` returns, and the functions of _transfer and _tree it entered."""
+def _devicekit_calls(
+    call: Any, modules: tuple[str, ...] = ("_transfer", "_tree")
+) -> tuple[Any, list[str]]:
+    """What ``call()`` returns, and the functions of those devicekit modules it entered."""
     calls: list[str] = []
+    files = tuple(f"devicekit/{module}.py" for module in modules)
 
     def record(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.endswith(
-            ("devicekit/_transfer.py", "devicekit/_tree.py")
-        ):
+        if event == "call" and frame.f_code.co_filename.endswith(files):
             calls.append(frame.f_code.co_name)
 
     sys.setprofile(record)
