@@ -17,7 +17,8 @@ devicekit piece added at a time, then with all of them as the documentation teac
 Two tables. The first is the whole step, from one step's start to the next: what a
 script sees, a piece's cost taken as the median over rounds of its loop's time less the
 plain loop's, each variant run right beside a plain loop, first or second by turns.
-PyTorch's step varies by tens of microseconds, so these figures are good to a few.
+PyTorch's step varies by tens of microseconds, so these figures are good to a few at
+best; the second table is the one to compare versions of devicekit by.
 
 The second is devicekit's own time, timed where it runs, inside the loop: the call of
 ``to_device`` or ``current_device``, the loader's ``next()`` less the generator's own
@@ -25,7 +26,14 @@ work, the guarded forward call less the plain loop's, and what a loop pays once
 (entering ``with``, installing the guard, starting the epoch) spread over its steps.
 Beside it, the same calls timed alone, over and over, as micro-benchmarks time them.
 In a loop they cost several times more: PyTorch's step, between two of them, leaves
-none of devicekit's code or data in the processor's caches.
+little of devicekit's code or data in the processor's caches. Absolute figures move by
+a third from one process to the next on a shared machine: compare versions over several
+runs of each, in turn.
+
+``--calls`` adds a third table: each call a piece makes (the loader's ``next()``, a
+forward under ``guard`` and with a pre-hook that does nothing, ...), timed right after a
+real step and alone, so that what is PyTorch's own (its dispatch of any forward pre-hook)
+stands beside what is devicekit's.
 
 The garbage collector is off while a loop runs, as in timeit.
 """
@@ -276,7 +284,7 @@ class Row(NamedTuple):
     own_us: float
     """devicekit's own time in the loop a step (see the module's docstring)."""
     alone_us: float
-    """The same calls timed alone, over and over (0 for the plain loop)."""
+    """The same calls timed alone, over and over, the fastest repeat (0 for the plain loop)."""
     loss: float
     """The last step's loss, the same in every variant."""
 
@@ -338,7 +346,8 @@ def _measure(steps: int, rounds: int, only: Collection[str]) -> list[Row]:
 
 
 def _alone_us(call: Callable[[], Any], rounds: int, number: int = 2000) -> float:
-    return statistics.median(timeit.repeat(call, number=number, repeat=rounds)) / number * 1e6
+    # The fastest repeat: alone, noise only adds time.
+    return min(timeit.repeat(call, number=number, repeat=rounds)) / number * 1e6
 
 
 def pieces_alone(manager: dk.DeviceManager, steps: int, rounds: int) -> dict[str, float]:
@@ -415,12 +424,88 @@ def report(rows: list[Row], steps: int, rounds: int) -> list[str]:
     return lines
 
 
+def calls_after_a_step(count: int) -> list[tuple[str, float, float]]:
+    """Each call the pieces make, timed right after a real step and alone (us, medians).
+
+    After a step is where the loop makes them; alone, over and over, is how micro-
+    benchmarks time them. The calls take turns, a step before each, so that drift in the
+    machine's speed reaches them alike. A ``with manager:`` block is open throughout.
+    """
+    torch.manual_seed(0)
+    model, hooked, guarded = nn.Linear(DEGREE, 1), nn.Linear(DEGREE, 1), nn.Linear(DEGREE, 1)
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    fixed = get_batch()
+
+    def forever() -> Iterator[Any]:
+        while True:
+            yield fixed
+
+    manager = dk.DeviceManager("cpu")
+    plain_epoch = forever()
+    epochs = {p: iter(dk.DeviceDataLoader(forever(), CPU, prefetch=p)) for p in (1, 0)}
+
+    def entered(batch: Any) -> None:
+        with manager:
+            pass
+
+    calls: dict[str, Callable[[Any], Any]] = {
+        "nothing (the clock's own cost)": lambda batch: None,
+        "to_device(batch, device)": lambda batch: dk.to_device(batch, CPU),
+        "next() of the plain generator": lambda batch: next(plain_epoch),
+        "next() of a DeviceDataLoader epoch": lambda batch: next(epochs[1]),
+        "  the same, prefetch=0": lambda batch: next(epochs[0]),
+        "Linear(4, 1) forward": lambda batch: model(batch[0]),
+        "  with a pre-hook doing nothing": lambda batch: hooked(batch[0]),
+        "  under guard(model)": lambda batch: guarded(batch[0]),
+        "current_device() in a with block": lambda batch: dk.current_device(),
+        "entering and leaving with manager:": entered,
+    }
+    after: dict[str, list[int]] = {name: [] for name in calls}
+    alone: dict[str, list[int]] = {name: [] for name in calls}
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with manager, dk.guard(guarded):
+            for _ in range(count):
+                for name, call in calls.items():
+                    step(model, *get_batch())
+                    batch = get_batch()
+                    start = clock()
+                    call(batch)
+                    after[name].append(clock() - start)
+            for name, call in calls.items():
+                for _ in range(count):
+                    start = clock()
+                    call(fixed)
+                    alone[name].append(clock() - start)
+    finally:
+        if enabled:
+            gc.enable()
+    return [
+        (name, statistics.median(after[name]) / 1e3, statistics.median(alone[name]) / 1e3)
+        for name in calls
+    ]
+
+
+def report_calls(rows: list[tuple[str, float, float]], count: int) -> list[str]:
+    """The table :func:`calls_after_a_step`'s rows print as."""
+    lines = [
+        f"Each call right after a step and alone, us (medians of {count}):",
+        f"  {'call':<40} {'after a step':>12} {'alone':>7}",
+    ]
+    lines += [f"  {name:<40} {after:>12.2f} {alone:>7.2f}" for name, after, alone in rows]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--steps", type=int, help="steps in each timed loop (default 100)")
     parser.add_argument("--rounds", type=int, help="rounds (default 41)")
     parser.add_argument("--only", nargs="+", default=(), metavar="VARIANT", help="these only")
+    parser.add_argument(
+        "--calls", action="store_true", help="also time each call right after a step and alone"
+    )
     args = parser.parse_args(argv)
     unknown = set(args.only) - set(VARIANTS)
     if unknown:
@@ -430,6 +515,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rounds = args.rounds or (2 if args.quick else 41)
     rows = measure(steps, rounds, args.only)
     print("\n".join(report(rows, steps, rounds)))
+    if args.calls:
+        count = 20 if args.quick else 3000
+        print("\n" + "\n".join(report_calls(calls_after_a_step(count), count)))
     return rows
 
 

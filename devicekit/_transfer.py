@@ -171,9 +171,9 @@ class _Plan:
         )
         # The tensors the mover gives back as they are, read as it reads them: a flat
         # batch of them is copied without a call per tensor. In a loop of tiny steps,
-        # whose PyTorch step leaves none of devicekit in the CPU's caches, to_device((x,
-        # y), "cpu") took 16-22 us walking and takes 12-15 so (0.7 us less of 2.8 alone);
-        # see benchmarks/bench_tiny_steps.py.
+        # whose PyTorch step leaves little of devicekit in the CPU's caches, to_device((x,
+        # y), "cpu") took 12.1-17.2 us a step and takes 9.4-13.6, the loader's batch
+        # 13.3-18.7 and 10.7-15.1 (benchmarks/bench_tiny_steps.py); alone, 2.8 and 2.1.
         self.kept: tuple[type, Callable[[torch.Tensor], bool]] | None = (
             (_Tensor, operator.attrgetter("is_cpu" if device.type == "cpu" else "is_meta"))
             if self.host and self.plain and not traced
@@ -855,12 +855,7 @@ def to_device(
     skip = None if type(skip_keys) is tuple and not skip_keys else _skip_set(skip_keys)
     if _is_compiling():
         return _traced(device, options, data, skip)  # type: ignore[no-any-return]
-    # _plan's first lookup, inline: its call cost 1.5-2 us of a flat batch's 15-19 in a
-    # loop of tiny steps, where the step leaves nothing in the caches (bench_tiny_steps.py).
-    plan = _plans.get(device) if options is _DEFAULTS and type(device) is torch.device else None
-    if plan is None:
-        plan = _plan(device, options)
-    return _run(plan, data, skip)  # type: ignore[no-any-return]
+    return _run(_plan(device, options), data, skip)  # type: ignore[no-any-return]
 
 
 def _traced(

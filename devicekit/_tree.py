@@ -325,11 +325,8 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
         (_kinds._views[view], _LEARN[view]) if skip is None else _kinds.skipping_view(view, skip)
     )
     kind = type(tree)
-    try:  # _entry inline, as for the children: a call cost 1.5-2.7 us of a flat batch's
-        try:  # 15-19 in a loop of tiny steps (benchmarks/bench_tiny_steps.py)
-            node = nodes[kind]
-        except KeyError:
-            node = learn(kind)
+    try:  # inline, not a helper: a call costs a twentieth of a small batch's walk
+        node = _entry(kind, nodes, learn)
     except LeafError as err:  # a type first met in a compiled region
         raise _with_path(err, root or "data", tree) from None
     if (

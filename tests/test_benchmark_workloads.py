@@ -159,11 +159,14 @@ tiny_bench = _load_benchmark("bench_tiny_steps")
 
 
 def test_the_tiny_steps_benchmark_reports_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = tiny_bench.main(["--quick"])
+    rows = tiny_bench.main(["--quick", "--calls"])
     out = capsys.readouterr().out
     assert [row.name for row in rows] == list(tiny_bench.VARIANTS)
     assert "The whole step (what a script sees):" in out
     assert "devicekit's own time, in the loop and alone:" in out
+    assert "Each call right after a step and alone, us (medians of 20):" in out
+    assert "    with a pre-hook doing nothing " in out
+    assert "    under guard(model) " in out
     for name in tiny_bench.VARIANTS:  # in both tables, but the plain loop in the first only
         assert out.count(f"  {name} ") == (1 if name == "plain loop" else 2), name
     # Like with like: each variant trains the same model on the same batches.
@@ -245,13 +248,14 @@ FLAT_BATCHES = {
 
 @pytest.mark.parametrize("kind", list(FLAT_BATCHES))
 def test_a_flat_batch_already_on_the_cpu_is_copied_without_a_call_per_tensor(kind: str) -> None:
-    # In a loop of tiny steps every Python call devicekit makes costs 1.5-3 us, PyTorch's
-    # step leaving nothing of it in the CPU's caches: to_device((x, y), "cpu") made 8.
+    # In a loop of tiny steps a Python call costs several times what it costs alone,
+    # PyTorch's step leaving nothing of devicekit in the CPU's caches.
     x, y = torch.randn(32, 4), torch.randn(32, 1)
     batch = FLAT_BATCHES[kind](x, y)
     dk.to_device(batch, CPU)  # the plan is made, the container's type learnt
     moved, calls = _devicekit_calls(lambda: dk.to_device(batch, CPU))
-    assert calls == ["to_device", "_run", "__init__", "map_leaves"]  # no _plan, _entry, move
+    assert "move" not in calls  # the mover, once per tensor before
+    assert calls.count("map_leaves") == 1
     assert type(moved) is type(batch)
     assert moved is not batch  # a new container, as the walk makes
     assert list(tensor_leaves(moved)) == [x, y] or list(moved.values()) == [x, y]
@@ -261,7 +265,8 @@ def test_a_flat_batch_already_on_the_cpu_is_copied_without_a_call_per_tensor(kin
     epoch = iter(dk.DeviceDataLoader([batch] * 3, CPU))
     next(epoch)
     _, calls = _devicekit_calls(lambda: next(epoch))
-    assert calls == ["_run", "__init__", "map_leaves"]
+    assert "move" not in calls
+    assert calls.count("map_leaves") == 1
 
 
 def _on_meta(x: torch.Tensor) -> torch.Tensor:
