@@ -113,7 +113,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     demo.add_argument(
         "--fit-batch",
         action="store_true",
-        help="first find the largest batch that fits (up to 1024), then train at it",
+        help=(
+            "first find the largest batch that fits (up to 1024), then train at it with "
+            "the learning rate scaled to it"
+        ),
     )
     return parser, commands
 
