@@ -348,23 +348,27 @@ def test_a_mistyped_command_gets_the_closest_one(
     )
 
 
-def test_the_demo_fits_its_batch_first_where_asked(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_demo_fits_its_batch_first_where_asked(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 256, not 1024: an epoch of 8,192 images, not 16,384 (the rule at 1024 is below).
+    monkeypatch.setattr(devicekit._demo, "FIT_LIMIT", 256)
     assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu", "--fit-batch"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2:6] == [
-        "Batch size 1024 on cpu.",
-        "Tried: 64 fits, 128 fits, 256 fits, 512 fits, 1024 fits.",  # the CPU never runs out
-        "Chose 1024: the limit (1024) fit.",
+        "Batch size 256 on cpu.",
+        "Tried: 64 fits, 128 fits, 256 fits.",  # the CPU never runs out
+        "Chose 256: the limit (256) fit.",
         (
-            "Learning rate 0.003 -> 0.012 for batch 1024 (square-root scaling from batch 64, "
-            "as for Adam, warm-up 4 steps); each epoch 16,384 images in 16 steps."
+            "Learning rate 0.003 -> 0.006 for batch 256 (square-root scaling from batch 64, "
+            "as for Adam, warm-up 4 steps); each epoch 8,192 images in 32 steps."
         ),
     ]
     epoch = re.match(r"epoch 1/1  loss (\d\.\d+) -> (\d\.\d+)  ", lines[6])
     assert epoch is not None, lines[6]
-    # The loss falls as at batch 64 (2.292 -> 1.885 in its first epoch; here 2.317 ->
-    # 1.912). At batch 1024 with batch 64's learning rate it fell to 2.296 in one epoch,
-    # and to 2.198 in three.
+    # The loss falls as at batch 64 (2.292 -> 1.885 in its first epoch; here 2.318 ->
+    # 1.919). At batch 256 with batch 64's learning rate it fell to 2.244 in one epoch
+    # (at 1024, to 2.296 in one epoch and 2.198 in three).
     assert float(epoch[2]) < 2.1 < float(epoch[1])
 
 
@@ -382,6 +386,10 @@ def test_the_demo_scales_its_learning_rate_with_the_batch() -> None:
     assert {batch: dataclasses.astuple(each) for batch, each in found.items()} == {
         batch: pytest.approx(dataclasses.astuple(each)) for batch, each in table.items()
     }
+    assert found[1024].explain() == (
+        "Learning rate 0.003 -> 0.012 for batch 1024 (square-root scaling from batch 64, "
+        "as for Adam, warm-up 4 steps); each epoch 16,384 images in 16 steps."
+    )
     assert found[64].explain() == (
         "Learning rate 0.003 -> 0.003 for batch 64 (square-root scaling from batch 64, "
         "as for Adam); each epoch 4,096 images in 64 steps."
