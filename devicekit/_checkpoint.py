@@ -53,15 +53,20 @@ import stat
 import sys
 import threading
 import types
+import zipfile
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, Any, Final, TypeAlias, cast
+from typing import IO, Any, ClassVar, Final, TypeAlias, cast
 
 import torch
 
 from devicekit import _tree
 from devicekit._checks import find_devices
-from devicekit._compat import weights_only_build_refusal, weights_only_refusal
+from devicekit._compat import (
+    weights_only_build_refusal,
+    weights_only_refusal,
+    weights_only_refused_globals,
+)
 from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import TransferError
@@ -153,26 +158,36 @@ class _Unloadable(Exception):  # noqa: N818 - carries the refusal out of torch.s
 class _CheckedPickler(pickle.Pickler):
     """torch.save's pickler, checking its pickle as a weights-only load would, before writing."""
 
+    checks: ClassVar[bool] = True  # False: a save with weights_only=False, written as it is
+
     def __init__(self, file: io.BytesIO, protocol: int | None = None) -> None:
         super().__init__(file, protocol)
         self._written = file
 
     def dump(self, obj: Any) -> None:
         super().dump(obj)
-        pickled = self._written.getvalue()
-        refusal = weights_only_refusal(pickled)
-        if refusal is not None:
-            raise _Unloadable(refusal, pickled)
+        if self.checks:
+            pickled = self._written.getvalue()
+            refusal = weights_only_refusal(pickled)
+            if refusal is not None:
+                raise _Unloadable(refusal, pickled)
         self.passed()
 
     def passed(self) -> None:
         """Called once the pickle has passed the check, before torch.save writes a byte."""
 
 
-_CHECKED_PICKLE = types.SimpleNamespace(__name__="pickle", Pickler=_CheckedPickler)
+def _pickle_module(*, checks: bool, **methods: Any) -> Any:
+    """What torch.save takes as ``pickle_module``: it makes its pickler from this one's class."""
+    pickler = type("_Pickler", (_CheckedPickler,), {"checks": checks, **methods})
+    return types.SimpleNamespace(__name__="pickle", Pickler=pickler)
 
 
-def save(obj: Any, f: str | os.PathLike[str] | IO[bytes]) -> None:
+_CHECKED_PICKLE = _pickle_module(checks=True)
+_UNCHECKED_PICKLE = _pickle_module(checks=False)
+
+
+def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], *, weights_only: bool = True) -> None:
     """``torch.save``, atomically: a save that dies half-way leaves the last one intact.
 
     To a path, the checkpoint is written to a temporary file beside it, flushed to disk,
@@ -189,35 +204,62 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes]) -> None:
     >>> dk.load(buffer, "cpu")["weight"]
     tensor([1., 1.])
 
+    A whole module (for a script that reads the model back with its classes, as
+    PyTorch's examples do) is saved on request, and loaded on request:
+
+    >>> buffer = io.BytesIO()
+    >>> dk.save(torch.nn.Linear(2, 1), buffer, weights_only=False)
+    >>> _ = buffer.seek(0)
+    >>> dk.load(buffer, "cpu", weights_only=False)
+    Linear(in_features=2, out_features=1, bias=True)
+
     Args:
-        obj: What to save, as ``torch.save`` takes it, made of what :func:`load` reads
-            by default: tensors, containers, plain Python values, numpy scalars and
-            arrays, ``argparse.Namespace`` and ``pathlib`` paths, and types allowed with
-            ``torch.serialization.add_safe_globals``.
+        obj: What to save, as ``torch.save`` takes it. By default, made of what
+            :func:`load` reads by default: tensors, containers, plain Python values,
+            numpy scalars and arrays, ``argparse.Namespace`` and ``pathlib`` paths, and
+            types allowed with ``torch.serialization.add_safe_globals``.
         f: A path, or a binary file object. A file object is written as torch.save
             writes it, once the check below has passed: a save refused writes nothing
             to it, but one that fails on the way (the stream's own write, Ctrl-C) leaves
             part of a checkpoint there, as torch.save does. A symbolic link's target is
             replaced, the link kept; a device or FIFO (``/dev/null``) is written in
             place, as a file object is.
+        weights_only: Refuse, before a byte is written, what a weights-only load would
+            refuse to build. False writes it anyway (a whole module, as torch.save
+            does), for ``load(f, weights_only=False)`` to read: a load that runs the
+            file's code, so only ever of a file you trust.
 
     Raises:
-        TypeError: ``f`` is a file opened in text mode, bytes, or a file descriptor.
+        TypeError: ``f`` is a file opened in text mode, bytes, or a file descriptor;
+            ``weights_only`` is not True or False.
         ValueError: ``obj`` holds something a weights-only load would refuse to build
-            (a module, an optimizer, a class of the program's): the message names it and
-            where it is, and nothing was written.
+            (a module, an optimizer, a class of the program's), and ``weights_only`` is
+            True: the message names every class refused, where they are and the ways
+            out, and nothing was written.
         OSError: The path is a directory or ends with a slash (which names one), is
             read-only or another user's file, in a folder that is missing or not
             writable, or the disk is full: the message names the path, never the
             temporary, and the file that was there is unchanged.
     """
+    _check_weights_only(
+        weights_only, "False writes a pickle that only a load running its code reads"
+    )
     _check_binary(f, "save to")
     if isinstance(f, str | os.PathLike):
-        _save_to_path(obj, _path_of(f, "save to"))
+        _save_to_path(obj, _path_of(f, "save to"), checks=weights_only)
     elif callable(getattr(f, "write", None)):
-        _save_to_stream(obj, lambda: f, "the file object", owned=False)
+        _save_to_stream(obj, lambda: f, "the file object", owned=False, checks=weights_only)
     else:
         raise TypeError(_not_a_file(f, "save to"))
+
+
+def _check_weights_only(weights_only: object, why: str) -> None:
+    if weights_only is not True and weights_only is not False:  # for untyped callers
+        msg = (
+            f"Expected weights_only to be True or False, got {weights_only!r}: {why}, so "
+            "devicekit takes nothing else for it."
+        )
+        raise TypeError(msg)
 
 
 def _path_of(f: str | os.PathLike[str], doing: str) -> str:
@@ -241,9 +283,7 @@ def _not_a_file(f: object, doing: str) -> str:
     )
 
 
-def _torch_save(
-    obj: Any, out: IO[bytes] | _Sink | _Gate, where: str, checking: Any = _CHECKED_PICKLE
-) -> None:
+def _torch_save(obj: Any, out: IO[bytes] | _Sink | _Gate, where: str, checking: Any) -> None:
     """torch.save, refusing what a weights-only load would refuse before a byte is written.
 
     torch.save pickles the object whole before it writes a record; the refusal comes out
@@ -254,16 +294,20 @@ def _torch_save(
         with _allowing:
             torch.save(obj, cast("IO[bytes]", out), pickle_module=checking)
     except _Unloadable as refused:
-        raise ValueError(_unloadable(obj, refused.refusal, where, refused.pickled)) from None
+        with _allowing:  # what is refused, named as the check saw it
+            msg = _unloadable(obj, refused.refusal, where, refused.pickled)
+        raise ValueError(msg) from None
 
 
-def _save_to_stream(obj: Any, opening: Callable[[], IO[bytes]], where: str, *, owned: bool) -> None:
+def _save_to_stream(
+    obj: Any, opening: Callable[[], IO[bytes]], where: str, *, owned: bool, checks: bool
+) -> None:
     """Save to a file object, or a device or FIFO: refused, it writes nothing there.
 
     ``opening`` gives the file once the pickle has passed the check (an opened FIFO
     waits for a reader: a refused save must not wait); ``owned``: closed after.
     """
-    gate = _Gate(opening)
+    gate = _Gate(opening, checks=checks)
     try:
         _torch_save(obj, gate, where, gate.checking)
     finally:
@@ -285,15 +329,12 @@ class _Gate:
     pickle passed (none, in the PyTorch of today) are held, and dropped if it never does.
     """
 
-    def __init__(self, opening: Callable[[], IO[bytes]]) -> None:
+    def __init__(self, opening: Callable[[], IO[bytes]], *, checks: bool) -> None:
         self._opening = opening
         self._held = bytearray()
         self.file: IO[bytes] | None = None
         # torch.save makes its pickler from the class it is given: one of this gate's.
-        opens = {"passed": lambda _pickler: self.open()}
-        self.checking = types.SimpleNamespace(
-            __name__="pickle", Pickler=type("_Pickler", (_CheckedPickler,), opens)
-        )
+        self.checking = _pickle_module(checks=checks, passed=lambda _pickler: self.open())
 
     def open(self) -> None:
         self.file = self._opening()
@@ -312,7 +353,7 @@ class _Gate:
             self.file.flush()
 
 
-def _save_to_path(obj: Any, given: str) -> None:
+def _save_to_path(obj: Any, given: str, *, checks: bool) -> None:
     _refuse_a_folder_name(given)
     target = os.path.realpath(given)  # a link's target is what gets replaced
     shown_path = (
@@ -335,7 +376,7 @@ def _save_to_path(obj: Any, given: str) -> None:
             raise OSError(errno.ENXIO, msg)
         if not stat.S_ISREG(kind):  # a device or a FIFO: nothing to replace, as torch.save
             opening = lambda: open(target, "wb")  # noqa: E731, SIM115 - closed by the save
-            _save_to_stream(obj, opening, shown_path, owned=True)
+            _save_to_stream(obj, opening, shown_path, owned=True, checks=checks)
             return
         if hasattr(os, "geteuid") and found.st_uid != os.geteuid() != 0:
             raise _not_theirs(shown_path, found.st_uid)  # whatever its mode: not theirs
@@ -348,7 +389,7 @@ def _save_to_path(obj: Any, given: str) -> None:
     folder = os.path.dirname(target) or "."
     directory = _folder_to_sync(folder)
     try:
-        _replace(obj, target, folder, found, shown_path)
+        _replace(obj, target, folder, found, shown_path, checks=checks)
         if directory is not None:
             # The rename itself, on disk: durability only. The file is replaced by now,
             # and some file systems refuse to flush a folder (EINVAL on FUSE and network
@@ -427,7 +468,13 @@ def _folder_to_sync(folder: str) -> int | None:
 
 
 def _replace(
-    obj: Any, target: str, folder: str, found: os.stat_result | None, shown_path: str
+    obj: Any,
+    target: str,
+    folder: str,
+    found: os.stat_result | None,
+    shown_path: str,
+    *,
+    checks: bool,
 ) -> None:
     """Write a temporary beside ``target``, flush it to disk, and rename it over ``target``."""
     temporary = _Temporary.open(folder, os.path.basename(target), found, shown_path)
@@ -435,7 +482,7 @@ def _replace(
         sink = _Sink(os.fdopen(temporary.descriptor, "wb"))
         try:
             with sink.file:
-                _torch_save(obj, sink, shown_path)
+                _torch_save(obj, sink, shown_path, _CHECKED_PICKLE if checks else _UNCHECKED_PICKLE)
                 sink.file.flush()
                 os.fsync(sink.file.fileno())
                 temporary.name_it(sink.file.fileno())
@@ -651,59 +698,157 @@ def _removed_on_any_exit(temporary: _Temporary) -> Iterator[None]:
 
 
 def _unloadable(obj: Any, refusal: str, where: str, pickled: bytes | None = None) -> str:
-    """Why save refuses ``obj``: what a weights-only load would not build, where, and the fix.
+    """Why save refuses ``obj``: what a weights-only load would not build, where, and the fixes.
 
-    Allowing the classes named is advised only where that makes the load build
-    ``pickled`` (the pickle refused), tried without writing: a weights-only load
-    builds no defaultdict that holds items, allowed or not (an optimizer's state, once
-    it has stepped). Built-in classes the pickle names (``dict``, a defaultdict's
-    factory) are advised too: the load refuses them, as it does any global not allowed.
+    Every global refused is named at once, in the order the pickle names them, and every
+    value that holds them at the top (a module, not the modules in it), so that one
+    change makes the save pass. The ways out: save what is refused as data (a
+    ``state_dict()``, a dict), or save it whole with ``weights_only=False``. Allowing
+    the classes named is advised too where that is the fix (a class of the program's,
+    a ``defaultdict``, never a module or an optimizer, which have a state_dict, nor a
+    function, which the load would call) and makes the load build ``pickled`` (the
+    pickle refused), tried without writing: a weights-only load builds no defaultdict
+    that holds items, allowed or not (an optimizer's state, once it has stepped).
+    Built-in classes the pickle names (``dict``, a defaultdict's factory) are advised
+    too: the load refuses them, as it does any global not allowed.
     """
     refusal = _ESCAPES.sub("", refusal)
-    match = re.search(r"GLOBAL (\S+)|<class '([^']+)'>", refusal)
-    names = [] if match is None else [match.group(1) or match.group(2)]
-    more = re.search(r"was not an allowed global \(and ([^)]*)\)", refusal)
-    names += more.group(1).split(", ") if more else []
+    names = [] if pickled is None else weights_only_refused_globals(pickled)
+    if not names:  # the words of weights_only_refusal: "GLOBAL a ... (and b, c)"
+        match = re.search(r"GLOBAL (\S+)|<class '([^']+)'>", refusal)
+        names = [] if match is None else [match.group(1) or match.group(2)]
+        more = re.search(r"was not an allowed global \(and ([^)]*)\)", refusal)
+        names += more.group(1).split(", ") if more else []
     try:
         found = _refused_in(obj, frozenset(names))
         lost = ""
     except TransferError as err:  # a cycle, or depth past MAX_DEPTH: said with its path
-        found, lost = None, f" Where it is could not be found: {err}"
-    if found is None:
-        said = _first_sentence(refusal)
+        found, lost = [], f" Where it is could not be found: {err}"
+    whole = _saved_whole(obj)
+    if not found:
+        refused = (
+            f"to build {', '.join(names)} (building {'them' if len(names) > 1 else 'it'} "
+            "could run code the file names)"
+            if names
+            else f"it ({_first_sentence(refusal)})"
+        )
         return (
             f"Cannot save to {where}: a weights-only load, dk.load's default, would refuse "
-            f"it ({said}). Save tensors and plain data, or allow the class where you save "
-            f"and where you load with torch.serialization.add_safe_globals([...]).{lost}"
+            f"{refused}.{lost} Save tensors and plain data, or allow the classes where you "
+            f"save and where you load with torch.serialization.add_safe_globals([...]).{whole}"
         )
-    path, value = found
-    name = _qualified(value if _by_reference(value) else type(value)) or "?"
-    at = f"{path} is" if path else "the object at the top level is"
-    if _by_reference(value):
-        fix = "save its name as a str instead"
-    elif callable(getattr(value, "state_dict", None)):  # modules, optimizers, schedulers
-        fix = "save its state_dict() instead"
-    elif isinstance(value, Mapping):
-        fix = "save it as a plain dict instead (dict(...))"
-    else:
-        fix = "save its fields as a dict instead (vars(...) or dataclasses.asdict(...))"
-    allowed = [name, *(each for each in names if each != name)]
-    stuck = None if pickled is None else _refused_even_if_allowed(pickled, allowed)
-    if stuck is None:
-        shorts = ", ".join(each.rsplit(".", 1)[-1] for each in allowed)
-        alternative = (
-            "; or, where the class is yours and safe to build, allow it before saving and "
-            f"before loading: torch.serialization.add_safe_globals([{shorts}])."
-        )
-    else:
-        alternative = (
-            ". Allowing its classes would not do: a weights-only load refuses to build it "
-            f"even then ({stuck})."
-        )
+    every = ""
+    if len(names) > 1:
+        every = f" The load refuses {'both' if len(names) == 2 else f'all {len(names)}'} of "
+        every += f"these: {', '.join(names)}."
+    held = [_qualified(value if _by_reference(value) else type(value)) or "?" for _, value in found]
+    at = _listed(
+        [
+            f"{path} is {name}" if path else f"the object at the top level is {name}"
+            for (path, _), name in zip(found, held, strict=True)
+        ],
+        len(found),
+    )
+    them = "them" if len(found) > 1 else "it"
+    by_kind: dict[str, list[str]] = {}  # how to save each as data: the paths it fits
+    for path, value in found:
+        by_kind.setdefault(_kind_of(value), []).append(path)
+    fixes = " ".join(
+        _fix(kind, paths, obj, alone=len(found) == 1) for kind, paths in by_kind.items()
+    )
+    alternative = ""
+    allowed = [*dict.fromkeys(held), *(each for each in names if each not in held)]
+    # Modules and optimizers: their state_dict, or whole. Functions: never tried, since
+    # the trial build would call them.
+    if "state_dict" not in by_kind and all(isinstance(_loaded(each), type) for each in allowed):
+        stuck = None if pickled is None else _refused_even_if_allowed(pickled, allowed)
+        if stuck is None:
+            shorts = ", ".join(each.rsplit(".", 1)[-1] for each in allowed)
+            yours = (
+                "the class is yours and safe to build, allow it"
+                if len(allowed) == 1
+                else "the classes are yours and safe to build, allow them"
+            )
+            alternative = (
+                f" Or, where {yours} before saving and before loading: "
+                f"torch.serialization.add_safe_globals([{shorts}])."
+            )
+        else:
+            alternative = (
+                " Allowing its classes would not do: a weights-only load refuses to build "
+                f"{them} even then ({stuck})."
+            )
     return (
-        f"Cannot save to {where}: {at} {name}, which a weights-only load, dk.load's "
-        "default, refuses to build (building it could run code the file names). "
-        f"{fix[0].upper()}{fix[1:]}{alternative}"
+        f"Cannot save to {where}: {at}, which a weights-only load, dk.load's default, refuses "
+        f"to build (building {them} could run code the file names).{every} "
+        f"{fixes}{alternative}{whole}"
+    )
+
+
+# How many values a refusal names where it lists them; the rest are counted.
+_SHOWN: Final = 3
+
+
+def _listed(items: list[str], count: int) -> str:
+    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 4 more``: the first of ``count``."""
+    if count > _SHOWN:
+        return f"{', '.join(items[:_SHOWN])} and {count - _SHOWN} more"
+    return items[0] if count == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _kind_of(value: object) -> str:
+    """How to save ``value`` as data: by name, its state_dict, as a dict, or its fields."""
+    if _by_reference(value):
+        return "name"
+    if callable(getattr(value, "state_dict", None)):  # modules, optimizers, schedulers
+        return "state_dict"
+    return "mapping" if isinstance(value, Mapping) else "fields"
+
+
+_FIXES: Final = {  # (for one value, for several)
+    "name": ("save its name as a str instead", "save their names as str instead"),
+    "state_dict": ("save its state_dict() instead", "save their state_dict() instead"),
+    "mapping": (
+        "save it as a plain dict instead (dict(...))",
+        "save them as plain dicts instead (dict(...))",
+    ),
+    "fields": (
+        "save its fields as a dict instead (vars(...) or dataclasses.asdict(...))",
+        "save their fields as dicts instead (vars(...) or dataclasses.asdict(...))",
+    ),
+}
+
+
+def _fix(kind: str, paths: list[str], obj: Any, *, alone: bool) -> str:
+    """The way out that keeps the checkpoint weights-only, for the values at ``paths``.
+
+    ``alone``: these are all the values refused, so "its" says which.
+    """
+    one, several = _FIXES[kind]
+    if not alone:
+        return f"For {_listed(paths, len(paths))}, {several if len(paths) > 1 else one}."
+    if kind == "state_dict" and not paths[0]:  # the object saved: the code to write
+        name = _name_for(obj)
+        return f"Save its state_dict() instead: dk.save({name}.state_dict(), path)."
+    return f"{one[0].upper()}{one[1:]}."
+
+
+def _name_for(obj: object) -> str:
+    """What the fixes call the object saved, in the code they show."""
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    return "checkpoint" if isinstance(obj, Mapping) else "obj"
+
+
+def _saved_whole(obj: object) -> str:
+    """The other way out: the whole object written anyway, for a load that runs its code."""
+    name = _name_for(obj)
+    return (
+        f" Or, to save it whole, write dk.save({name}, path, weights_only=False) and load it "
+        "with dk.load(path, weights_only=False) where its classes can be imported; only load "
+        "such a file if you trust it, since unpickling it can execute arbitrary code."
     )
 
 
@@ -777,30 +922,38 @@ def _fragments(path: _Path) -> list[str]:
     return fragments[::-1]
 
 
-def _refused_in(root: Any, names: frozenset[str]) -> tuple[str, Any] | None:
-    """Where in ``root`` the first value pickled as one of the global ``names`` is.
+def _refused_in(root: Any, names: frozenset[str]) -> list[tuple[str, Any]]:
+    """Where in ``root`` the values pickled as one of the global ``names`` are, outermost only.
 
-    A search on the error path only, through devicekit's one walk (:mod:`devicekit._tree`,
-    iterative), first in the order pickle writes (an object before what it holds), then
-    through the attributes of the leaves pickle saves by their ``__dict__``
-    (``argparse.Namespace``, a class allowed with add_safe_globals), each object once,
-    breadth first. Containers and attribute hops count together against the depth rule
-    of every walk: a container or object ``MAX_DEPTH`` levels down is refused.
+    Each such value once (the first path to it), and none inside another: a module's
+    own modules go with it. A search on the error path only, through devicekit's one
+    walk (:mod:`devicekit._tree`, iterative), first in the order pickle writes (an object
+    before what it holds), then through the attributes of the leaves pickle saves by
+    their ``__dict__`` (``argparse.Namespace``, a class allowed with add_safe_globals),
+    each object once, breadth first. Containers and attribute hops count together against
+    the depth rule of every walk: a container or object ``MAX_DEPTH`` levels down is refused.
 
     Raises:
         TransferError: The data nests deeper than MAX_DEPTH, or holds a cycle.
     """
+    found: dict[int, tuple[str, Any]] = {}  # by id: an object saved twice is named once
     entered: set[int] = set()  # objects whose attributes were queued
     queue: deque[tuple[_Path, int, Any]] = deque([(None, 0, root)])  # path, its levels, data
     while queue:
         above, levels, tree = queue.popleft()
         chain: list[_Path] = []  # the path to the value open at each depth of this walk
+        inside = _tree.MAX_DEPTH + 1  # the depth of a refused container being passed over
         for depth, key, value, is_container in _tree.preorder(_tree.flatten(tree)):
+            if depth > inside:
+                continue
+            inside = _tree.MAX_DEPTH + 1
             here = above if depth == 0 else (chain[depth - 1], key)
             del chain[depth:]
             chain.append(here)
             if _is_refused(value, names):
-                return "".join(_fragments(here)), value
+                found.setdefault(id(value), ("".join(_fragments(here)), value))
+                inside = depth if is_container else inside
+                continue
             state = None if is_container else getattr(value, "__dict__", None)
             if type(state) is not dict or id(value) in entered or _by_reference(value):
                 state = None
@@ -812,7 +965,7 @@ def _refused_in(root: Any, names: frozenset[str]) -> tuple[str, Any] | None:
                 queue.extend(
                     ((here, f".{name}"), levels + depth + 1, each) for name, each in state.items()
                 )
-    return None
+    return list(found.values())
 
 
 def _check_binary(f: object, doing: str) -> None:
@@ -873,22 +1026,18 @@ def load(
         TransferError: The checkpoint holds tensors on the meta device (a shape and no
             data), which no map_location can give data to; the message names them.
     """
-    if weights_only is not True and weights_only is not False:  # for untyped callers
-        msg = (  # type: ignore[unreachable]
-            f"Expected weights_only to be True or False, got {weights_only!r}: False runs "
-            "the code a pickle holds, so devicekit takes nothing else for it."
-        )
-        raise TypeError(msg)
+    _check_weights_only(weights_only, "False runs the code a pickle holds")
     _check_binary(f, "load from")
     target = _load_device(device, map_location)
     source, name = _source(f, mmap)
     _check_format(source, name)
+    start = None if isinstance(source, str) else source.tell()
     try:
         with _allowing:
             loaded = torch.load(source, map_location=target, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
         text = _ESCAPES.sub("", str(err))
-        refused = _refused_on_load(text, name) if weights_only else None
+        refused = _refused_on_load(text, name, source, start) if weights_only else None
         if refused is not None:
             raise pickle.UnpicklingError(refused) from None
         raise ValueError(_damaged(name, _first_sentence(text))) from None
@@ -1020,8 +1169,19 @@ def _damaged(name: str, said: str) -> str:
     )
 
 
-def _refused_on_load(text: str, name: str) -> str | None:
-    """The words for a weights-only refusal: what the file holds, how to allow it."""
+def _refused_on_load(
+    text: str, name: str, source: str | IO[bytes], start: int | None
+) -> str | None:
+    """The words for a weights-only refusal: what the file holds, and the ways to load it.
+
+    Every global the load refuses is named, read from the checkpoint's pickle (a scan:
+    nothing of the file is built or called), where PyTorch names the first; the file is
+    read from ``start`` (a stream's position before the load). Loading it whole is
+    advised for a file you trust; allowing its classes too, where each is a class of the
+    program's own (not a function, which the load would call, nor a module or an
+    optimizer, whose state_dict is the way to save them as weights, nor a class of
+    Python's or PyTorch's, such as a defaultdict, which allowing may not build).
+    """
     blocked = re.search(r"GLOBAL (\S+) whose module (\S+) is blocked", text)
     if blocked:
         return (
@@ -1031,14 +1191,50 @@ def _refused_on_load(text: str, name: str) -> str | None:
     match = re.search(r"GLOBAL (\S+)|<class '([^']+)'>", text)
     if match is None:  # an operand no pickle of torch.save's has: damaged, as load says
         return None
-    qualified = match.group(1) or match.group(2)
-    return (
-        f"Cannot load {name} as weights and plain data: it holds {qualified}, which a "
-        "weights-only load does not build or call, since that could run code the file "
-        f"chooses. If you trust the file and know {qualified} to be a class of yours that "
-        "is safe to build, allow it first: "
-        f"torch.serialization.add_safe_globals([{qualified.rsplit('.', 1)[-1]}])."
+    pickled = _pickle_in(source, start)
+    with _allowing:
+        names = [] if pickled is None else weights_only_refused_globals(pickled)
+    names = names or [match.group(1) or match.group(2)]
+    holds = ", ".join(names)
+    whole = (
+        f"Cannot load {name} as weights and plain data: it holds {holds}, which a "
+        "weights-only load, dk.load's default, does not build or call, since that could run "
+        "code the file chooses. If you trust the file, load it whole with "
+        "dk.load(path, weights_only=False) where its classes can be imported; only load a "
+        "file you trust, since unpickling it can execute arbitrary code."
     )
+    if not all(_of_the_program(_loaded(each)) for each in names):
+        return whole
+    shorts = ", ".join(each.rsplit(".", 1)[-1] for each in names)
+    known = (
+        "it is a class of yours that is safe to build, allow it"
+        if len(names) == 1
+        else "they are classes of yours that are safe to build, allow them"
+    )
+    return (
+        f"{whole} Or, if you know {known} first: torch.serialization.add_safe_globals([{shorts}])."
+    )
+
+
+def _of_the_program(value: object) -> bool:
+    """Whether ``value`` is a class of the program's own that holds data, not a module's."""
+    return (
+        isinstance(value, type)
+        and value.__module__.split(".")[0] not in {"builtins", "collections", "torch"}
+        and not callable(getattr(value, "state_dict", None))
+    )
+
+
+def _pickle_in(source: str | IO[bytes], start: int | None) -> bytes | None:
+    """The pickle of a checkpoint in torch.save's zip format; None for the legacy format."""
+    try:
+        if start is not None:
+            cast("IO[bytes]", source).seek(start)
+        with zipfile.ZipFile(source) as archive:
+            record = next(each for each in archive.namelist() if each.endswith("/data.pkl"))
+            return archive.read(record)
+    except (zipfile.BadZipFile, StopIteration, OSError, ValueError):
+        return None
 
 
 def _unreadable(err: RuntimeError) -> bool:

@@ -25,6 +25,7 @@ __all__ = [
     "run_while_tracing",
     "weights_only_build_refusal",
     "weights_only_refusal",
+    "weights_only_refused_globals",
 ]
 
 
@@ -381,3 +382,46 @@ def is_device_mismatch(error: BaseException) -> bool:
         return True
     types = _TYPES_SAID.search(said)
     return types is not None and _type_family(types["a"]) != _type_family(types["b"])
+
+
+def weights_only_refused_globals(pickled: bytes) -> list[str]:
+    """Every global of this pickle of torch.save's that a weights-only load refuses, at once.
+
+    The load stops at the first global it refuses; this names each of them once, in the
+    order the pickle first names it (a module before the modules it holds), as the load
+    names them: ``module.Name``, Python 2's names mapped as the load maps them (pickle's
+    ``__builtin__.set`` is ``builtins.set``). The globals allowed are those the load
+    allows at the time of the call: PyTorch's, and those added with
+    ``torch.serialization.add_safe_globals``. Empty where the load refuses no global, or
+    where PyTorch's scan cannot read the pickle (:func:`weights_only_refusal` says why).
+
+    >>> import collections, io, torch, zipfile
+    >>> buffer = io.BytesIO()
+    >>> torch.save(torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.ReLU()), buffer)
+    >>> weights_only_refused_globals(zipfile.ZipFile(buffer).read("archive/data.pkl"))
+    ['torch.nn.modules.container.Sequential', 'torch.nn.modules.linear.Linear', \
+'torch.nn.modules.activation.ReLU']
+    """
+    import pickletools  # noqa: PLC0415 - on a refusal only
+
+    from torch import _weights_only_unpickler  # noqa: PLC0415 - private: read here
+
+    loader: Any = _weights_only_unpickler  # partly untyped
+    try:
+        named = loader.get_globals_in_pkl(io.BytesIO(pickled))
+    except (pickle.UnpicklingError, EOFError):  # an operation the load does not know
+        return []
+    refused = named - (
+        loader._get_allowed_globals().keys() | loader._get_user_allowed_globals().keys()
+    )
+    ordered: dict[str, None] = {}
+    try:
+        for operation, argument, _ in pickletools.genops(pickled):
+            if operation.name == "GLOBAL":  # "module name", as the load reads it
+                lines = io.BytesIO(argument.replace(" ", "\n", 1).encode() + b"\n")
+                module, name = loader._read_global_instruction(lines.readline)
+                if f"{module}.{name}" in refused:
+                    ordered[f"{module}.{name}"] = None
+    except Exception:  # the scan above read it: only the order would be lost
+        ordered = {}
+    return [*ordered, *sorted(refused - ordered.keys())]

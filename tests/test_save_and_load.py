@@ -1,5 +1,7 @@
 """dk.save is torch.save made atomic and nothing more; dk.load reads back what it wrote onto
-the device asked for, never hangs, and never advises running a pickle's code."""
+the device asked for and never hangs. Running a pickle's code is advised only as the way to
+save and load a whole object on purpose (weights_only=False), for a file one trusts: never
+for a file that is no checkpoint or calls what runs commands."""
 
 from __future__ import annotations
 
@@ -797,6 +799,18 @@ def own_safe_globals() -> Iterator[None]:
         torch.serialization.add_safe_globals(added)
 
 
+_STUCK = "allowing would not do"
+
+
+def _saved_whole(name: str) -> str:
+    """The last sentence of every refusal of dk.save: how to save ``name`` whole anyway."""
+    return (
+        f" Or, to save it whole, write dk.save({name}, path, weights_only=False) and load it "
+        "with dk.load(path, weights_only=False) where its classes can be imported; only load "
+        "such a file if you trust it, since unpickling it can execute arbitrary code."
+    )
+
+
 def _looped_namespace() -> argparse.Namespace:
     args = argparse.Namespace(model=torch.nn.Linear(2, 2))
     args.me = args  # a cycle through attributes
@@ -816,7 +830,7 @@ def _looped_namespace() -> argparse.Namespace:
             {"model": torch.nn.Linear(2, 2)},
             "['model'] is torch.nn.modules.linear.Linear",
             "Save its state_dict() instead",
-            "Linear",
+            None,
         ),
         (
             {"loss": torch.nn.MSELoss},
@@ -833,26 +847,26 @@ def _looped_namespace() -> argparse.Namespace:
         (
             _optimizer(),
             "the object at the top level is torch.optim.adam.Adam,",
-            "Save its state_dict() instead",
-            "Adam",
+            "Save its state_dict() instead: dk.save(optimizer.state_dict(), path).",
+            None,  # an optimizer has a state_dict: that, or saved whole
         ),
         (
             torch.optim.lr_scheduler.StepLR(_optimizer(), 1),
             "the object at the top level is torch.optim.lr_scheduler.StepLR,",
-            "Save its state_dict() instead",
-            "StepLR",
+            "Save its state_dict() instead: dk.save(obj.state_dict(), path).",
+            None,
         ),
         (
             _stepped_optimizer(),
             "the object at the top level is torch.optim.sgd.SGD,",
             "Save its state_dict() instead",
-            None,  # a weights-only load fills no defaultdict, allowed or not
+            None,
         ),
         (
             {"counts": collections.defaultdict(list, a=[1])},
             "['counts'] is collections.defaultdict,",
             "Save it as a plain dict instead (dict(...))",
-            None,
+            _STUCK,  # a weights-only load fills no defaultdict, allowed or not
         ),
         (
             {"counts": collections.defaultdict(list)},
@@ -870,7 +884,7 @@ def _looped_namespace() -> argparse.Namespace:
             {"args": _looped_namespace()},
             "['args'].model is torch.nn.modules.linear.Linear,",
             "Save its state_dict() instead",
-            "Linear",
+            None,
         ),
     ],
     ids=[
@@ -898,16 +912,19 @@ def test_what_a_weights_only_load_would_refuse_is_refused_at_save_naming_where(
     assert fix in message
     if allowed is None:
         assert "add_safe_globals" not in message
-        assert message.endswith(
+        assert "Allowing its classes" not in message
+    elif allowed is _STUCK:
+        assert "add_safe_globals" not in message
+        assert (
             "Allowing its classes would not do: a weights-only load refuses to build it even "
-            'then (PyTorch: "Can only SETITEM'
-            + ("S" if "SGD" in where else "")
-            + " for dict, collections.OrderedDict, collections.Counter, but got "
-            "<class 'collections.defaultdict'>\")."
-        )
+            'then (PyTorch: "Can only SETITEM for dict, collections.OrderedDict, '
+            "collections.Counter, but got <class 'collections.defaultdict'>\")."
+        ) in message
     else:
         assert f"torch.serialization.add_safe_globals([{allowed}" in message
-    _no_advice_to_run_code(message)
+    name = "checkpoint" if isinstance(state, dict) else "obj"
+    name = "optimizer" if isinstance(state, torch.optim.Optimizer) else name
+    assert message.endswith(_saved_whole(name))  # the other way out, always
     assert os.listdir(tmp_path) == []  # nothing written, no temporary
 
 
@@ -1021,14 +1038,13 @@ def test_the_search_for_what_is_refused_keeps_to_the_depth_rule() -> None:
     refusal = "Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global"
     message = _checkpoint._unloadable(deep, refusal, "'ckpt.pt'")
     assert message.startswith(
-        "Cannot save to 'ckpt.pt': a weights-only load, dk.load's default, would refuse it "
-        "('Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global')."
-    )
-    assert message.endswith(
+        "Cannot save to 'ckpt.pt': a weights-only load, dk.load's default, would refuse to "
+        "build torch.nn.modules.linear.Linear (building it could run code the file names). "
         "Where it is could not be found: Expected data nested at most 10,000 containers deep, "
         "but data[0][0][0][0][0][0][0][0]...<9,984 more levels>...[0][0][0][0][0][0][0][0] "
-        "goes deeper."
+        "goes deeper. Save tensors and plain data,"
     )
+    assert message.endswith(_saved_whole("obj"))
 
 
 def _nested(value: Any, levels: int) -> Any:
@@ -1042,11 +1058,11 @@ def test_the_search_counts_containers_and_attributes_together_against_the_depth_
     args = argparse.Namespace(table=_nested(torch.nn.Linear(1, 1), 20))
     refusal = "Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global"
     message = _checkpoint._unloadable(_nested(args, 9_995), refusal, "'ckpt.pt'")
-    assert message.endswith(
+    assert (
         "Where it is could not be found: Expected data nested at most 10,000 containers deep, "
         "but data[0][0][0][0][0][0][0][0]...<9,984 more levels>...[0][0][0].table[0][0][0][0] "
-        "goes deeper."
-    )
+        "goes deeper. Save tensors"
+    ) in message
 
 
 def test_the_search_finds_what_is_refused_within_the_depth_rule() -> None:
@@ -1083,11 +1099,139 @@ def test_a_refused_object_in_data_with_a_cycle_is_refused_without_a_hang() -> No
     with pytest.raises(ValueError) as raised:
         dk.save(state, io.BytesIO())
     message = str(raised.value)
-    assert "would refuse it ('Unsupported global: GLOBAL torch.nn.modules.linear.Linear" in message
-    assert message.endswith(
+    assert "would refuse to build torch.nn.modules.linear.Linear (building it" in message
+    assert (
         "Where it is could not be found: Expected data without reference cycles, but "
-        "data['self'] is the dict data itself, which contains it."
+        "data['self'] is the dict data itself, which contains it. Save tensors"
+    ) in message
+
+
+class RNNModel(torch.nn.Module):
+    """PyTorch's word language model (examples/word_language_model), small: saved whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.2)
+        self.encoder = torch.nn.Embedding(10, 4)
+        self.rnn = torch.nn.LSTM(4, 4)
+        self.decoder = torch.nn.Linear(4, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        output, _ = self.rnn(self.drop(self.encoder(tokens)))
+        return self.decoder(self.drop(output))
+
+
+_MODEL_CLASSES = (
+    f"{__name__}.RNNModel, torch.nn.modules.dropout.Dropout, torch.nn.modules.sparse.Embedding, "
+    "torch.nn.modules.rnn.LSTM, torch.nn.modules.linear.Linear"
+)
+
+
+@pytest.mark.usefixtures("own_safe_globals")
+def test_a_whole_model_is_refused_naming_every_class_at_once_with_both_ways_out(
+    tmp_path: Path,
+) -> None:
+    # Issue 35: each try named one class more (RNNModel, Dropout, ...): five rounds.
+    path = tmp_path / "model.pt"
+    msg = (
+        f"Cannot save to '{path}': the object at the top level is {__name__}.RNNModel, which "
+        "a weights-only load, dk.load's default, refuses to build (building it could run code "
+        f"the file names). The load refuses all 5 of these: {_MODEL_CLASSES}. Save its "
+        "state_dict() instead: dk.save(model.state_dict(), path)." + _saved_whole("model")
     )
+    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+        dk.save(RNNModel(), path)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.usefixtures("own_safe_globals")
+def test_every_refused_object_is_named_with_its_path_at_once() -> None:
+    state = {"model": RNNModel(), "optimizer": _optimizer(), "epoch": 3}
+    with pytest.raises(ValueError) as raised:
+        dk.save(state, io.BytesIO())
+    message = str(raised.value)
+    assert message.startswith(
+        f"Cannot save to the file object: ['model'] is {__name__}.RNNModel and ['optimizer'] "
+        "is torch.optim.adam.Adam, which a weights-only load, dk.load's default, refuses to "
+        f"build (building them could run code the file names). The load refuses all 8 of "
+        f"these: {_MODEL_CLASSES}, torch.optim.adam.Adam, collections.defaultdict, builtins.dict."
+        " For ['model'] and ['optimizer'], save their state_dict() instead."
+    )
+    assert message.endswith(_saved_whole("checkpoint"))
+
+
+def test_a_model_saved_whole_on_request_loads_back_whole_onto_the_device(
+    tmp_path: Path,
+) -> None:
+    model = RNNModel().eval()
+    tokens = torch.randint(10, (5, 2))
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"the last good checkpoint")
+    dk.save(model, path, weights_only=False)
+    assert os.listdir(tmp_path) == ["model.pt"]  # replaced, no temporary left
+    loaded = dk.load(path, "cpu", weights_only=False)
+    assert type(loaded) is RNNModel
+    assert torch.equal(loaded(tokens), model(tokens))
+    assert dk.load(path, map_location="meta", weights_only=False).decoder.weight.is_meta
+    with dk.DeviceManager("meta"):
+        assert dk.load(path, weights_only=False).rnn.weight_hh_l0.is_meta
+    buffer = io.BytesIO()
+    dk.save(model, buffer, weights_only=False)  # a file object too
+    buffer.seek(0)
+    assert torch.equal(dk.load(buffer, "cpu", weights_only=False)(tokens), model(tokens))
+
+
+def test_a_failed_save_on_request_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"the last good checkpoint")
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        dk.save({"step": lambda: 0}, path, weights_only=False)  # no pickle has a lambda
+    assert path.read_bytes() == b"the last good checkpoint"
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+@pytest.mark.usefixtures("own_safe_globals")
+def test_a_model_saved_whole_is_refused_by_the_default_load_with_the_way_to_load_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "model.pt"
+    dk.save(RNNModel(), path, weights_only=False)
+    msg = (
+        f"Cannot load '{path}' as weights and plain data: it holds {_MODEL_CLASSES}, which a "
+        "weights-only load, dk.load's default, does not build or call, since that could run "
+        "code the file chooses." + _LOAD_WHOLE  # modules: allowing them is no advice
+    )
+    with pytest.raises(pickle.UnpicklingError, match=f"^{re.escape(msg)}$"):
+        dk.load(path, "cpu")
+    with (
+        path.open("rb") as stream,
+        pytest.raises(pickle.UnpicklingError, match=re.escape(_LOAD_WHOLE)),
+    ):
+        dk.load(stream, "cpu")  # from a file object: the pickle is read where it starts
+
+
+@pytest.mark.parametrize("value", [0, 1, "no", None])
+def test_save_s_weights_only_takes_true_or_false_only(value: object) -> None:
+    buffer = io.BytesIO()
+    msg = f"Expected weights_only to be True or False, got {value!r}: False writes a pickle"
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        dk.save(RNNModel(), buffer, weights_only=value)  # type: ignore[arg-type]
+    assert buffer.getvalue() == b""
+
+
+@pytest.mark.usefixtures("own_safe_globals")
+def test_the_globals_refused_are_those_torch_names_in_the_order_first_written() -> None:
+    state = {"counts": collections.defaultdict(list), "model": RNNModel()}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    pickled = zipfile.ZipFile(buffer).read("archive/data.pkl")
+    refused = _compat.weights_only_refused_globals(pickled)
+    assert refused == ["collections.defaultdict", "builtins.list", *_MODEL_CLASSES.split(", ")]
+    buffer.seek(0)
+    assert set(refused) == set(torch.serialization.get_unsafe_globals_in_checkpoint(buffer))
+    with torch.serialization.safe_globals([collections.defaultdict, list]):
+        assert _compat.weights_only_refused_globals(pickled) == _MODEL_CLASSES.split(", ")
+    assert _compat.weights_only_refused_globals(b"\x80\x02\x95") == []  # no pickle of torch's
 
 
 def test_a_class_allowed_with_add_safe_globals_saves_and_loads(tmp_path: Path) -> None:
@@ -1105,12 +1249,19 @@ def test_a_checkpoint_a_weights_only_load_refuses_gets_devicekit_s_sentence(tmp_
     message = str(raised.value)
     assert message == (
         f"Cannot load '{path}' as weights and plain data: it holds "
-        "tests.test_save_and_load.Config, which a weights-only load does not build or call, "
-        "since that could run code the file chooses. If you trust the file and know "
-        "tests.test_save_and_load.Config to be a class of yours that is safe to build, allow "
-        "it first: torch.serialization.add_safe_globals([Config])."
+        f"{__name__}.Config, which a weights-only load, dk.load's default, does not build or "
+        "call, since that could run code the file chooses."
+        + _LOAD_WHOLE
+        + " Or, if you know it is a class of yours that is safe to build, allow it first: "
+        "torch.serialization.add_safe_globals([Config])."
     )
-    _no_advice_to_run_code(message)
+
+
+_LOAD_WHOLE = (
+    " If you trust the file, load it whole with dk.load(path, weights_only=False) where its "
+    "classes can be imported; only load a file you trust, since unpickling it can execute "
+    "arbitrary code."
+)
 
 
 class _WritesAFile:
@@ -1126,9 +1277,14 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
     payload = tmp_path / "payload.pt"
     torch.save({"weights": torch.ones(1), "surprise": _WritesAFile(planted)}, payload)
     assert not planted.exists()
-    with pytest.raises(pickle.UnpicklingError, match="which a weights-only load does not build"):
+    with pytest.raises(pickle.UnpicklingError) as raised:
         dk.load(payload, "cpu")
-    assert not planted.exists()
+    assert not planted.exists()  # nor by the words of the refusal: nothing built or called
+    assert str(raised.value) == (
+        f"Cannot load '{payload}' as weights and plain data: it holds io.open, which a "
+        "weights-only load, dk.load's default, does not build or call, since that could run "
+        "code the file chooses." + _LOAD_WHOLE  # a function: never advised to be allowed
+    )
 
 
 # Loading onto the device asked for.
