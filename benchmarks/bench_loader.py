@@ -2,6 +2,9 @@
 
 Run ``python benchmarks/bench_loader.py``. It times epochs of the wrapper against
 ``for batch in loader: to_device(batch, device)`` on the CPU (target: at most 1.05x).
+``--handover`` measures instead what the training process pays to get a batch from a
+DataLoader worker, against reading it in the process: the figure behind
+``devicekit._stats.HANDOVER_S``, below which the loader's verdict advises no workers.
 The loader's overlap and memory on a GPU, and real training loops through it, are in
 ``benchmarks/gpu_report.py``.
 """
@@ -9,6 +12,8 @@ The loader's overlap and memory on a GPU, and real training loops through it, ar
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -18,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
+from devicekit._stats import HANDOVER_S
 
 
 def per_image_batches(count: int) -> list[dict[str, Any]]:
@@ -67,12 +73,64 @@ def cpu_overhead(repeat: int) -> list[str]:
     return rows
 
 
+def handover(repeat: int, batches: int = 1500) -> list[str]:
+    """The training thread's CPU time a batch, and the wall time, from workers or in process.
+
+    Batches of 8 rows of 4 floats, in 1, 2 or 3 tensors, from a DataLoader whose
+    persistent workers (started before the timing) keep 8 batches each in flight, so
+    that the training thread's own work a batch is what is timed: taking the batch from
+    the queue and rebuilding its tensors from shared memory (one file descriptor each).
+    """
+    rows = [
+        (
+            f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}; "
+            f"HANDOVER_S = {HANDOVER_S * 1e6:.0f} us"
+        ),
+        f"{'batch':<10} {'num_workers':>11} {'thread CPU us':>14} {'wall us':>8}",
+    ]
+    for tensors in (1, 2, 3):
+        dataset = TensorDataset(*(torch.zeros(batches * 8 + 800, 4) for _ in range(tensors)))
+        for workers in (0, 1, 2):
+            cpu, wall = [], []
+            for _ in range(repeat):
+                loader = DataLoader(
+                    dataset,
+                    batch_size=8,
+                    num_workers=workers,
+                    persistent_workers=workers > 0,
+                    prefetch_factor=8 if workers else None,
+                )
+                batches_of = iter(loader)
+                for _ in range(50):  # the workers started, their queues full
+                    next(batches_of)
+                started, thread_started = time.perf_counter(), time.thread_time()
+                for _ in range(batches):
+                    next(batches_of)
+                cpu.append((time.thread_time() - thread_started) / batches)
+                wall.append((time.perf_counter() - started) / batches)
+                del batches_of, loader
+            name = f"{tensors} tensor{'s' if tensors > 1 else ''}"
+            rows.append(
+                f"{name:<10} {workers:>11} {statistics.median(cpu) * 1e6:>14.0f} "
+                f"{statistics.median(wall) * 1e6:>8.0f}"
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument(
+        "--handover",
+        action="store_true",
+        help="what getting a batch from a DataLoader worker costs the training process",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, devicekit {dk.__version__}")
+    if args.handover:
+        print("\n".join(handover(1 if args.quick else 5, 300 if args.quick else 1500)))
+        return
     print("\n".join(cpu_overhead(3 if args.quick else 21)))
 
 

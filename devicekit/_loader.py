@@ -64,10 +64,13 @@ from devicekit._kinds import Leaf, leaf_how
 from devicekit._packing import PACK_MAX_BYTES
 from devicekit._stats import (
     CopyTimer,
+    Counting,
     EpochRecorder,
     LoaderStats,
+    SampleCount,
     Setup,
-    dataloader_counts,
+    counting,
+    dataloader_counting,
     machine_cpus,
 )
 from devicekit._transfer import NonBlocking, in_line_mover, to_device
@@ -464,13 +467,23 @@ class DeviceDataLoader(Generic[B]):
     device(type='meta')
 
     Each epoch is measured (:attr:`stats`): whether the loop waits for its data, and what
-    to change if it does.
+    to change if it does, and how many samples went by. ``samples=`` says how to count
+    them where the default rule (:attr:`LoaderStats.samples <devicekit.LoaderStats.samples>`)
+    would not, as in a sequence-first batch, whose samples run along dimension 1:
+
+    >>> lm = dk.DeviceDataLoader([(torch.zeros(35, 20), torch.zeros(700))] * 10, "cpu",
+    ...                          samples="dim=1")
+    >>> for data, targets in lm:
+    ...     pass
+    >>> lm.stats.samples, lm.stats.samples_rule
+    (200, "dimension 1 of the batch's tensors (samples='dim=1')")
 
     Args:
         loader: What yields the batches: a :class:`~torch.utils.data.DataLoader`, a
             list, any re-iterable, or a function returning a fresh iterable each epoch.
-        device: Where batches go; None for :func:`~devicekit.current_device`, read when
-            each epoch starts.
+        device: Where batches go; None for :func:`~devicekit.current_device` where the
+            loader is made (inside ``with manager:``, the manager's device), kept for
+            its whole life, as a model moved there keeps it.
         pin_memory: ``"auto"`` pins batches for an accelerator unless the wrapped
             DataLoader already does; True always pins; False never does.
         prefetch: How many batches are copied ahead on an accelerator; 0 moves each in
@@ -478,12 +491,20 @@ class DeviceDataLoader(Generic[B]):
         non_blocking: Passed to :func:`~devicekit.to_device`.
         transform: Applied on the device to each batch before it is handed over (for
             example normalisation); its result is what the loop gets.
+        samples: How :attr:`stats` counts a batch's samples: an int, the count of every
+            batch; ``"dim=N"``, dimension N of the batch's tensors (``"dim=1"`` for a
+            sequence-first batch); a function of the batch as the loop gets it,
+            returning its count. None: the default rule, which
+            :attr:`LoaderStats.samples <devicekit.LoaderStats.samples>` states.
 
     Raises:
-        ValueError: ``prefetch`` is negative, or ``pin_memory`` or ``non_blocking`` is
-            not True, False or "auto".
-        TypeError: ``loader`` is neither iterable nor a function, or ``transform`` is
-            not a function.
+        ValueError: ``prefetch`` is negative, ``pin_memory`` or ``non_blocking`` is
+            not True, False or "auto", or ``samples`` is an int below 1 or a string
+            other than ``"dim=N"``.
+        TypeError: ``loader`` is neither iterable nor a function, ``transform`` is
+            not a function, or ``samples`` is none of an int, a string or a function;
+            while iterating, a ``samples`` function returned something other than an
+            int (ValueError: a negative one).
     """
 
     def __init__(
@@ -495,6 +516,7 @@ class DeviceDataLoader(Generic[B]):
         prefetch: int = 1,
         non_blocking: NonBlocking = "auto",
         transform: Callable[[Any], Any] | None = None,
+        samples: SampleCount = None,
     ) -> None:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             msg = f"Expected prefetch to be a whole number of 0 or more, got {prefetch!r}."
@@ -517,14 +539,17 @@ class DeviceDataLoader(Generic[B]):
                 f"function returning an iterable, got {type(loader).__name__}."
             )
             raise TypeError(msg)
+        self._counting = counting(samples)
         self.loader = loader
-        self._device = None if device is None else resolve_device(device)
+        # Bound here, as to_device binds it at its call: a loader made inside `with
+        # manager:` keeps feeding that device after the block, as the model moved there.
+        self._device = current_device() if device is None else resolve_device(device)
         self._pin_memory = pin_memory
         self._prefetch = prefetch
         self._non_blocking = non_blocking
         self._transform = transform
-        # One prefetcher (one side stream) per device this loader feeds, for its whole
-        # life, made on first use.
+        # One prefetcher (one side stream) for the loader's whole life, made on first use,
+        # under its one device.
         self._prefetchers: dict[torch.device, Prefetcher] = {}
         self._one_shot: Literal["fresh", "started", "used up"] = "fresh"
         # The feeds of live epochs, while their threads run (each thread holds its feed).
@@ -542,7 +567,14 @@ class DeviceDataLoader(Generic[B]):
         or compute-bound, and what to change. Before any epoch, an empty
         :class:`~devicekit.LoaderStats` whose verdict says so.
         """
-        return LoaderStats() if self._record is None else self._record.snapshot()
+        if self._record is None:
+            return LoaderStats(samples_rule=self._how_counted().rule)
+        return self._record.snapshot()
+
+    @property
+    def device(self) -> torch.device:
+        """Where batches go: the device given, else the current device where it was made."""
+        return self._device
 
     # What the wrapped loader knows.
 
@@ -644,7 +676,7 @@ class DeviceDataLoader(Generic[B]):
         return not bool(getattr(self.loader, "pin_memory", False))
 
     def __iter__(self) -> Iterator[B]:
-        device = current_device() if self._device is None else self._device
+        device = self._device
         if getattr(self.loader, "persistent_workers", False) and self._feeds:
             self._end_live_epochs()
         make_prefetcher = PREFETCHERS.get(device.type) or (
@@ -663,7 +695,6 @@ class DeviceDataLoader(Generic[B]):
     def _setup(self, *, ahead: bool) -> Setup:
         loader = self.loader
         dataloader = isinstance(loader, torch.utils.data.DataLoader)
-        batch_size, epoch_samples = dataloader_counts(loader)
         return Setup(
             source=type(loader).__name__ if isinstance(loader, Iterable) else "function",
             num_workers=loader.num_workers if dataloader else None,  # type: ignore[union-attr]
@@ -671,9 +702,12 @@ class DeviceDataLoader(Generic[B]):
             pinned=bool(getattr(loader, "pin_memory", False)) or (ahead and self._pins()),
             accelerator=ahead,
             cpus=machine_cpus(),
-            batch_size=batch_size,
-            epoch_samples=epoch_samples,
+            counting=self._how_counted(),
         )
+
+    def _how_counted(self) -> Counting:
+        """How this epoch's samples are counted: as ``samples=`` says, else by default."""
+        return self._counting if self._counting is not None else dataloader_counting(self.loader)
 
     def _measured(
         self,

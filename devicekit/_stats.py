@@ -17,9 +17,11 @@ is bound by, and what to change, only where the figures say so.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
+import re
 from collections.abc import Callable
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeAlias
 
 import torch
 
@@ -27,7 +29,7 @@ from devicekit import _kinds
 from devicekit._errors import TransferError
 from devicekit._kinds import READ
 from devicekit._tree import flatten
-from devicekit._units import milliseconds
+from devicekit._units import count, milliseconds
 
 _Tensor = torch.Tensor  # one global lookup a batch instead of two
 
@@ -38,9 +40,23 @@ INPUT_BOUND: Final = 0.5
 """From this share of the epoch spent waiting, the loop is input-bound: its data, not its
 steps, sets its pace. Between the two, faster input would save up to that share."""
 _FIRST_BATCH: Final = 0.5  # a wait that is mostly the first batch is about starting up
+HANDOVER_S: Final = 450e-6
+"""What the training process pays to get a batch from a DataLoader worker, at the least:
+a waiting loop reading its batches more cheaply than this gains nothing from workers.
+Measured with ``python benchmarks/bench_loader.py --handover`` (the training thread's
+CPU time a batch, a DataLoader of one small tensor a batch and 1 or 2 persistent
+workers, torch 2.13 on a 2-core x86-64 Linux machine): 0.44-0.56 ms, where the same
+batches read in the process took 0.06 ms. Each further tensor in a batch adds about as
+much (2 tensors: 1.0-1.1 ms), so this is the cheapest hand-over, the safe side to err on."""
 
 CopyTimer = Callable[[bool], "float | None"]
 """A copy's timer: its seconds once it finished, else None; given True, waits for it."""
+
+SampleCount: TypeAlias = "int | str | Callable[[Any], int] | None"
+"""What ``DeviceDataLoader(samples=)`` takes: a count per batch, ``"dim=N"``, a function."""
+DEFAULT_RULE: Final = "dimension 0 of the batch's tensors (the default rule)"
+"""``LoaderStats.samples_rule`` where the batches' tensors were counted by the default rule."""
+_DIMENSION = re.compile(r"dim\s*=\s*(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +81,20 @@ class LoaderStats:
     batches: int = 0
     """Batches handed over to the loop."""
     samples: int | None = 0
-    """Their samples. From a DataLoader's ``batch_size`` over a dataset of known length
-    (its last batch as short as it is); else from each batch's tensors, as the type
-    table sees them: the largest first dimension at least two of them share (else the
-    largest), or the length of a list of per-sample tensors where that is larger. None
-    where a batch holds no tensor to tell, or is one that :func:`~devicekit.to_device`
-    would refuse to walk (nested deeper than it allows, or holding a cycle)."""
+    """Their samples, counted as the loader's ``samples=`` says, ``samples_rule`` says how.
+
+    The default rule (``samples=None``): a DataLoader's ``batch_size`` where its sampler
+    has a length (the last batch as short as it is); else, from the tensors of each
+    batch as :func:`~devicekit.to_device` sees them, the largest first dimension that
+    two tensors of more than one element share, else the largest first dimension, or
+    the length of a list of per-sample tensors where that is larger.
+    ``samples="dim=1"`` reads dimension 1 of the tensors that have one, by the same rule
+    (a sequence-first batch); an int is the count of every batch; a function of the
+    batch returns its count. None where a batch holds no tensor to tell, or is one that
+    to_device would refuse to walk (nested deeper than it allows, or holding a cycle)."""
+    samples_rule: str = DEFAULT_RULE
+    """How ``samples`` was counted, in words: ``"the DataLoader's batch_size (32)"``,
+    ``"dimension 1 of the batch's tensors (samples='dim=1')"``, ..."""
     wait_s: float = 0.0
     step_s: float = 0.0
     elapsed_s: float = 0.0
@@ -105,6 +129,77 @@ class LoaderStats:
     """Whether the loop is input- or compute-bound, and what to change, in a sentence or two."""
 
 
+class Counting(NamedTuple):
+    """How an epoch's samples are counted (see ``LoaderStats.samples``)."""
+
+    per_batch: int | None = None  # every batch holds this many: samples=N, a batch_size
+    epoch: int | None = None  # at most this many an epoch: a DataLoader's, its last batch kept
+    dim: int = 0  # else the dimension the default rule reads
+    function: Callable[[Any], Any] | None = None  # else samples=function, called per batch
+    rule: str = DEFAULT_RULE  # LoaderStats.samples_rule
+
+
+def counting(samples: SampleCount) -> Counting | None:
+    """The :class:`Counting` that ``DeviceDataLoader(samples=samples)`` asks for; None: the default.
+
+    >>> counting(20).per_batch, counting("dim=1").dim
+    (20, 1)
+    >>> counting("dim=1").rule
+    "dimension 1 of the batch's tensors (samples='dim=1')"
+
+    Raises:
+        TypeError: ``samples`` is none of an int, a string or a function.
+        ValueError: An int below 1, or a string other than ``"dim=N"``.
+    """
+    if samples is None:
+        return None
+    if isinstance(samples, int) and not isinstance(samples, bool):
+        if samples < 1:
+            msg = f"Expected samples to be a number of samples per batch, 1 or more, got {samples}."
+            raise ValueError(msg)
+        return Counting(
+            per_batch=samples, rule=f"{count(samples, 'sample')} a batch (samples={samples})"
+        )
+    if isinstance(samples, str):
+        match = _DIMENSION.fullmatch(samples.strip())
+        if match is None:
+            msg = (
+                "Expected samples as a string to name the dimension of the batch's tensors "
+                f"that indexes their samples, such as 'dim=1', got {samples!r}."
+            )
+            raise ValueError(msg)
+        dim = int(match.group(1))
+        return Counting(
+            dim=dim, rule=f"dimension {dim} of the batch's tensors (samples={samples!r})"
+        )
+    if callable(samples):
+        name = getattr(samples, "__qualname__", None) or repr(samples)
+        return Counting(function=samples, rule=f"{name}(batch) (samples={name})")
+    msg = (  # for untyped callers
+        "Expected samples to be a number of samples per batch (an int), a dimension such as "
+        "'dim=1', or a function of the batch returning its count, got "
+        f"{type(samples).__name__} {samples!r}."
+    )
+    raise TypeError(msg)
+
+
+def dataloader_counting(loader: object) -> Counting:
+    """The default rule's :class:`Counting` for ``loader``: by its batch_size where it can."""
+    batch_size = getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(loader, torch.utils.data.DataLoader) or not isinstance(batch_size, int):
+        return Counting()
+    try:
+        length = len(sampler)  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset's: no length, so the last batch is unknown
+        return Counting()
+    return Counting(
+        per_batch=batch_size,
+        epoch=None if loader.drop_last else length,
+        rule=f"the DataLoader's batch_size ({batch_size})",
+    )
+
+
 class Setup(NamedTuple):
     """What the loader knows of how its batches are made, for :func:`verdict` and counting."""
 
@@ -114,21 +209,7 @@ class Setup(NamedTuple):
     pinned: bool  # by the DataLoader or by devicekit
     accelerator: bool  # batches copied ahead on a side stream
     cpus: int
-    batch_size: int | None = None  # a DataLoader's, over a dataset of known length
-    epoch_samples: int | None = None  # what its sampler yields an epoch, its last batch kept
-
-
-def dataloader_counts(loader: object) -> tuple[int | None, int | None]:
-    """``batch_size`` and ``epoch_samples`` of :class:`Setup`, where ``loader`` tells them."""
-    batch_size = getattr(loader, "batch_size", None)
-    sampler = getattr(loader, "sampler", None)
-    if not isinstance(loader, torch.utils.data.DataLoader) or not isinstance(batch_size, int):
-        return None, None
-    try:
-        length = len(sampler)  # type: ignore[arg-type]
-    except TypeError:  # an iterable dataset's: no length, so the last batch is unknown
-        return None, None
-    return batch_size, None if loader.drop_last else length
+    counting: Counting = Counting()
 
 
 def machine_cpus() -> int:
@@ -175,8 +256,9 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
     if stats.batches >= 3 and first >= _FIRST_BATCH * stats.wait_s:
         if workers and not setup.persistent_workers:
             return (
-                f"Most of it was the first batch, while the DataLoader's {workers} workers "
-                "started: persistent_workers=True keeps them from one epoch to the next."
+                f"Most of it was the first batch, while the DataLoader's "
+                f"{count(workers, 'worker')} started: persistent_workers=True keeps "
+                f"{'it' if workers == 1 else 'them'} from one epoch to the next."
             )
         return "Most of it was the first batch; the later ones kept up with the loop."
     copies, steps = stats.copy_per_batch, stats.step_per_batch
@@ -191,8 +273,24 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
             f"Copying a batch to the device takes {copy}, longer than a step ({step}): send "
             "fewer bytes, for example uint8 images normalised on the device with transform=."
         )
+    # The wait a batch after the first (which starts workers up): the most that reading a
+    # batch costs the loop, and all that worker processes could take off it.
+    read = (stats.wait_s - first) / (stats.batches - 1) if stats.batches > 1 else stats.wait_s
+    cheap = read <= HANDOVER_S
     if stats.reads_draw:
-        return _reads_draw(setup)
+        return _reads_draw(setup, workers_help=not cheap)
+    if cheap and workers:
+        return (
+            f"The loop waited {_short(read)} a batch, no more than a DataLoader worker takes "
+            f"to hand one over (about {_short(HANDOVER_S)}), so more workers would not "
+            "shorten it: read fewer, larger batches."
+        )
+    if cheap:
+        return (
+            f"The loop waited {_short(read)} a batch, less than a DataLoader worker takes to "
+            f"hand one over (about {_short(HANDOVER_S)}), so worker processes would cost "
+            "more than they save: make reading a batch cheaper, or read fewer, larger batches."
+        )
     if workers is None:
         return (
             f"devicekit cannot see how the wrapped {setup.source} makes its batches: make "
@@ -207,14 +305,20 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
         )
     if workers < suggested:
         return (
-            f"The DataLoader has {workers} workers on a {cpus}-core machine; try "
+            f"The DataLoader has {count(workers, 'worker')} on a {cpus}-core machine; try "
             f"num_workers={suggested}."
         )
     return (
-        f"The DataLoader's {workers} workers already have the machine's {cpus} cores: make "
+        f"The DataLoader's {count(workers, 'worker')} already "
+        f"{'has' if workers == 1 else 'have'} the machine's {count(cpus, 'core')}: make "
         "each sample cheaper to load (decoded once and cached, lighter transforms, or "
         "augmentation on the device with transform=)."
     )
+
+
+def _short(seconds: float) -> str:
+    """A wait a batch: ``44 us`` under a millisecond, else as :func:`milliseconds` says."""
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else milliseconds(seconds)
 
 
 def _workers_for(cpus: int, workers: int) -> int:
@@ -222,10 +326,10 @@ def _workers_for(cpus: int, workers: int) -> int:
     return min(cpus, max(2 * workers, cpus // 2, 1))
 
 
-def _reads_draw(setup: Setup) -> str:
+def _reads_draw(setup: Setup, *, workers_help: bool) -> str:
     """Advice for an epoch read in the training thread because reading draws random numbers."""
     workers, cpus = setup.num_workers, setup.cpus
-    if workers == 0 and cpus > 1:
+    if workers == 0 and cpus > 1 and workers_help:
         where = (
             f"in DataLoader workers (try num_workers={_workers_for(cpus, 0)}) or from a seeded "
             "torch.Generator of the dataset's own"
@@ -254,6 +358,7 @@ class EpochRecorder:
     __slots__ = (
         "copies",
         "count",
+        "dim",
         "earlier",
         "finished",
         "first_wait",
@@ -291,10 +396,16 @@ class EpochRecorder:
         self.earlier = [0.0, 0.0, 0.0]
         self.folded = 0
         self.first_wait: float | None = None
-        # Called for each batch handed over: a DataLoader's batch_size tells the samples
-        # from the batch count alone, and only the figures' bound is kept there.
+        self.dim = setup.counting.dim
+        # Called for each batch handed over: a count per batch (samples=N, a DataLoader's
+        # batch_size) tells the samples from the batch count alone, and only the figures'
+        # bound is kept there.
         self.count: Callable[[Any], None] = (
-            self._keep_bounded if setup.batch_size is not None else self._count
+            self._keep_bounded
+            if setup.counting.per_batch is not None
+            else self._call
+            if setup.counting.function is not None
+            else self._count
         )
 
     def _keep_bounded(self, batch: Any) -> None:
@@ -313,18 +424,28 @@ class EpochRecorder:
         if key is not _NOWHERE and type(batch) is self.holder:
             try:
                 value = batch if key is _WHOLE else batch[key]
-                self.samples += len(value) if self.length else value.shape[0]  # type: ignore[operator]
+                self.samples += len(value) if self.length else value.shape[self.dim]  # type: ignore[operator]
             except (LookupError, TypeError, AttributeError):  # another structure: look anew
                 pass
             else:
                 return
         if self.samples is None:
             return
-        number, self.key, self.length = samples_in(batch)
+        number, self.key, self.length = samples_in(batch, self.dim)
         self.holder = type(batch)
         if hasattr(self.holder, "__missing__"):  # batch[key] would add the key (defaultdict)
             self.key = _NOWHERE  # so each batch is looked at anew, never indexed
         self.samples = None if number is None else self.samples + number
+
+    def _call(self, batch: Any) -> None:
+        """Count a batch's samples with the function given as ``samples=``."""
+        if len(self.waits) >= _FOLD_AT:
+            self._fold()
+        function = self.setup.counting.function
+        number = function(batch)  # type: ignore[misc]  # set where this is the counter
+        if type(number) is not int or number < 0:
+            number = _whole_number(number, function, self.folded + len(self.waits) - 1)
+        self.samples += number  # type: ignore[operator]  # never None here
 
     def _fold(self) -> None:
         """Keep the latest PER_BATCH_KEPT figures; sum the older ones into ``earlier``."""
@@ -353,15 +474,17 @@ class EpochRecorder:
         elapsed = wait_s + step_s
         batches = self.folded + len(self.waits)
         samples = self.samples
-        if self.setup.batch_size is not None:
-            samples = batches * self.setup.batch_size
-            if self.setup.epoch_samples is not None:
-                samples = min(samples, self.setup.epoch_samples)
+        per_batch, epoch = self.setup.counting.per_batch, self.setup.counting.epoch
+        if per_batch is not None:
+            samples = batches * per_batch
+            if epoch is not None:
+                samples = min(samples, epoch)
         # No copy time known (none finished yet, or a seam that cannot time) is None, never 0.
         copies = tuple(self.copies[-PER_BATCH_KEPT:]) if self.copies else None
         stats = LoaderStats(
             batches=batches,
             samples=samples,
+            samples_rule=self.setup.counting.rule,
             wait_s=wait_s,
             step_s=step_s,
             elapsed_s=elapsed,
@@ -376,6 +499,33 @@ class EpochRecorder:
         )
         said = verdict(stats, self.setup, first_wait=self.first_wait)
         return dataclasses.replace(stats, verdict=said)
+
+
+def _whole_number(number: Any, function: Any, batch: int) -> int:
+    """``number`` as returned by ``samples=function`` for a batch, where it is a count.
+
+    Raises:
+        TypeError: It is not an integer (a bool, a float, a tensor, ...).
+        ValueError: It is negative.
+    """
+    name = getattr(function, "__qualname__", None) or repr(function)
+    where = f"batch {batch} of this epoch (numbered from 0, as enumerate() numbers them)"
+    whole = not isinstance(number, bool) and isinstance(number, numbers.Integral)
+    if not whole:
+        hint = (
+            " (.item() makes a Python int of a one-element tensor)"
+            if isinstance(number, _Tensor)
+            else ""
+        )
+        msg = (
+            f"Expected samples={name} to return the samples of {where} as an int, got "
+            f"{type(number).__name__} {number!r}{hint}."
+        )
+        raise TypeError(msg)
+    if int(number) < 0:
+        msg = f"Expected samples={name} to return the samples of {where}, 0 or more, got {number}."
+        raise ValueError(msg)
+    return int(number)
 
 
 def _per_sample(value: Any) -> bool:
@@ -398,15 +548,18 @@ def _entries(batch: Any, node: _kinds.Node, *, sequence: bool) -> list[tuple[Any
     return [(_NOWHERE, child) for child in node.children(batch)]
 
 
-def samples_in(batch: Any) -> tuple[int | None, Any, bool]:
-    """A batch's samples, and where batches of its structure hold them.
+def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
+    """A batch's samples by the default rule, and where batches of its structure hold them.
 
     From its tensors as the type table sees them (the READ view, which also looks inside
-    objects that move themselves): the largest first dimension at least two share, else
-    the largest; or the length of a list of per-sample tensors, where that is larger.
+    objects that move themselves), reading dimension ``dim`` of those that have it: the
+    largest size that two tensors of more than one element share, else the largest; or,
+    for the first dimension, the length of a list of per-sample tensors, where that is
+    larger. A one-element tensor beside a batch (a step count, a temperature) is left out
+    of the sharing, so that two of them never outvote the batch's tensors.
     Where: the batch's entry (a key or an index, :data:`_WHOLE` for the batch itself) and
-    whether its length counts, else its first dimension; :data:`_NOWHERE` where the count
-    comes from deeper, and each batch is then looked at whole.
+    whether its length counts, else its dimension ``dim``; :data:`_NOWHERE` where the
+    count comes from deeper, and each batch is then looked at whole.
 
     The batch is walked once, by :func:`~devicekit._tree.flatten`: iteratively, and
     refused where :func:`~devicekit.to_device` refuses it (deeper than
@@ -416,9 +569,13 @@ def samples_in(batch: Any) -> tuple[int | None, Any, bool]:
     >>> number, key, length = samples_in({"image": torch.zeros(8, 3), "label": torch.zeros(8)})
     >>> number, key, length
     (8, 'image', False)
+    >>> samples_in((torch.zeros(64, 3), torch.zeros(1), torch.zeros(1)))[0]
+    64
+    >>> samples_in((torch.zeros(35, 20), torch.zeros(700)), dim=1)[0]
+    20
     """
     if type(batch) is _Tensor:
-        return (batch.shape[0], _WHOLE, False) if batch.dim() else (None, _NOWHERE, False)
+        return (batch.shape[dim], _WHOLE, False) if batch.dim() > dim else (None, _NOWHERE, False)
     node = _kinds.decide(type(batch)).read
     if not isinstance(node, _kinds.Node):
         return None, _NOWHERE, False
@@ -429,24 +586,24 @@ def samples_in(batch: Any) -> tuple[int | None, Any, bool]:
     sequence = node is _kinds.LIST or node is _kinds.TUPLE
     entries = _entries(batch, node, sequence=sequence)
     # (a per-sample list's length, its entry)
-    lengths = [(len(child), key) for key, child in entries if _per_sample(child)]
-    if sequence and _per_sample(batch):
+    lengths = [(len(child), key) for key, child in entries if dim == 0 and _per_sample(child)]
+    if sequence and dim == 0 and _per_sample(batch):
         lengths.insert(0, (len(batch), _WHOLE))
     # The entries that are tensors themselves, by identity: the first entry that holds one.
     direct = {id(child): key for key, child in reversed(entries) if isinstance(child, _Tensor)}
-    # (a first dimension, the entry it is read from)
-    firsts = [
-        (leaf.shape[0], direct.get(id(leaf), _NOWHERE))
+    # (a size along dim, the entry it is read from, whether it may share)
+    sizes = [
+        (leaf.shape[dim], direct.get(id(leaf), _NOWHERE), leaf.numel() != 1)
         for leaf in leaves
-        if isinstance(leaf, _Tensor) and leaf.dim()
+        if isinstance(leaf, _Tensor) and leaf.dim() > dim
     ]
-    dims = [dim for dim, _ in firsts]
-    shared = [dim for dim in set(dims) if dims.count(dim) >= 2]
-    found = max(shared or dims, default=None)
+    voters = [size for size, _, votes in sizes if votes]
+    shared = [size for size in set(voters) if voters.count(size) >= 2]
+    found = max(shared or [size for size, _, _ in sizes], default=None)
     longest = max((length for length, _ in lengths), default=None)
     if longest is not None and (found is None or longest > found):
         return longest, next(key for length, key in lengths if length == longest), True
     if found is None:
         return None, _NOWHERE, False
-    key = next((key for dim, key in firsts if dim == found and key is not _NOWHERE), _NOWHERE)
+    key = next((key for size, key, _ in sizes if size == found and key is not _NOWHERE), _NOWHERE)
     return found, key, False

@@ -69,10 +69,21 @@ def test_a_transform_runs_on_each_batch() -> None:
     assert [batch.tolist() for batch in loader] == [[3.0, 3.0], [1.0, 1.0]]
 
 
-def test_device_none_is_the_current_device_when_an_epoch_starts() -> None:
-    loader = dk.DeviceDataLoader([{"x": torch.ones(1)}])
-    with dk.DeviceManager("meta"):
-        assert next(iter(loader))["x"].device == META
+def test_device_none_is_the_current_device_where_the_loader_is_made() -> None:
+    # Issue 35: made inside `with manager:` and iterated after it, batches came on the
+    # CPU (the device was read at each epoch's start). Bound where made, as to_device
+    # binds it at its call and a model moved there keeps it.
+    batches = [{"x": torch.ones(1)}] * 2
+    with dk.DeviceManager("cpu"):  # the device outside the block (else the process's)
+        with dk.DeviceManager("meta"):
+            inside = dk.DeviceDataLoader(batches)
+            model = dk.to_device(torch.nn.Linear(1, 1))
+        assert [batch["x"].device for batch in inside] == [META, META]
+    assert inside.device == model.weight.device == META
+    with dk.DeviceManager("cpu"):
+        outside = dk.DeviceDataLoader(batches)
+        with dk.DeviceManager("meta"):
+            assert [batch["x"].device for batch in outside] == [torch.device("cpu")] * 2
 
 
 @given(st.lists(batches(), max_size=5))

@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +25,15 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import devicekit as dk
 from devicekit import _loader
-from devicekit._stats import PER_BATCH_KEPT, LoaderStats, Setup, samples_in, verdict
+from devicekit._stats import (
+    HANDOVER_S,
+    PER_BATCH_KEPT,
+    Counting,
+    LoaderStats,
+    Setup,
+    samples_in,
+    verdict,
+)
 from devicekit._tree import MAX_DEPTH
 
 from .helpers import META
@@ -243,7 +252,8 @@ def test_the_feed_thread_pins_inside_a_named_range(monkeypatch: pytest.MonkeyPat
 def test_what_the_verdict_knows_is_read_from_the_dataloader() -> None:
     inner = DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=2)
     loader = dk.DeviceDataLoader(inner, "cpu")
-    setup = Setup("DataLoader", 0, False, False, False, 16, batch_size=2, epoch_samples=8)
+    counting = Counting(per_batch=2, epoch=8, rule="the DataLoader's batch_size (2)")
+    setup = Setup("DataLoader", 0, False, False, False, 16, counting)
     assert loader._setup(ahead=False) == setup
 
 
@@ -530,7 +540,7 @@ def test_per_batch_figures_are_bounded_and_the_sums_cover_every_batch() -> None:
     assert len(stats.wait_per_batch) == len(stats.step_per_batch) == PER_BATCH_KEPT
     assert stats.wait_s >= sum(stats.wait_per_batch)
     assert stats.elapsed_s == pytest.approx(stats.wait_s + stats.step_s)
-    assert len(repr(stats)) < 500  # no per-batch floats in it
+    assert len(repr(stats)) < 800  # no per-batch floats in it (20,000 of them, each ~20)
     assert "wait_per_batch" not in repr(stats)
 
 
@@ -596,3 +606,244 @@ def test_a_transform_returning_a_cycle_leaves_samples_unknown_not_the_loop_broke
     loader = dk.DeviceDataLoader([[torch.zeros(4)]] * 3, "cpu", transform=cyclic)
     assert len(list(loader)) == 3
     assert (loader.stats.batches, loader.stats.samples) == (3, None)
+
+
+# Issue 35: what a batch's samples are, when the default rule cannot tell, is the user's.
+
+SEQUENCE_FIRST = [(torch.zeros(35, 20), torch.zeros(700))] * 10  # (time, batch), flat targets
+
+
+def _counted(source: Any, samples: Any) -> LoaderStats:
+    loader = dk.DeviceDataLoader(source, "cpu", samples=samples)
+    for _batch in loader:
+        pass
+    return loader.stats
+
+
+def test_a_sequence_first_batch_counts_its_sequences_when_told_so() -> None:
+    # PyTorch's word-language-model batches: data (35, 20), 700 targets. The default
+    # rule counts 700 a batch (the targets' first dimension) and says it used it.
+    default = _counted(SEQUENCE_FIRST, None)
+    assert (default.samples, default.samples_rule) == (
+        7_000,
+        "dimension 0 of the batch's tensors (the default rule)",
+    )
+    told = _counted(SEQUENCE_FIRST, "dim=1")
+    assert (told.samples, told.samples_rule) == (
+        200,
+        "dimension 1 of the batch's tensors (samples='dim=1')",
+    )
+
+
+def test_samples_as_a_count_per_batch_or_a_function_of_the_batch() -> None:
+    by_count = _counted(SEQUENCE_FIRST, 20)
+    assert (by_count.samples, by_count.samples_rule) == (200, "20 samples a batch (samples=20)")
+
+    def sequences(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return batch[0].shape[1]
+
+    by_function = _counted(SEQUENCE_FIRST, sequences)
+    assert by_function.samples == 200
+    assert by_function.samples_rule == (
+        "test_samples_as_a_count_per_batch_or_a_function_of_the_batch.<locals>.sequences(batch) "
+        "(samples=test_samples_as_a_count_per_batch_or_a_function_of_the_batch.<locals>"
+        ".sequences)"
+    )
+    # What the user says wins over a DataLoader's batch_size too.
+    inner = DataLoader(TensorDataset(torch.zeros(10, 3)), batch_size=4)
+    assert (_counted(inner, None).samples, _counted(inner, 1).samples) == (10, 3)
+    assert _counted(inner, None).samples_rule == "the DataLoader's batch_size (4)"
+    # Before any epoch, the stats say already how they will count.
+    assert dk.DeviceDataLoader(inner, "cpu", samples="dim=1").stats.samples_rule == (
+        "dimension 1 of the batch's tensors (samples='dim=1')"
+    )
+
+
+def test_images_beside_one_element_values_count_the_images() -> None:
+    # Two (1,)-shaped values (a step, a temperature) used to outvote the images: 4, not 256.
+    images = [(torch.zeros(64, 3, 4, 4), torch.zeros(1), torch.zeros(1))] * 4
+    assert _counted(images, None).samples == 256
+    # A batch of one sample still counts one, its label a one-element tensor too.
+    assert _counted([(torch.zeros(1, 3, 4, 4), torch.zeros(1))] * 4, None).samples == 4
+
+
+@pytest.mark.parametrize(
+    ("returned", "error", "message"),
+    [
+        (2.5, TypeError, " as an int, got float 2.5."),
+        (
+            torch.tensor(3),
+            TypeError,
+            (
+                " as an int, got Tensor tensor(3) (.item() makes a Python int of a one-element "
+                "tensor)."
+            ),
+        ),
+        (True, TypeError, " as an int, got bool True."),
+        (-1, ValueError, ", 0 or more, got -1."),
+    ],
+    ids=["float", "tensor", "bool", "negative"],
+)
+def test_a_samples_function_that_returns_no_count_is_named_with_its_batch(
+    returned: Any, error: type[Exception], message: str
+) -> None:
+    def tokens(batch: torch.Tensor) -> Any:
+        return returned if batch.item() == 2 else 4
+
+    loader = dk.DeviceDataLoader([torch.tensor(float(i)) for i in range(4)], "cpu", samples=tokens)
+    where = (
+        "Expected samples=test_a_samples_function_that_returns_no_count_is_named_with_its_batch"
+        ".<locals>.tokens to return the samples of batch 2 of this epoch (numbered from 0, as "
+        "enumerate() numbers them)"
+    )
+    seen: list[float] = []
+    with pytest.raises(error, match=re.escape(where + message)):
+        seen.extend(batch.item() for batch in loader)
+    assert seen == [0.0, 1.0]
+    # numpy's integers, and any other Integral, count as ints.
+    np = pytest.importorskip("numpy")
+    assert _counted([torch.zeros(2)] * 3, lambda batch: np.int64(2)).samples == 6
+
+
+@pytest.mark.parametrize(
+    ("samples", "error", "message"),
+    [
+        (0, ValueError, "Expected samples to be a number of samples per batch, 1 or more, got 0."),
+        (
+            "dim1",
+            ValueError,
+            (
+                "Expected samples as a string to name the dimension of the batch's tensors that "
+                "indexes their samples, such as 'dim=1', got 'dim1'."
+            ),
+        ),
+        (
+            2.5,
+            TypeError,
+            (
+                "Expected samples to be a number of samples per batch (an int), a dimension such "
+                "as 'dim=1', or a function of the batch returning its count, got float 2.5."
+            ),
+        ),
+        (
+            True,
+            TypeError,
+            (
+                "Expected samples to be a number of samples per batch (an int), a dimension such "
+                "as 'dim=1', or a function of the batch returning its count, got bool True."
+            ),
+        ),
+    ],
+    ids=["zero", "no-equals", "float", "bool"],
+)
+def test_samples_that_say_no_count_are_refused_when_the_loader_is_made(
+    samples: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        dk.DeviceDataLoader([torch.zeros(2)], "cpu", samples=samples)
+
+
+def test_the_guides_point_to_the_one_statement_of_the_default_rule() -> None:
+    # The rule is stated once, in LoaderStats.samples; the guides link to it.
+    docs = Path(__file__).parent.parent / "docs" / "guide"
+    for page in ("loader.rst", "waiting-for-data.rst"):
+        text = " ".join((docs / page).read_text(encoding="utf-8").split())
+        assert ":attr:`LoaderStats.samples <devicekit.LoaderStats.samples>`" in text, page
+        assert "first dimension" not in text, page  # no second wording of the rule
+    loader_doc = " ".join((dk.DeviceDataLoader.__doc__ or "").split())
+    assert ":attr:`LoaderStats.samples <devicekit.LoaderStats.samples>` states." in loader_doc
+
+
+# Issue 35: workers only where a batch costs more to read than a worker's hand-over.
+
+CHEAP_READS = LoaderStats(
+    batches=100,
+    wait_s=100 * 44e-6,
+    step_s=100 * 11e-6,
+    elapsed_s=100 * 55e-6,
+    wait_fraction=0.8,
+    wait_per_batch=(44e-6,) * 100,
+    step_per_batch=(11e-6,) * 100,
+    finished=True,
+)
+CHEAP_HEAD = "The loop waited for data 80% of this epoch (4.4 ms of 5.5 ms): it is input-bound. "
+
+
+@pytest.mark.parametrize(
+    ("setup", "advice"),
+    [
+        pytest.param(
+            Setup("generator", None, False, False, False, 16),
+            "The loop waited 44 us a batch, less than a DataLoader worker takes to hand one "
+            "over (about 450 us), so worker processes would cost more than they save: make "
+            "reading a batch cheaper, or read fewer, larger batches.",
+            id="generator",
+        ),
+        pytest.param(
+            Setup("DataLoader", 0, False, False, False, 16),
+            "The loop waited 44 us a batch, less than a DataLoader worker takes to hand one "
+            "over (about 450 us), so worker processes would cost more than they save: make "
+            "reading a batch cheaper, or read fewer, larger batches.",
+            id="no-workers",
+        ),
+        pytest.param(
+            Setup("DataLoader", 2, True, False, False, 16),
+            "The loop waited 44 us a batch, no more than a DataLoader worker takes to hand "
+            "one over (about 450 us), so more workers would not shorten it: read fewer, "
+            "larger batches.",
+            id="workers",
+        ),
+    ],
+)
+def test_batches_cheaper_to_read_than_a_worker_s_hand_over_get_no_worker_advice(
+    setup: Setup, advice: str
+) -> None:
+    assert HANDOVER_S == 450e-6
+    assert verdict(CHEAP_READS, setup) == CHEAP_HEAD + advice
+    drawing = dataclasses.replace(CHEAP_READS, reads_draw=True)
+    assert "num_workers" not in verdict(drawing, setup)
+    # The first batch (workers starting) is left out of a read's cost: 44 us, not 54.
+    slow_start = dataclasses.replace(
+        CHEAP_READS, wait_per_batch=(1e-3, *(44e-6,) * 99), wait_s=1e-3 + 99 * 44e-6
+    )
+    assert "waited 44 us a batch" in verdict(slow_start, setup)
+
+
+@pytest.mark.usefixtures("sixteen_cores")
+def test_a_loop_over_cheap_batches_from_a_generator_is_not_told_to_add_workers() -> None:
+    loader = dk.DeviceDataLoader(lambda: (torch.zeros(2) for _ in range(500)), "cpu")
+    for _batch in loader:
+        pass
+    stats = loader.stats
+    assert stats.batches == 500
+    assert "num_workers" not in stats.verdict, stats.verdict
+
+
+@pytest.mark.parametrize(
+    ("stats", "setup", "advice"),
+    [
+        pytest.param(
+            INPUT_BOUND,
+            Setup("DataLoader", 1, False, True, False, 16),
+            "The DataLoader has 1 worker on a 16-core machine; try num_workers=8.",
+            id="few-workers",
+        ),
+        pytest.param(
+            SLOW_FIRST,
+            Setup("DataLoader", 1, False, True, False, 16),
+            "Most of it was the first batch, while the DataLoader's 1 worker started: "
+            "persistent_workers=True keeps it from one epoch to the next.",
+            id="workers-starting",
+        ),
+        pytest.param(
+            INPUT_BOUND,
+            Setup("DataLoader", 1, True, True, False, 1),
+            "The DataLoader's 1 worker already has the machine's 1 core: make each sample "
+            "cheaper to load (decoded once and cached, lighter transforms, or augmentation "
+            "on the device with transform=).",
+            id="every-core",
+        ),
+    ],
+)
+def test_one_worker_is_one_worker(stats: LoaderStats, setup: Setup, advice: str) -> None:
+    assert verdict(stats, setup) == HEAD + advice
