@@ -33,7 +33,8 @@ Before a byte is written, the pickle's globals are checked against those a
 weights-only :func:`load` allows, so what save writes load reads by default: both
 allow the plain data of training scripts that PyTorch's weights-only load refuses
 (numpy scalars and arrays, ``argparse.Namespace``, ``pathlib`` paths), and save
-refuses the rest, naming where it is.
+refuses the rest, naming every class refused at once and where, unless asked to write
+it anyway (``weights_only=False``: a whole model, for a load that runs its code).
 """
 
 from __future__ import annotations

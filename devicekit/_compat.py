@@ -418,7 +418,7 @@ def weights_only_refused_globals(pickled: bytes) -> list[str]:
     try:
         for operation, argument, _ in pickletools.genops(pickled):
             if operation.name == "GLOBAL":  # "module name", as the load reads it
-                lines = io.BytesIO(argument.replace(" ", "\n", 1).encode() + b"\n")
+                lines = io.BytesIO(str(argument).replace(" ", "\n", 1).encode() + b"\n")
                 module, name = loader._read_global_instruction(lines.readline)
                 if f"{module}.{name}" in refused:
                     ordered[f"{module}.{name}"] = None
