@@ -747,8 +747,7 @@ def _unloadable(obj: Any, refusal: str, where: str, pickled: bytes | None = None
         [
             f"{path} is {name}" if path else f"the object at the top level is {name}"
             for (path, _), name in zip(found, held, strict=True)
-        ],
-        len(found),
+        ]
     )
     them = "them" if len(found) > 1 else "it"
     by_kind: dict[str, list[str]] = {}  # how to save each as data: the paths it fits
@@ -790,11 +789,11 @@ def _unloadable(obj: Any, refusal: str, where: str, pickled: bytes | None = None
 _SHOWN: Final = 3
 
 
-def _listed(items: list[str], count: int) -> str:
-    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 4 more``: the first of ``count``."""
-    if count > _SHOWN:
-        return f"{', '.join(items[:_SHOWN])} and {count - _SHOWN} more"
-    return items[0] if count == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+def _listed(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 4 more``."""
+    if len(items) > _SHOWN:
+        return f"{', '.join(items[:_SHOWN])} and {len(items) - _SHOWN} more"
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def _kind_of(value: object) -> str:
@@ -827,7 +826,7 @@ def _fix(kind: str, paths: list[str], obj: Any, *, alone: bool) -> str:
     """
     one, several = _FIXES[kind]
     if not alone:
-        return f"For {_listed(paths, len(paths))}, {several if len(paths) > 1 else one}."
+        return f"For {_listed(paths)}, {several if len(paths) > 1 else one}."
     if kind == "state_dict" and not paths[0]:  # the object saved: the code to write
         name = _name_for(obj)
         return f"Save its state_dict() instead: dk.save({name}.state_dict(), path)."

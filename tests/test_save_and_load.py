@@ -1160,6 +1160,21 @@ def test_every_refused_object_is_named_with_its_path_at_once() -> None:
     assert message.endswith(_saved_whole("checkpoint"))
 
 
+def test_many_refused_objects_are_counted_past_the_first_three() -> None:
+    configs = {name: Config() for name in "abcde"}
+    with pytest.raises(ValueError) as raised:
+        dk.save(configs, io.BytesIO())
+    config = f"{__name__}.Config"
+    assert str(raised.value).startswith(
+        f"Cannot save to the file object: ['a'] is {config}, ['b'] is {config}, ['c'] is "
+        f"{config} and 2 more, which a weights-only load, dk.load's default, refuses to build "
+        "(building them could run code the file names). For ['a'], ['b'], ['c'] and 2 more, "
+        "save their fields as dicts instead (vars(...) or dataclasses.asdict(...)). Or, where "
+        "the class is yours and safe to build, allow it before saving and before loading: "
+        "torch.serialization.add_safe_globals([Config])."
+    )
+
+
 def test_a_model_saved_whole_on_request_loads_back_whole_onto_the_device(
     tmp_path: Path,
 ) -> None:
