@@ -42,12 +42,13 @@ steps, sets its pace. Between the two, faster input would save up to that share.
 _FIRST_BATCH: Final = 0.5  # a wait that is mostly the first batch is about starting up
 HANDOVER_S: Final = 450e-6
 """What the training process pays to get a batch from a DataLoader worker, at the least:
-a waiting loop reading its batches more cheaply than this gains nothing from workers.
+a waiting loop that reads its batches more cheaply than this gains nothing from workers.
 Measured with ``python benchmarks/bench_loader.py --handover`` (the training thread's
-CPU time a batch, a DataLoader of one small tensor a batch and 1 or 2 persistent
-workers, torch 2.13 on a 2-core x86-64 Linux machine): 0.44-0.56 ms, where the same
-batches read in the process took 0.06 ms. Each further tensor in a batch adds about as
-much (2 tensors: 1.0-1.1 ms), so this is the cheapest hand-over, the safe side to err on."""
+CPU time a batch, from a DataLoader of one small tensor a batch and 1 or 2 persistent
+workers; torch 2.13, a 2-core x86-64 Linux machine, four runs): 0.44-0.57 ms, where
+the same batches read in the process took 0.06-0.11 ms. Each further tensor in a batch
+adds 0.2-0.5 ms (a tensor's shared memory travels as a file descriptor), so this is the
+cheapest hand-over: the side to err on, where workers might still help."""
 
 CopyTimer = Callable[[bool], "float | None"]
 """A copy's timer: its seconds once it finished, else None; given True, waits for it."""
@@ -81,17 +82,19 @@ class LoaderStats:
     batches: int = 0
     """Batches handed over to the loop."""
     samples: int | None = 0
-    """Their samples, counted as the loader's ``samples=`` says, ``samples_rule`` says how.
+    """Their samples, counted as the loader's ``samples=`` says; ``samples_rule`` says how.
 
     The default rule (``samples=None``): a DataLoader's ``batch_size`` where its sampler
-    has a length (the last batch as short as it is); else, from the tensors of each
-    batch as :func:`~devicekit.to_device` sees them, the largest first dimension that
-    two tensors of more than one element share, else the largest first dimension, or
-    the length of a list of per-sample tensors where that is larger.
-    ``samples="dim=1"`` reads dimension 1 of the tensors that have one, by the same rule
-    (a sequence-first batch); an int is the count of every batch; a function of the
-    batch returns its count. None where a batch holds no tensor to tell, or is one that
-    to_device would refuse to walk (nested deeper than it allows, or holding a cycle)."""
+    has a length (the last batch as short as it is). Else each batch's tensors, as
+    :func:`~devicekit.to_device` sees them, tell: the largest first dimension that two
+    of them share, one-element tensors (a step count, a temperature) left out; where no
+    two share one, the largest first dimension of any; and where it is larger, the
+    length of a list or tuple of two or more tensors of one rank (per-sample images).
+    ``samples="dim=1"`` applies the same rule to dimension 1 of the tensors that have
+    one, lists aside (a sequence-first batch); an int is the count of every batch; a
+    function of the batch returns its count. None where a batch holds no tensor to
+    tell, or is one that to_device would refuse to walk (nested deeper than it allows,
+    or holding a cycle)."""
     samples_rule: str = DEFAULT_RULE
     """How ``samples`` was counted, in words: ``"the DataLoader's batch_size (32)"``,
     ``"dimension 1 of the batch's tensors (samples='dim=1')"``, ..."""
