@@ -573,7 +573,7 @@ class DeviceDataLoader(Generic[B]):
 
     @property
     def device(self) -> torch.device:
-        """Where batches go: the device given, else the current device where it was made."""
+        """The device batches go to, the one given or the current one where the loader was made."""
         return self._device
 
     # What the wrapped loader knows.
