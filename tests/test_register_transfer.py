@@ -88,6 +88,36 @@ def test_a_rule_for_an_abc_applies_to_the_builtins_it_covers() -> None:
     assert seen == [list, UserList]
 
 
+@pytest.mark.parametrize(
+    ("abc", "batch"),
+    [
+        (collections.abc.Sequence, [torch.ones(1), torch.ones(1)]),
+        (collections.abc.Sequence, (torch.ones(1), torch.ones(1))),
+        (collections.abc.Mapping, {"x": torch.ones(1), "y": torch.ones(1)}),
+    ],
+    ids=["list", "tuple", "dict"],
+)
+def test_a_rule_for_an_abc_takes_a_flat_batch_on_the_accelerator_path_too(
+    abc: type, batch: Any
+) -> None:
+    # The accelerator path packs a flat batch of tensors in one step: it must still ask
+    # the table first, as the host path does (it took such a batch past the rule).
+    seen: list[type] = []
+
+    @dk.register_transfer(abc)
+    def move_whole(obj: Any, device: torch.device, **options: Any) -> Any:
+        seen.append(type(obj))
+        return obj
+
+    try:
+        with as_accelerator("meta"):
+            moved = dk.to_device(batch, META)
+    finally:
+        dk.unregister_transfer(abc)
+    assert seen == [type(batch)]
+    assert moved is batch
+
+
 def test_a_rule_for_int_moves_numbers_until_it_is_unregistered() -> None:
     calls: list[int] = []
 
