@@ -1,6 +1,6 @@
 """track_transfers: every cross-device copy inside a block, with the user's line that made it.
 
-A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees each aten call. The
+A dispatch mode of PyTorch's sees each aten call. The
 three that move data between devices are recorded: ``_to_copy`` (``.to()``, ``.cpu()``,
 ``.cuda()``), ``copy_`` between devices, and ``_local_scalar_dense`` on an accelerator
 (``.item()``, which also waits for the device). The stack is read only for those.
@@ -19,9 +19,8 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from devicekit import _units
+from devicekit import _compat, _units
 from devicekit._errors import TransferError
 
 __all__ = ["TransferEvent", "TransferLog", "track_transfers"]
@@ -178,7 +177,7 @@ def _transfer_of(
     return None
 
 
-class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # an untyped base
+class _Recorder(_compat.DispatchMode):  # type: ignore[no-untyped-call]  # an untyped base
     def __init__(self, log: TransferLog, *, strict: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._log = log

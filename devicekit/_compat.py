@@ -14,12 +14,21 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
+import torch
+
+# The base of track_transfers' recorder: the only way to see each aten call with its
+# arguments. Loaded by torch itself, so naming it here costs nothing at import.
+from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
+
 __all__ = [
     "DdpSync",
+    "DispatchMode",
     "ddp_forward_syncs",
+    "independent_pieces",
     "is_device_mismatch",
     "is_out_of_memory",
     "one_graph",
+    "profiler_running",
     "raise_past_the_compiler",
     "recomputed_attributes",
     "run_while_tracing",
@@ -425,3 +434,38 @@ def weights_only_refused_globals(pickled: bytes) -> list[str]:
     except Exception:  # the scan above read it: only the order would be lost
         ordered = {}
     return [*ordered, *sorted(refused - ordered.keys())]
+
+
+def profiler_running() -> bool:
+    """Whether a torch.profiler session is running, in any thread.
+
+    The session's flag (``torch.autograd.profiler._is_profiler_enabled``), not the
+    thread's (``torch.autograd._profiler_enabled``): a session that records every thread
+    (``profile_all_threads``) says False to the thread's flag in a thread of ours.
+
+    >>> import torch
+    >>> profiler_running()
+    False
+    >>> with torch.profiler.profile():
+    ...     profiler_running()
+    True
+    """
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+def independent_pieces() -> Callable[[], Any] | None:
+    """The guard under which views of one tensor are tensors of their own to autograd.
+
+    ``torch._C._AutoDispatchBelowADInplaceOrView``: pieces cut under it share no version
+    counter and carry no multi-output-view restrictions. None where PyTorch lacks it
+    (packing is then off).
+
+    >>> import torch
+    >>> guard = independent_pieces()
+    >>> whole = torch.zeros(4)
+    >>> with guard():
+    ...     a, b = whole.split(2)
+    >>> a._base is None, a._version == whole._version
+    (True, True)
+    """
+    return getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)

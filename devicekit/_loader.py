@@ -58,6 +58,7 @@ from typing import Any, Final, Generic, Literal, Protocol, TypeAlias, TypeVar
 
 import torch
 
+from devicekit import _compat
 from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, streams_to
 from devicekit._kinds import Leaf, leaf_how
@@ -119,15 +120,9 @@ class Prefetcher(Protocol):
         """How long the ticket's copy took on the device; it holds nothing of the batch."""
 
 
-def profiling() -> bool:
-    """Whether a torch.profiler session is running, in any thread.
-
-    A range costs 15 us even when no profiler runs (this, 0.1 us), so the loader names
-    its work only while one does. PyTorch's own flag for the session, not the thread's
-    (``torch.autograd._profiler_enabled``): one that records every thread
-    (``profile_all_threads``) records the feed's pinning too, but says False there.
-    """
-    return torch.autograd.profiler._is_profiler_enabled
+profiling: Final = _compat.profiler_running
+"""Whether a torch.profiler session runs: a range costs 15 us even when none does (this
+0.1 us), so the loader names its work only while one does."""
 
 
 def _named(name: str, work: Callable[[Any], Any], item: Any) -> Any:
@@ -723,13 +718,13 @@ class DeviceDataLoader(Generic[B]):
         of its own, saves the CPU path a frame per batch: a tenth of moving a small batch
         to the CPU (``benchmarks/bench_loader.py``).
         """
-        clock, profiler = time.perf_counter, torch.autograd.profiler
+        clock = time.perf_counter
         waits, steps, count = record.waits, record.steps, record.count
         batch: Any
         asked = clock()
         try:
             while True:
-                if profiler._is_profiler_enabled:  # profiling(), without a call per batch
+                if profiling():
                     with torch.profiler.record_function("devicekit.wait"):
                         batch = next(batches, _END)
                         if batch is not _END and move is not None:

@@ -44,6 +44,7 @@ from typing import Final, TypeAlias
 
 import torch
 
+from devicekit import _compat
 from devicekit._devices import streams_to
 
 __all__ = [
@@ -101,8 +102,8 @@ _STRIDED = torch.strided
 # Pieces made under this guard are tensors of their own to autograd (no shared version
 # counter, no multi-output-view restrictions); without it PyTorch offers no cheap way
 # to that, and packing is off.
-_independent_pieces: Callable[[], contextlib.AbstractContextManager[object]] | None = getattr(
-    torch._C, "_AutoDispatchBelowADInplaceOrView", None
+_independent_pieces: Callable[[], contextlib.AbstractContextManager[object]] | None = (
+    _compat.independent_pieces()
 )
 can_pack: Final = _independent_pieces is not None
 """Whether this PyTorch offers what packing needs."""
