@@ -543,9 +543,8 @@ class DeviceDataLoader(Generic[B]):
         self._prefetch = prefetch
         self._non_blocking = non_blocking
         self._transform = transform
-        # One prefetcher (one side stream) for the loader's whole life, made on first use,
-        # under its one device.
-        self._prefetchers: dict[torch.device, Prefetcher] = {}
+        # One prefetcher (one side stream) for the loader's whole life, made on first use.
+        self._prefetcher: Prefetcher | None = None
         self._one_shot: Literal["fresh", "started", "used up"] = "fresh"
         # The feeds of live epochs, while their threads run (each thread holds its feed).
         self._feeds: weakref.WeakSet[_BackgroundFeed] = weakref.WeakSet()
@@ -682,9 +681,9 @@ class DeviceDataLoader(Generic[B]):
         record = EpochRecorder(self._setup(ahead=make_prefetcher is not None))
         if make_prefetcher is None:
             return self._measured(self._batches(), record, self._in_line(device))
-        prefetcher = self._prefetchers.get(device)
+        prefetcher = self._prefetcher
         if prefetcher is None:
-            prefetcher = self._prefetchers[device] = make_prefetcher(device, self._non_blocking)
+            prefetcher = self._prefetcher = make_prefetcher(device, self._non_blocking)
         return self._measured(self._ahead(self._batches(), prefetcher, device, record), record)
 
     def _setup(self, *, ahead: bool) -> Setup:

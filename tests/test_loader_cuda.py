@@ -62,15 +62,16 @@ def test_device_memory_stays_within_the_prefetched_batches(
 
 def test_one_side_stream_for_the_loader_s_whole_life(cuda: torch.device) -> None:
     loader = dk.DeviceDataLoader([torch.ones(4)] * 3, cuda)
-    streams = set()
+    streams, prefetchers = set(), set()
     for _ in range(3):
         for _batch in loader:
             pass
-        prefetcher = loader._prefetchers[cuda]
+        prefetcher = loader._prefetcher
         assert isinstance(prefetcher, StreamPrefetcher)
         streams.add(prefetcher._stream)
+        prefetchers.add(id(prefetcher))
     assert len(streams) == 1
-    assert len(loader._prefetchers) == 1
+    assert len(prefetchers) == 1
     assert streams.pop() != torch.cuda.current_stream(cuda)
 
 
