@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit import _compat, _demo, _memory
+from devicekit import _compat, _demo, _memory, _restore
 
 from .helpers import CPU
 from .programs import run_program
@@ -556,7 +556,7 @@ def test_the_host_copy_is_dropped_after_the_search() -> None:
     assert info.tb is not None
     gc.collect()
     # type(), not isinstance(): some objects of torch warn when asked their __class__.
-    kept = [each for each in gc.get_objects() if type(each) is _memory._Kept]
+    kept = [each for each in gc.get_objects() if type(each) is _restore.Kept]
     assert kept
     # ...but not the copy itself.
     assert not any(each.tensors or each.grads or each.states for each in kept)
