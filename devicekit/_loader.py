@@ -63,10 +63,9 @@ from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, streams_to
 from devicekit._kinds import Leaf, leaf_how
 from devicekit._packing import PACK_MAX_BYTES
+from devicekit._recorder import CopyTimer, EpochRecorder
 from devicekit._stats import (
-    CopyTimer,
     Counting,
-    EpochRecorder,
     LoaderStats,
     SampleCount,
     Setup,

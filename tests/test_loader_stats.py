@@ -25,15 +25,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import devicekit as dk
 from devicekit import _loader
-from devicekit._stats import (
-    HANDOVER_S,
-    PER_BATCH_KEPT,
-    Counting,
-    LoaderStats,
-    Setup,
-    samples_in,
-    verdict,
-)
+from devicekit._recorder import PER_BATCH_KEPT, samples_in
+from devicekit._stats import HANDOVER_S, Counting, LoaderStats, Setup, verdict
 from devicekit._tree import MAX_DEPTH
 
 from .helpers import META
