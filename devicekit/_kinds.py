@@ -49,14 +49,55 @@ INERT: Any = type("Inert", (), {"__repr__": lambda self: "INERT"})()
 """In a view: the type's instances are plain scalars, passed through untouched."""
 
 
+class Key(NamedTuple):
+    """One step from a container to what it holds: shown as a user writes it, read again.
+
+    An item (``['image']``, ``[3]``) is read back with a subscript and an attribute
+    (``.boxes``) with getattr; what is only shown (a set's member, ``{0}``, or contents
+    reached another way, ``.state[...]``) cannot be read back.
+
+    >>> key = Key(ITEM, "image")
+    >>> str(key), key.get({"image": 1}), Key(ATTRIBUTE, "real").get(2), key.readable
+    ("['image']", 1, 2, True)
+    """
+
+    form: str  # ITEM, ATTRIBUTE or SHOWN: how the name is written
+    name: Any  # the key, index or attribute name; for SHOWN, the fragment itself
+
+    def __str__(self) -> str:
+        return self.form.format(self.name)
+
+    @property
+    def readable(self) -> bool:
+        """Whether :meth:`get` reads the value again."""
+        return self.form in (ITEM, ATTRIBUTE)
+
+    def get(self, container: Any) -> Any:
+        """The value at this key in ``container`` now.
+
+        Raises:
+            AttributeError, LookupError, TypeError: It is gone, or cannot be read again.
+        """
+        if self.form == ITEM:
+            return container[self.name]
+        if self.form == ATTRIBUTE:
+            return getattr(container, self.name)
+        msg = f"{self} cannot be read again from a {type(container).__name__}."
+        raise TypeError(msg)
+
+
+ITEM: Final = "[{!r}]"
+ATTRIBUTE: Final = ".{}"
+SHOWN: Final = "{}"
+
+
 class Node(NamedTuple):
     """How to take one kind of container apart, name its children, and rebuild it."""
 
     children: Callable[[Any], Iterable[Any]]
     rebuild: Callable[[Any, list[Any]], Any]
-    keys: Callable[[Any], Iterable[str]]  # path fragments: ['image'], [3], .boxes
+    keys: Callable[[Any], Iterable[Key]]  # one per child, in the same order
     mapping: bool = False  # children are a mapping's values, in mapping_items order
-    names: Callable[[Any], Iterable[str]] | None = None  # of children that are attributes
 
 
 class Leaf(enum.Enum):
@@ -112,8 +153,8 @@ def mapping_items(node: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
     return list(node.data.items() if isinstance(node, UserDict) else node.items())
 
 
-def _keys_of(node: Mapping[Any, Any]) -> list[str]:
-    return [f"[{key!r}]" for key, _ in mapping_items(node)]
+def _keys_of(node: Mapping[Any, Any]) -> list[Key]:
+    return [Key(ITEM, key) for key, _ in mapping_items(node)]
 
 
 def _values_of(node: Mapping[Any, Any]) -> list[Any]:
@@ -191,8 +232,8 @@ def _by_type(node: Any, values: list[Any]) -> Any:
         raise _refusal(node, f"which cannot be built from a list of its items ({err})") from err
 
 
-def _indices(node: Iterable[Any]) -> list[str]:
-    return [f"[{index}]" for index, _ in enumerate(node)]
+def _indices(node: Iterable[Any]) -> list[Key]:
+    return [Key(ITEM, index) for index, _ in enumerate(node)]
 
 
 # node.values(), not dict.values: torch.compile traces the one, not the other.
@@ -213,10 +254,11 @@ _TUPLE_SUBCLASS = Node(iter, _by_type, _indices)  # torch.Size, struct sequences
 _NAMEDTUPLE = Node(
     iter,
     rebuild_namedtuple,
-    lambda node: [f".{name}" for name in node._fields],
-    names=lambda node: node._fields,
+    lambda node: [Key(ATTRIBUTE, name) for name in node._fields],
 )
-SET = Node(iter, _by_type, lambda node: [f"{{{index}}}" for index, _ in enumerate(node)])
+SET = Node(
+    iter, _by_type, lambda node: [Key(SHOWN, f"{{{index}}}") for index, _ in enumerate(node)]
+)
 
 
 def _dataclass_node(cls: type) -> Node:
@@ -247,8 +289,7 @@ def _dataclass_node(cls: type) -> Node:
     return Node(
         lambda node: [getattr(node, name, _UNSET) for name in names(node)],
         rebuild,
-        lambda node: [f".{name}" for name in names(node)],
-        names=names,
+        lambda node: [Key(ATTRIBUTE, name) for name in names(node)],
     )
 
 
@@ -277,11 +318,11 @@ def container_node(cls: type) -> Node | None:
     return _dataclass_node(cls) if dataclasses.is_dataclass(cls) else None
 
 
-# Contents: what a leaf holds, as entries (path fragment, value, holder, name). Those of
+# Contents: what a leaf holds, as entries (its key, value, holder, name). Those of
 # what a .to() returned are set through the holder (it is devicekit's own copy);
 # modules and optimizers are only read.
 
-_Entry = tuple[str, Any, Any, Any]
+_Entry = tuple[Key, Any, Any, Any]
 
 
 def _set(holder: Any, name: Any, value: Any) -> None:
@@ -325,7 +366,9 @@ def _graph_entries(graph: Any) -> list[_Entry]:
     for store in graph.stores:
         key = getattr(store, "_key", None) or ()
         where = f"[{', '.join(map(repr, key if isinstance(key, tuple) else [key]))}]" if key else ""
-        found += [(f"{where}.{name}", value, store, name) for name, value in store.items()]
+        found += [
+            (Key(SHOWN, f"{where}.{name}"), value, store, name) for name, value in store.items()
+        ]
     return found
 
 
@@ -343,9 +386,9 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer) -> list[_Entry]:
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
             where = f"param_groups[{group_index}]['params'][{param_index}]"
-            found.append((f".{where}", param, None, None))
+            found.append((Key(SHOWN, f".{where}"), param, None, None))
             found += [
-                (f".state[{where}][{key!r}]", value, None, None)
+                (Key(SHOWN, f".state[{where}][{key!r}]"), value, None, None)
                 for key, value in optimizer.state.get(param, {}).items()
                 if not state_on_host(group, key)
             ]
@@ -354,20 +397,20 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer) -> list[_Entry]:
 
 _GRAPH = _entries_node(_graph_entries)
 _MAPPING_CONTENTS = _entries_node(
-    lambda obj: [(f"[{key!r}]", value, obj, key) for key, value in mapping_items(obj)]
+    lambda obj: [(Key(ITEM, key), value, obj, key) for key, value in mapping_items(obj)]
 )
 _ATTRIBUTES = _entries_node(
-    lambda obj: [(f".{name}", value, obj, name) for name, value in vars(obj).items()]
+    lambda obj: [(Key(ATTRIBUTE, name), value, obj, name) for name, value in vars(obj).items()]
 )
 _FIELDS = _entries_node(
     lambda obj: [
-        (f".{field.name}", getattr(obj, field.name, _UNSET), obj, field.name)
+        (Key(ATTRIBUTE, field.name), getattr(obj, field.name, _UNSET), obj, field.name)
         for field in dataclasses.fields(obj)
     ]
 )
 _MODULE = _entries_node(
     lambda module: [
-        (f".{name}", tensor, None, None)
+        (Key(ATTRIBUTE, name), tensor, None, None)
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]
     ],
     writes=False,
@@ -377,7 +420,7 @@ _OPTIMIZER = _entries_node(_optimizer_entries, writes=False)
 # it there, and the RNNs read it there): what the checks see leaves it out.
 _PACKED_SEQUENCE = _entries_node(
     lambda packed: [
-        (f".{name}", getattr(packed, name), None, None)
+        (Key(ATTRIBUTE, name), getattr(packed, name), None, None)
         for name in ("data", "sorted_indices", "unsorted_indices")
     ],
     writes=False,
@@ -419,11 +462,14 @@ def _cache_entries(cache: Any) -> list[_Entry]:
                 where = f".{name}[{index}]"
                 if is_cache_layer(item):
                     state = getattr(item, "__dict__", {})
-                    found += [(f"{where}.{key}", part, None, None) for key, part in state.items()]
+                    found += [
+                        (Key(SHOWN, f"{where}.{key}"), part, None, None)
+                        for key, part in state.items()
+                    ]
                 else:
-                    found.append((where, item, None, None))
+                    found.append((Key(SHOWN, where), item, None, None))
         else:
-            found.append((f".{name}", value, None, None))
+            found.append((Key(ATTRIBUTE, name), value, None, None))
     return found
 
 

@@ -9,10 +9,9 @@ and crosses into the engine once: ``_tree.map_leaves(plan.move, ...)`` for host 
 from __future__ import annotations
 
 import contextlib
-import copy as copy_module
 import functools
 import operator
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Final, Literal, NamedTuple, TypeAlias, TypeVar
 
 import torch
@@ -22,16 +21,10 @@ from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device
 from devicekit._errors import DeviceKitError, DeviceUnavailableError, LeafError, TransferError
 from devicekit._kinds import (
-    CAST,
-    READ,
     Leaf,
-    Node,
-    decide,
-    is_cache_layer,
     leaf_how,
-    mapping_items,
-    state_on_host,
 )
+from devicekit._moves import MOVES, keep
 
 T = TypeVar("T")
 NonBlocking: TypeAlias = bool | Literal["auto"]
@@ -400,7 +393,7 @@ class _Call:
         if how is Leaf.TENSOR:
             return self.tensor(obj, self.plan.device)
         if how is Leaf.OTHER or how is Leaf.ARRAY:
-            return _keep(obj, self.plan.options.strict, array=how is Leaf.ARRAY)
+            return keep(obj, self.plan.options.strict, array=how is Leaf.ARRAY)
         if _is_compiling() and how is not Leaf.PARAMETER:
             # Branches, not a dict by Leaf: the compiler cannot guard on such a lookup.
             if how is Leaf.RULE:
@@ -420,7 +413,7 @@ class _Call:
         key = self.key(obj)
         moved = self.memo.get(key, _UNSEEN)
         if moved is _UNSEEN:  # user code, or in-place moves: once per object
-            moved = self.memo[key] = _MOVES[how](obj, self, detail)
+            moved = self.memo[key] = MOVES[how](obj, self, detail)
         return moved
 
     def meta_error(self) -> LeafError:
@@ -459,333 +452,6 @@ def _pack(tensors: list[torch.Tensor], call: _Call) -> dict[int, torch.Tensor]:
     return _packing.pack(
         tensors, plan.device, non_blocking=not blocking, dtype=plan.options.dtype, pin=plan.pins
     )
-
-
-# How leaves that are neither tensors nor kept move: one function per Leaf member.
-
-
-def _keep(obj: Any, strict: bool, *, array: bool) -> Any:
-    if array and obj.dtype == object and any(isinstance(item, _Tensor) for item in obj.flat):
-        msg = (
-            "Cannot move {path}: it is a numpy array of objects holding tensors, which "
-            "devicekit cannot move inside it. Make it a list (array.tolist()), or register "
-            "how to move it with @devicekit.register_transfer(numpy.ndarray)."
-        )
-        raise LeafError(msg)
-    if not strict:
-        return obj
-    msg = (
-        f"Cannot move {{path}}: it is a {type(obj).__module__}.{type(obj).__name__}, which is "
-        "neither a tensor, a container, a type with a .to() method, a registered type, nor "
-        f"a plain scalar. Register how to move it with @devicekit.register_transfer("
-        f"{type(obj).__name__}), or pass strict=False to leave such objects as they are."
-    )
-    raise LeafError(msg)
-
-
-def _move_parameter(param: torch.nn.Parameter, call: _Call, detail: object) -> Any:
-    # Parameter.to returns a plain tensor: wrapped again, as nn.Module.to does.
-    with torch.no_grad():
-        data = call.tensor(param, call.plan.device)
-    return param if data is param else torch.nn.Parameter(data, param.requires_grad)
-
-
-def _in_place_only(obj: object, call: _Call) -> None:
-    if call.plan.options.copy:
-        kind = "the module" if isinstance(obj, torch.nn.Module) else "the optimizer"
-        msg = (
-            f"Cannot copy {{path}}: {kind} {type(obj).__name__} moves in place, so copy=True "
-            "cannot give a separate copy. Use copy.deepcopy on it first, then move the copy."
-        )
-        raise LeafError(msg)
-
-
-def _move_module(module: torch.nn.Module, call: _Call, detail: object) -> Any:
-    _in_place_only(module, call)
-    options = call.plan.options
-    asked: dict[str, Any] = {"dtype": options.dtype, "memory_format": options.memory_format}
-    asked = {name: value for name, value in asked.items() if value is not None}
-    return module.to(call.plan.device, non_blocking=call.plan.told, **asked)
-
-
-def _move_optimizer(optimizer: torch.optim.Optimizer, call: _Call, detail: object) -> Any:
-    """Move an optimizer's state, in place, within the call: one memo, one wait."""
-    _in_place_only(optimizer, call)
-    device = call.plan.device
-    # The state follows its parameters, the model's: moved first, unless PyTorch
-    # replaced them instead of moving them in place (it does so for some device pairs).
-    for number, group in enumerate(optimizer.param_groups):
-        for index, param in enumerate(group["params"]):
-            if param.device != device:
-                msg = (
-                    f"Cannot move {{path}} (an optimizer) to {device}: its state follows its "
-                    f"parameters, and param_groups[{number}]['params'][{index}] is on "
-                    f"{param.device}. Move the model first (to_device(model, device)): the "
-                    "optimizer holds the model's own parameters. Where the model was moved "
-                    "already, PyTorch replaced its parameters instead of moving them in place "
-                    "(it does so for some device pairs, such as to meta): create the "
-                    "optimizer after moving the model."
-                )
-                raise LeafError(msg)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if state is not None:
-                # Each value takes its parameter's device, and its dtype where that is
-                # floating-point, as Optimizer.load_state_dict has it.
-                target = (call, param.device, param.dtype if param.is_floating_point() else None)
-                optimizer.state[param] = _moved_state(state, group, target)
-    return optimizer
-
-
-def _moved_state(state: Any, group: Mapping[str, Any], target: tuple[Any, ...]) -> Any:
-    """One parameter's state, its values moved to ``target``, what stays on the host kept."""
-    node = decide(type(state)).move
-    if isinstance(node, Node) and node.mapping:
-        named = mapping_items(state)
-    elif isinstance(node, Node) and node.names is not None:  # a dataclass, a namedtuple
-        named = list(zip(node.names(state), node.children(state), strict=True))
-    else:  # nothing named: no step to keep apart
-        return _tree.map_leaves(_to_parameter, state, target, root=None)
-    moved = [
-        value
-        if state_on_host(group, name)
-        else _tree.map_leaves(_to_parameter, value, target, root=None)
-        for name, value in named
-    ]
-    return node.rebuild(state, moved)
-
-
-def _to_parameter(leaf: Any, target: tuple[Any, ...]) -> Any:
-    call, device, dtype = target
-    return call.tensor(leaf, device, dtype) if isinstance(leaf, _Tensor) else call.leaf(leaf)
-
-
-def _move_cache(cache: Any, call: _Call, detail: object) -> Any:
-    """Move a transformers cache in place, layer by layer, leaving no tensor behind.
-
-    A layer that knows its device is told the new one and moves there in its own
-    ``prefetch()`` (its offloading API); what that leaves behind (a static layer's
-    ``cumulative_length``, a sliding window's tensor, a hybrid layer's keys, quantized
-    pairs, linear-attention states in dicts), whatever its name, is then moved where it
-    is, attribute by attribute, as the checks see it. The layers of the caches it holds
-    (an encoder-decoder's two) move too. Copies from an accelerator to the host under
-    ``"auto"`` are waited for, as every other copy is.
-    """
-    options, device = call.plan.options, call.plan.device
-    if options.copy or options.dtype is not None or options.memory_format is not None:
-        asked = "copy=True" if options.copy else "dtype" if options.dtype else "memory_format"
-        msg = (
-            f"Cannot move {{path}} with {asked}: a transformers {type(cache).__name__} moves "
-            "in place, each layer through its own prefetch(), which neither copies nor casts. "
-            "Move it on its own, without the option (its tensors keep their dtype), or "
-            "leave it out of the call with skip_keys."
-        )
-        raise LeafError(msg)
-    for layer in _cache_layers(cache):
-        state = getattr(layer, "__dict__", {})
-        knows = [name for name, value in state.items() if isinstance(value, torch.device)]
-        if knows:  # not initialised otherwise: it takes its device from its first keys
-            for value in state.values():
-                for leaf in _tree.flatten(value, view=READ).leaves:
-                    if isinstance(leaf, _Tensor):
-                        call.non_blocking(leaf, device)  # notes the wait prefetch's copies need
-            for name in knows:
-                setattr(layer, name, device)
-            layer.prefetch()
-        for name, value in list(state.items()):
-            flat = _tree.flatten(value)
-            leaves = flat.leaves.copy()
-            for index in flat.active:
-                leaves[index] = _in_layer(leaves[index], call)
-            if any(new is not old for new, old in zip(leaves, flat.leaves, strict=True)):
-                setattr(layer, name, _tree.unflatten(flat.spec, leaves))
-                # The memo knows tensors by id: one it moved must outlive the call, or a
-                # tensor made later (by the next layer's prefetch) could take its id.
-                call.memo.setdefault(_OUTLIVING, []).append(value)
-    return cache
-
-
-_OUTLIVING: Final = object()
-"""The memo's key for what a call replaced in place and keeps alive to its end."""
-
-
-def _in_layer(leaf: Any, call: _Call) -> Any:
-    """A leaf of a cache layer, moved as it moves elsewhere; settings and helpers kept.
-
-    A layer's other leaves (its quantizer, a class to build layers with) are no data:
-    neither moved nor refused with ``strict=True``.
-    """
-    how = leaf_how(type(leaf))[0]
-    if how is Leaf.KEPT or how is Leaf.OTHER or how is Leaf.ARRAY:
-        return leaf
-    return call.leaf(leaf)
-
-
-def _cache_layers(cache: Any) -> list[Any]:
-    """The layers of a transformers cache, those of the caches it holds included.
-
-    The caches inside are found with a stack of their own, as every walk is iterative.
-    """
-    layers: list[Any] = []
-    waiting, seen = [cache], {id(cache)}
-    while waiting:
-        for value in vars(waiting.pop()).values():
-            if isinstance(value, list):
-                layers += filter(is_cache_layer, value)
-            elif leaf_how(type(value))[0] is Leaf.CACHE and id(value) not in seen:
-                seen.add(id(value))
-                waiting.append(value)
-    return layers
-
-
-def _move_by_rule(obj: Any, call: _Call, registered: tuple[type, Any]) -> Any:
-    # What the rule returns takes the object's place in the batch: an instance of the
-    # class registered (a rule for Boxes may return a Boxes for a subclass's instance).
-    cls, rule = registered
-    options = call.plan.options
-    result = rule(
-        obj,
-        call.plan.device,
-        non_blocking=call.plan.told,
-        dtype=options.dtype,
-        copy=options.copy,
-        memory_format=options.memory_format or torch.preserve_format,
-    )
-    return _checked(result, obj, f"the rule registered for {cls.__name__}", expected=cls)
-
-
-def _move_by_to(obj: Any, call: _Call, takes_non_blocking: bool) -> Any:
-    """Move an object with its own ``.to()``, on a copy; the options go to its contents.
-
-    The copy keeps an in-place ``.to()`` (torch_geometric's) off the input; what a
-    ``.to()`` would apply to every tensor it holds (a cast of token ids) is applied
-    through the CAST view, where it belongs.
-    """
-    name = type(obj).__name__
-    try:
-        clone = copy_module.copy(obj)
-    except Exception as err:
-        msg = (
-            f"Cannot move {{path}}: devicekit calls {name}.to() on a shallow copy, so that "
-            f"the input never changes, and copy.copy failed on the {name} there ({err}). "
-            f"Register how to move it with @devicekit.register_transfer({name})."
-        )
-        raise LeafError(msg) from err
-    plan = call.plan
-    told = {"non_blocking": True} if takes_non_blocking and plan.told else {}
-    moved = _checked(clone.to(plan.device, **told), obj, f"{name}.to()", expected=type(obj))
-    if not plan.plain:
-        # Tensors stay where the .to() left them (a PackedSequence's batch_sizes, on the
-        # host); errors inside are named at the object's path, which the outer walk knows.
-        moved = _tree.map_leaves(_restyle, moved, call, view=CAST, root=None)
-    if call.skip is not None and isinstance(obj, Mapping):
-        _keep_skipped(obj, moved, call.skip)
-    return moved
-
-
-def _keep_skipped(original: Mapping[Any, Any], moved: Any, skip: frozenset[Hashable]) -> None:
-    """Put back what ``skip_keys`` names in a mapping that moved itself (a TensorDict).
-
-    Its own ``.to()`` moved everything it holds: the values under skipped keys, at any
-    depth, are set back as they were. A TensorDict with a device would move them again,
-    so it gives up its device first (``clear_device_()``), as one holding several
-    devices has none. The walk keeps its own stack, as deep as to_device walks.
-    """
-    # Each mapping met, parents first: (original, moved, its parent's place in the list,
-    # its key there, its depth); kept: whether something was put back in it or below.
-    met: list[tuple[Mapping[Any, Any], Any, int, Any, int]] = [(original, moved, -1, None, 0)]
-    kept = [False]
-    waiting = [0]
-    while waiting:
-        here = waiting.pop()
-        mine, theirs, _, _, depth = met[here]
-        for key, value in mapping_items(mine):
-            if isinstance(key, Hashable) and key in skip:
-                _put_back(theirs, key, value, met, here)
-                kept[here] = True
-            elif isinstance(value, Mapping):
-                if depth + 1 >= _tree.MAX_DEPTH:  # as flatten counts
-                    # The message of every walk, as a template: the caller adds the path.
-                    where = _escaped([*_keys_to(met, here), f"[{key!r}]"])
-                    raise LeafError(str(_tree.too_deep_at("{path}", [where])))
-                met.append((value, theirs[key], here, key, depth + 1))
-                kept.append(False)
-                waiting.append(len(met) - 1)
-    for here in reversed(range(len(met))):  # children before their parents
-        _, theirs, parent, _, _ = met[here]
-        if not kept[here]:
-            continue
-        if parent >= 0:
-            kept[parent] = True
-        if getattr(theirs, "device", None) is not None and callable(
-            getattr(theirs, "clear_device_", None)
-        ):
-            theirs.clear_device_()  # it holds values on several devices now
-
-
-def _put_back(moved: Any, key: Any, value: Any, met: list[Any], here: int) -> None:
-    moved[key] = value
-    if moved[key] is not value and callable(getattr(moved, "clear_device_", None)):
-        moved.clear_device_()
-        moved[key] = value
-    if moved[key] is not value:
-        where = _escaped([*_keys_to(met, here), f"[{key!r}]"])
-        msg = (
-            f"Cannot keep {{path}}{where} as it is: the "
-            f"{type(moved).__name__} moves every value set in it to its device. Move it out "
-            "of the batch before to_device instead of naming it in skip_keys."
-        )
-        raise LeafError(msg)
-
-
-def _keys_to(met: list[tuple[Any, Any, int, Any, int]], here: int) -> list[str]:
-    """The path fragments from the outermost mapping to ``met[here]``."""
-    keys = []
-    while met[here][2] >= 0:
-        keys.append(f"[{met[here][3]!r}]")
-        here = met[here][2]
-    return keys[::-1]
-
-
-def _escaped(fragments: list[str]) -> str:
-    """Path fragments as a message template holds them: braces doubled for format()."""
-    return _tree.format_path("", fragments).replace("{", "{{").replace("}", "}}")
-
-
-def _restyle(obj: Any, call: _Call) -> Any:
-    if type(obj) is _Tensor:
-        return call.tensor(obj, obj.device)
-    return call.leaf(obj) if isinstance(obj, torch.Tensor | torch.nn.Module) else obj
-
-
-def _checked(result: Any, obj: Any, how: str, *, expected: type) -> Any:
-    name = type(obj).__name__
-    if result is None:
-        msg = (
-            f"Cannot move {{path}}: {how} returned None for the {name} there; expected the "
-            "moved object. A method that moves in place must return self."
-        )
-        raise LeafError(msg)
-    if not isinstance(result, expected):
-        msg = (
-            f"Cannot move {{path}}: {how} returned a {type(result).__name__} for the {name} "
-            f"there, not a {expected.__name__}, so it is not the moved object. Register how "
-            f"to move it with @devicekit.register_transfer({name}), returning a "
-            f"{expected.__name__}."
-        )
-        raise LeafError(msg)
-    return result
-
-
-_MOVES: dict[Leaf, Callable[[Any, _Call, Any], Any]] = {
-    Leaf.PARAMETER: _move_parameter,
-    Leaf.MODULE: _move_module,
-    Leaf.OPTIMIZER: _move_optimizer,
-    Leaf.RULE: _move_by_rule,
-    Leaf.TO_METHOD: _move_by_to,
-    Leaf.CACHE: _move_cache,
-}
 
 
 def to_device(

@@ -20,7 +20,7 @@ from typing import Any, Final, NamedTuple, TypeAlias
 
 from devicekit import _kinds
 from devicekit._errors import LeafError, TransferError
-from devicekit._kinds import DICT, INERT, LIST, MOVE, TUPLE, Node
+from devicekit._kinds import DICT, INERT, LIST, MOVE, READ, TUPLE, Key, Node
 
 MAX_DEPTH: Final = 10_000
 """Containers nested deeper than this are refused: no real batch comes near it."""
@@ -46,13 +46,14 @@ class Flat(NamedTuple):
     active: list[int]
 
 
-def format_path(root: str, fragments: Iterable[str]) -> str:
-    """Join path fragments after a root name, eliding the middle of very long paths.
+def format_path(root: str, keys: Iterable[Key | str]) -> str:
+    """Join keys after a root name, eliding the middle of very long paths.
 
-    >>> format_path("data", ["['image']", "[0]", ".boxes"])
+    >>> from devicekit._kinds import ATTRIBUTE, ITEM
+    >>> format_path("data", [Key(ITEM, "image"), Key(ITEM, 0), Key(ATTRIBUTE, "boxes")])
     "data['image'][0].boxes"
     """
-    parts = list(fragments)
+    parts = list(map(str, keys))
     if len(parts) > _PATH_SHOWN:
         half = _PATH_SHOWN // 2
         parts = [*parts[:half], f"...<{len(parts) - 2 * half:,} more levels>...", *parts[-half:]]
@@ -177,7 +178,7 @@ def paths(flat: Flat) -> tuple[list[str], list[str]]:
     """
     if not flat.spec:
         return [""], []
-    leaf_parents: list[tuple[int, str]] = [(-1, "")] * len(flat.leaves)
+    leaf_parents: list[tuple[int, str]] = [(-1, "")] * len(flat.leaves)  # (container, key)
     container_parents: list[tuple[int, str]] = [(-1, "")] * len(flat.spec)
     waiting: list[tuple[bool, int]] = []  # (is a leaf, its index): not placed yet
     taken = 0
@@ -187,14 +188,14 @@ def paths(flat: Flat) -> tuple[list[str], list[str]]:
         for key, (is_leaf, index) in zip(
             node.keys(container), waiting[-count:] if count else [], strict=True
         ):
-            (leaf_parents if is_leaf else container_parents)[index] = (number, key)
+            (leaf_parents if is_leaf else container_parents)[index] = (number, str(key))
         del waiting[len(waiting) - count :]
         waiting.append((False, number))
     found = [""] * len(flat.spec)
     for number in reversed(range(len(flat.spec) - 1)):  # the last to close is the root
-        parent, key = container_parents[number]
-        found[number] = found[parent] + key
-    return [found[parent] + key for parent, key in leaf_parents], found
+        parent, fragment = container_parents[number]
+        found[number] = found[parent] + fragment
+    return [found[parent] + fragment for parent, fragment in leaf_parents], found
 
 
 def unflatten(spec: Spec, leaves: list[Any]) -> Any:
@@ -472,22 +473,121 @@ def _too_deep(stack: list[tuple[Node, Any, Iterator[Any], int]]) -> TransferErro
     return too_deep_at("data", fragments)
 
 
-def too_deep_at(root: str, fragments: Sequence[str]) -> TransferError:
-    """The refusal of a container ``MAX_DEPTH`` deep, for a walk that keeps its own stack.
+def too_deep_at(root: str, keys: Sequence[Key | str]) -> TransferError:
+    """The refusal of a container ``MAX_DEPTH`` deep: every walk's message.
 
-    ``fragments`` lead from ``root`` to the container refused, one per level, as
-    :func:`flatten` names them; the message is :func:`flatten`'s.
+    ``keys`` lead from ``root`` to the container refused, one per level.
 
-    >>> print(too_deep_at("Net.table", ["[0]"] * 3))
+    >>> print(too_deep_at("Net.table", [Key(_kinds.ITEM, 0)] * 3))
     Expected data nested at most 10,000 containers deep, but Net.table[0][0][0] goes deeper.
     """
-    path = format_path(root, fragments)
+    path = format_path(root, keys)
     return TransferError(
         f"Expected data nested at most {MAX_DEPTH:,} containers deep, but {path} goes deeper."
     )
 
 
-def preorder(flat: Flat) -> Iterator[tuple[int, str, Any, bool]]:
+# A path, linked: (the path of the container, the key there); () for the walk's root.
+# A level costs one tuple however deep it is, and values below one container share it.
+Path: TypeAlias = "tuple[Path, Key] | tuple[()]"
+Expand: TypeAlias = Callable[[Any], "Iterable[tuple[Key, Any]] | None"]
+
+
+def keys_of(path: Path) -> list[Key]:
+    """The keys from the walk's root to ``path``'s value, outermost first.
+
+    >>> [str(key) for key in keys_of((((), Key(_kinds.ITEM, "a")), Key(_kinds.ITEM, 0)))]
+    ["['a']", '[0]']
+    """
+    keys: list[Key] = []
+    while path:
+        path, key = path
+        keys.append(key)
+    keys.reverse()
+    return keys
+
+
+def contents(value: Any, view: int = READ) -> Iterable[tuple[Key, Any]] | None:
+    """A container's children with their keys, as the table's ``view`` has them; else None.
+
+    >>> [(str(key), child) for key, child in contents({"a": 1, "b": [2]})]
+    [("['a']", 1), ("['b']", [2])]
+    """
+    node = _kinds.decide(type(value))[view]
+    if not isinstance(node, Node):
+        return None
+    return zip(node.keys(value), node.children(value), strict=True)
+
+
+def walk(
+    tree: Any,
+    *,
+    expand: Expand = contents,
+    seen: dict[int, Any] | None = None,
+    root: str = "data",
+    at: Path = (),
+) -> Iterator[tuple[Path, Any]]:
+    """Every value in ``tree`` with its path, each before what it holds: pickle's order.
+
+    ``expand(value)`` gives a value's children with their keys, or None for a leaf (by
+    default the table's READ view, :func:`contents`). The walk keeps its own stack: a
+    container :data:`MAX_DEPTH` levels down is refused, as :func:`flatten` refuses it.
+    With ``seen``, a dict the caller may share between walks, each container is
+    entered once (a cycle is walked once); without, a cycle is refused. ``at`` is the
+    path of ``tree`` itself (where the caller found it), which the paths extend; ``root``
+    names ``tree`` in messages.
+
+    >>> [(format_path("data", keys_of(path)), value) for path, value in walk({"a": [1]})]
+    [('data', {'a': [1]}), ("data['a']", [1]), ("data['a'][0]", 1)]
+
+    Raises:
+        TransferError: A container nests deeper than :data:`MAX_DEPTH`, or (without
+            ``seen``) holds itself; the message names its path from ``root``.
+    """
+    yield at, tree
+    below = expand(tree)
+    if below is None:
+        return
+    above = len(keys_of(at))  # keys a message leaves to root
+
+    def named(path: Path) -> str:
+        return format_path(root, keys_of(path)[above:])
+
+    open_: dict[int, Path] = {id(tree): at}  # the containers around the value: a cycle's test
+    if seen is not None:
+        seen[id(tree)] = tree
+    stack: list[tuple[Path, Any, Iterator[tuple[Key, Any]]]] = [(at, tree, iter(below))]
+    while stack:
+        path, container, children = stack[-1]
+        for key, child in children:
+            here = (path, key)
+            yield here, child
+            held = expand(child)
+            if held is None:
+                continue
+            if seen is not None:
+                if id(child) in seen:
+                    continue
+                seen[id(child)] = child  # kept alive: its id is not reused during the walk
+            elif id(child) in open_:
+                msg = (
+                    f"Expected data without reference cycles, but {named(here)} is the "
+                    f"{type(child).__name__} {named(open_[id(child)])} itself, which contains it."
+                )
+                raise TransferError(msg)
+            if len(stack) >= MAX_DEPTH:
+                raise too_deep_at(root, keys_of(here)[above:])
+            open_[id(child)] = here
+            stack.append((here, child, iter(held)))
+            break
+        else:
+            stack.pop()
+            open_.pop(id(container), None)
+
+
+def preorder(
+    flat: Flat,
+) -> Iterator[tuple[int, str, Any, bool]]:  # walk: until _checkpoint uses walk
     """Every container and leaf of ``flat``, each before what it holds: pickle's order.
 
     Each comes as ``(depth, key, value, is_container)``: the containers around it, its
@@ -517,5 +617,5 @@ def preorder(flat: Flat) -> Iterator[tuple[int, str, Any, bool]]:
             continue
         _, node, container, _ = flat.spec[index]
         yield depth, key, container, True
-        children = list(zip(node.keys(container), held[index], strict=True))
+        children = list(zip(map(str, node.keys(container)), held[index], strict=True))
         stack += ((depth + 1, name, *child) for name, child in reversed(children))

@@ -18,15 +18,14 @@ stack, and refuses nesting deeper than to_device takes, as to_device does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, Final, NamedTuple, TypeAlias
+from collections.abc import Iterable, Sequence
+from typing import Any, Final, NamedTuple
 
 import torch
 
 from devicekit._compat import recomputed_attributes
-from devicekit._errors import TransferError
-from devicekit._kinds import Node, decide, mapping_items
-from devicekit._tree import MAX_DEPTH, too_deep_at
+from devicekit._kinds import ATTRIBUTE, SHOWN, Key, Node, decide
+from devicekit._tree import Path, contents, keys_of, walk
 
 __all__ = ["Stray", "read_again", "strays"]
 
@@ -34,12 +33,6 @@ __all__ = ["Stray", "read_again", "strays"]
 _MODULE_OWN: Final = frozenset(vars(torch.nn.Module()))
 _DISTRIBUTIONS: Final = (torch.distributions.Distribution, torch.distributions.Transform)
 _TENSOR_HOLDERS: Final = (torch.Tensor, *_DISTRIBUTIONS)  # what the table's READ view misses
-
-# How to read a value again from its owner: (the route to its container, (is an
-# attribute, name or key)), linked from _AT_OWNER, so that a level costs one tuple
-# however deep it is, and values met in one reading are shared by the strays below them.
-_Route: TypeAlias = "tuple[_Route, tuple[bool, Any]] | tuple[()]"
-_AT_OWNER: Final[tuple[()]] = ()
 
 
 class Stray(NamedTuple):
@@ -50,8 +43,8 @@ class Stray(NamedTuple):
     tensor: torch.Tensor
     owner: torch.nn.Module
     """The module whose attribute leads to it."""
-    route: _Route | None
-    """How to read it from ``owner`` (:func:`read_again`); None where a set holds it."""
+    route: Path
+    """Its keys from ``owner``, linked (:func:`read_again` reads it there again)."""
     kind: str
     """What holds it: an "attribute" (or a container in one), a "distribution", a "module"
     kept in a plain container; each has its own fix (:meth:`fix`)."""
@@ -78,7 +71,8 @@ def read_again(found: Sequence[Stray]) -> list[Any]:
     """The values at the strays' places now (moved since, or replaced), in their order.
 
     Each container on the way is read once for all the strays below it, so strays
-    nested thousands deep cost a reading a level, not a level per stray.
+    nested thousands deep cost a reading a level, not a level per stray. A stray no key
+    reads again (a set's member, a module's tensor kept in a plain list) is itself.
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> layer.table = {"scale": [torch.ones(1), torch.ones(2)]}
@@ -91,21 +85,20 @@ def read_again(found: Sequence[Stray]) -> list[Any]:
         AttributeError, LookupError, TypeError: A place that is gone: an attribute
             deleted, a key removed, a container replaced by another kind.
     """
-    read: dict[int, Any] = {}  # id(route) -> its value: routes live as long as the strays
+    read: dict[int, Any] = {}  # id(path) -> its value: paths live as long as the strays
     values = []
     for stray in found:
-        if stray.route is None:
+        unread: list[tuple[Path, Key]] = []
+        path = stray.route
+        while path and id(path) not in read:  # the owner's own path, (), ends it
+            unread.append(path)
+            path = path[0]
+        if not all(link[1].readable for link in unread):
             values.append(stray.tensor)
             continue
-        unread: list[tuple[_Route, tuple[bool, Any]]] = []
-        route: _Route = stray.route
-        while route and id(route) not in read:  # _AT_OWNER, empty, ends it
-            unread.append(route)
-            route = route[0]
-        value: Any = read[id(route)] if route else stray.owner
+        value: Any = read[id(path)] if path else stray.owner
         for link in reversed(unread):
-            attribute, key = link[1]
-            value = getattr(value, key) if attribute else value[key]
+            value = link[1].get(value)
             read[id(link)] = value
         values.append(value)
     return values
@@ -128,114 +121,58 @@ def strays(module: torch.nn.Module, *, own: bool = False, root: str = "") -> lis
         TransferError: An attribute nests containers deeper than to_device takes
             (:data:`devicekit._tree.MAX_DEPTH`); the message names the path from ``root``.
     """
-    walk = _Walk(module, root)
-    subs = [("", module)] if own else module.named_modules()
-    for prefix, sub in subs:
+    registered = {id(sub) for sub in module.modules()}
+    moved_in_place = {id(param) for param in module.parameters()}
+    seen: dict[int, Any] = {}  # what was walked, for every attribute: each value once
+    found: list[Stray] = []
+    for prefix, sub in [("", module)] if own else module.named_modules():
         recomputed = recomputed_attributes(sub)
         for name, value in vars(sub).items():
-            if name in _MODULE_OWN or name in recomputed:
-                continue
-            walk.attribute(sub, f"{prefix}.{name}" if prefix else name, name, value)
-    return walk.found
+            if name in _MODULE_OWN or name in recomputed or not _may_hold_tensors(value):
+                continue  # the usual attribute: a number, a string, a setting
+            # What holds a value: the nearest distribution or plain-listed module above it.
+            holders: dict[int, str] = {}
+
+            def expand(value: Any, holders: dict[int, str] = holders) -> Any:
+                if isinstance(value, torch.Tensor):
+                    return None
+                kind = holders.get(id(value), "attribute")
+                children = _inside(value, registered)
+                if isinstance(value, torch.nn.Module):
+                    kind = "module"
+                elif isinstance(value, _DISTRIBUTIONS):
+                    kind = "distribution"
+                if children is not None:
+                    children = list(children)
+                    holders.update((id(child), kind) for _, child in children)
+                return children
+
+            at = ((), Key(ATTRIBUTE, name))
+            attribute = f"{prefix}.{name}" if prefix else name
+            where = f"{root}.{attribute}" if root else attribute
+            for path, tensor in walk(value, expand=expand, seen=seen, root=where, at=at):
+                if not isinstance(tensor, torch.Tensor) or id(tensor) in seen:
+                    continue
+                seen[id(tensor)] = tensor
+                if id(tensor) not in moved_in_place:  # a registered parameter moves in place
+                    shown = attribute + "".join(map(str, keys_of(path)[1:]))
+                    kind = holders.get(id(tensor), "attribute")
+                    found.append(Stray(shown, tensor, sub, path, kind))
+    return found
 
 
-class _Place(NamedTuple):
-    """A container the walk entered: where it is, and how many contain it."""
-
-    path: str
-    route: _Route | None
-    trail: _Trail | None
-    """Its path fragments, linked: the refusal of too deep a container shows them."""
-    depth: int
-    """Containers above it within the attribute (-1: the module, above the attribute)."""
+def _may_hold_tensors(value: Any) -> bool:
+    return isinstance(value, _TENSOR_HOLDERS) or isinstance(decide(type(value)).read, Node)
 
 
-_Trail: TypeAlias = "tuple[_Trail | None, str]"  # (the container's trail, a fragment)
-# A value to look at: (it, the place of its container, its fragment there, the step that
-# reads it there or None, what holds it). Its own path is joined only where it is a
-# tensor found or a container entered: scalars cost no string.
-_Pending: TypeAlias = tuple[Any, _Place, str, "tuple[bool, Any] | None", str]
-_OWNER: Final = _Place("", _AT_OWNER, None, -1)
-
-
-class _Walk:
-    """One module tree's walk: what its attributes reach, never twice, until a tensor or a leaf."""
-
-    def __init__(self, module: torch.nn.Module, root: str) -> None:
-        self.root = root
-        self.registered = {id(sub) for sub in module.modules()}
-        self.moved_in_place = {id(param) for param in module.parameters()}
-        # What was seen, kept alive: an id is never reused by a temporary within the walk.
-        self.seen: dict[int, Any] = {}
-        self.found: list[Stray] = []
-
-    def attribute(self, owner: torch.nn.Module, path: str, name: str, value: Any) -> None:
-        """Walk one attribute's value, depth first, in the order its containers list it."""
-        if not isinstance(value, _TENSOR_HOLDERS) and not isinstance(
-            decide(type(value)).read, Node
-        ):
-            return  # the usual attribute: a number, a string, a setting
-        seen = self.seen
-        stack: list[_Pending] = [(value, _OWNER, path, (True, name), "attribute")]
-        while stack:
-            value, place, fragment, step, kind = stack.pop()
-            if id(value) in seen:
-                continue
-            route = None if place.route is None or step is None else (place.route, step)
-            if isinstance(value, torch.Tensor):
-                seen[id(value)] = value
-                if id(value) not in self.moved_in_place:  # a registered parameter moves in place
-                    self.found.append(Stray(place.path + fragment, value, owner, route, kind))
-                continue
-            node = decide(type(value)).read
-            distribution = isinstance(value, _DISTRIBUTIONS)
-            if not isinstance(node, Node) and not distribution:
-                continue  # a scalar, a string, an object the table sees no tensor in
-            trail = (place.trail, fragment)
-            if place.depth + 1 >= MAX_DEPTH:  # to_device's rule, at the same level
-                raise self._too_deep(trail)
-            seen[id(value)] = value
-            here = _Place(place.path + fragment, route, trail, place.depth + 1)
-            children: list[_Pending]
-            if isinstance(value, torch.nn.Module):
-                if id(value) in self.registered:
-                    continue  # Module.to() moves it
-                # Kept in a plain list, so not moved; read where it is found (no step).
-                children = [
-                    (tensor, here, f".{key}", None, "module")
-                    for key, tensor in (*value.named_parameters(), *value.named_buffers())
-                ]
-            elif distribution:
-                children = [
-                    (child, here, f".{key}", (True, key), "distribution")
-                    for key, child in vars(value).items()
-                ]
-            else:
-                children = [
-                    (child, here, key, read, kind) for key, child, read in _children(node, value)
-                ]
-            stack += reversed(children)  # popped in the order the container lists them
-
-    def _too_deep(self, trail: _Trail) -> TransferError:
-        fragments: list[str] = []
-        link: _Trail | None = trail
-        while link is not None:
-            link, fragment = link
-            fragments.append(fragment)
-        attribute, *below = reversed(fragments)
-        return too_deep_at(f"{self.root}.{attribute}" if self.root else attribute, below)
-
-
-def _children(node: Node, value: Any) -> Iterator[tuple[str, Any, tuple[bool, Any] | None]]:
-    """A container's children as the table names them, with the step that reads each."""
-    fragments = list(node.keys(value))
-    children = list(node.children(value))
-    if node.mapping:
-        steps: list[tuple[bool, Any] | None] = [(False, key) for key, _ in mapping_items(value)]
-    elif node.names is not None:
-        steps = [(True, name) for name in node.names(value)]
-    elif isinstance(value, list | tuple):
-        steps = [(False, index) for index in range(len(children))]
-    else:  # a set, or contents read another way: no step reads them again
-        steps = [None] * len(children)
-    yield from zip(fragments, children, steps, strict=True)
+def _inside(value: Any, registered: set[int]) -> Iterable[tuple[Key, Any]] | None:
+    """What the walk looks into: containers, distributions, modules Module.to() misses."""
+    if isinstance(value, torch.nn.Module):
+        if id(value) in registered:
+            return None  # Module.to() moves it
+        # Kept in a plain list, so not moved; its tensors are read where they are found.
+        named = (*value.named_parameters(), *value.named_buffers())
+        return [(Key(SHOWN, f".{key}"), tensor) for key, tensor in named]
+    if isinstance(value, _DISTRIBUTIONS):
+        return [(Key(ATTRIBUTE, key), child) for key, child in vars(value).items()]
+    return contents(value)
