@@ -331,7 +331,7 @@ def _first_tensor(module: torch.nn.Module, *, own: bool) -> Callable[[], torch.T
     for name, _ in _tensors_of(module, own=own):
         owner_name, _, key = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        table = owner._parameters if key in owner._parameters else owner._buffers
+        table = _compat.registered_table(owner, key)
 
         def first(table: dict[str, Any] = table, key: str = key) -> torch.Tensor | None:
             tensor = table.get(key)

@@ -1,7 +1,11 @@
-"""The parts of PyTorch that devicekit reads although they are private, in one place.
+"""PyTorch's private names, version shims and message patterns that devicekit reads, in one place.
 
-Each has been in PyTorch since 2.5 at least (devicekit needs 2.6); a release that moves
-one breaks this module's tests, not a user's checkpoint.
+No other module of devicekit names them. Each is a named function or type here, with a
+test in ``tests/test_compat.py`` that runs it against the installed PyTorch, so that an
+upgrade that moves one fails there, not in a user's checkpoint or training loop: an
+upgrade is this one file to read, which is why it holds more than the 500 lines of a
+room. Each has been in PyTorch since 2.5 at least (devicekit needs 2.6) unless its
+docstring says which versions differ.
 """
 
 from __future__ import annotations
@@ -23,18 +27,23 @@ from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 __all__ = [
     "DdpSync",
     "DispatchMode",
+    "WeightsOnlySaid",
+    "current_accelerator",
     "ddp_forward_syncs",
     "independent_pieces",
     "is_device_mismatch",
     "is_out_of_memory",
+    "is_unreadable_archive",
     "one_graph",
     "profiler_running",
     "raise_past_the_compiler",
     "recomputed_attributes",
+    "registered_table",
     "run_while_tracing",
     "weights_only_build_refusal",
     "weights_only_refusal",
     "weights_only_refused_globals",
+    "weights_only_said",
 ]
 
 
@@ -49,20 +58,23 @@ def weights_only_refusal(pickled: bytes) -> str | None:
     the load, about twice the save). The refusal is worded as the load words it:
     ``"Unsupported global: GLOBAL module.Name ..."``.
     """
-    from torch import _weights_only_unpickler  # noqa: PLC0415 - private: read here
-
-    loader: Any = _weights_only_unpickler  # partly untyped
-
     try:
-        named = loader.get_globals_in_pkl(io.BytesIO(pickled))
+        refused = sorted(_refused_globals(pickled))
     except pickle.UnpicklingError as unknown:  # an operation the load does not know
         return str(unknown)
-    allowed = loader._get_allowed_globals().keys() | loader._get_user_allowed_globals().keys()
-    refused = sorted(named - allowed)
     if not refused:
         return None
     more = f" (and {', '.join(refused[1:])})" if len(refused) > 1 else ""
     return f"Unsupported global: GLOBAL {refused[0]} was not an allowed global{more}"
+
+
+def _refused_globals(pickled: bytes) -> set[str]:
+    """The globals the pickle names that a weights-only load refuses now, by PyTorch's scan."""
+    from torch import _weights_only_unpickler  # noqa: PLC0415 - private: read here
+
+    loader: Any = _weights_only_unpickler  # partly untyped
+    named: set[str] = loader.get_globals_in_pkl(io.BytesIO(pickled))
+    return named.difference(loader._get_allowed_globals(), loader._get_user_allowed_globals())
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -417,12 +429,9 @@ def weights_only_refused_globals(pickled: bytes) -> list[str]:
 
     loader: Any = _weights_only_unpickler  # partly untyped
     try:
-        named = loader.get_globals_in_pkl(io.BytesIO(pickled))
+        refused = _refused_globals(pickled)
     except (pickle.UnpicklingError, EOFError):  # an operation the load does not know
         return []
-    refused = named - (
-        loader._get_allowed_globals().keys() | loader._get_user_allowed_globals().keys()
-    )
     ordered: dict[str, None] = {}
     try:
         for operation, argument, _ in pickletools.genops(pickled):
@@ -469,3 +478,116 @@ def independent_pieces() -> Callable[[], Any] | None:
     (True, True)
     """
     return getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+
+
+_COLOURS = re.compile(r"\x1b\[[0-9;]*m")  # torch.load's advice puts a warning in bold
+_GLOBAL_SAID = re.compile(r"GLOBAL (\S+)|<class '([^']+)'>")
+_MORE_SAID = re.compile(r"was not an allowed global \(and ([^)]*)\)")
+_BLOCKED_SAID = re.compile(r"GLOBAL (\S+) whose module \S+ is blocked")
+_ADVICE_ENDS = "WeightsUnpickler error:"  # torch.load's advice, then the unpickler's words
+
+
+class WeightsOnlySaid(NamedTuple):
+    """What a weights-only load's refusal says, read from its words."""
+
+    names: list[str]
+    """The globals named: ``GLOBAL module.Name``, or a class not built (``<class '...'>``)."""
+    blocked: str | None
+    """A global of a module the load never allows (``posix.system``), which no list allows."""
+    reason: str
+    """The unpickler's own words, without torch.load's advice and colours."""
+
+
+def weights_only_said(message: str) -> WeightsOnlySaid:
+    """Read the refusal of a weights-only load: torch.load's, or :func:`weights_only_refusal`'s.
+
+    >>> import io, torch
+    >>> buffer = io.BytesIO()
+    >>> torch.save(torch.nn.ReLU(), buffer)
+    >>> _ = buffer.seek(0)
+    >>> try:
+    ...     torch.load(buffer, weights_only=True)
+    ... except Exception as refusal:
+    ...     said = weights_only_said(str(refusal))
+    >>> said.names, said.blocked, said.reason.split(" by default")[0]
+    (['torch.nn.modules.activation.ReLU'], None, 'Unsupported global: GLOBAL \
+torch.nn.modules.activation.ReLU was not an allowed global')
+    >>> weights_only_said("GLOBAL a.B was not an allowed global (and c.D, e.F)").names
+    ['a.B', 'c.D', 'e.F']
+    """
+    text = _COLOURS.sub("", message)
+    first = _GLOBAL_SAID.search(text)
+    names = [] if first is None else [first.group(1) or first.group(2)]
+    more = _MORE_SAID.search(text)
+    names += more.group(1).split(", ") if more else []
+    blocked = _BLOCKED_SAID.search(text)
+    reason = text.rsplit(_ADVICE_ENDS, maxsplit=1)[-1].strip()
+    return WeightsOnlySaid(names, None if blocked is None else blocked.group(1), reason)
+
+
+_UNREADABLE_SAID = ("PytorchStreamReader", "zip archive", "enforce fail", "file not found")
+
+
+def is_unreadable_archive(error: BaseException) -> bool:
+    """Whether ``error`` is torch.load's reader saying the archive is no whole checkpoint.
+
+    PyTorch's zip reader raises RuntimeError in its own words: ``"PytorchStreamReader
+    failed reading zip archive"``, ``"... failed locating file data.pkl: file not
+    found"``, or a failed check (``"[enforce fail at inline_container.cc:...]"``).
+
+    >>> import io, torch, zipfile
+    >>> buffer = io.BytesIO()
+    >>> with zipfile.ZipFile(buffer, "w") as archive:
+    ...     archive.writestr("notes.txt", "hello")
+    >>> _ = buffer.seek(0)
+    >>> try:
+    ...     torch.load(buffer)
+    ... except RuntimeError as error:
+    ...     is_unreadable_archive(error)
+    True
+    >>> is_unreadable_archive(RuntimeError("CUDA error: an illegal memory access"))
+    False
+    """
+    return isinstance(error, RuntimeError) and any(
+        words in str(error) for words in _UNREADABLE_SAID
+    )
+
+
+def registered_table(module: torch.nn.Module, name: str) -> dict[str, Any]:
+    """The table of ``module``'s own in which its parameter or buffer ``name`` is registered.
+
+    ``Module._parameters`` or ``Module._buffers``: looked up again, ``table.get(name)``
+    is the tensor registered now, one replaced since included (``Module.to`` replaces
+    some), for a dict lookup where listing the module's tensors costs microseconds.
+
+    >>> import torch
+    >>> linear = torch.nn.Linear(2, 2)
+    >>> table = registered_table(linear, "weight")
+    >>> linear.weight = torch.nn.Parameter(torch.zeros(2, 2))
+    >>> norm = torch.nn.BatchNorm1d(2)
+    >>> table["weight"] is linear.weight, registered_table(norm, "running_mean") is norm._buffers
+    (True, True)
+    """
+    return module._parameters if name in module._parameters else module._buffers
+
+
+def current_accelerator() -> torch.device | None:
+    """This PyTorch build's accelerator, as ``torch.accelerator`` names it, without starting it.
+
+    PyTorch 2.7 and later are asked not to start the device (``check_available=False``);
+    2.6 takes no such argument, and raises where no accelerator is available. None
+    where the build has none.
+
+    >>> found = current_accelerator()
+    >>> found is None or isinstance(found, torch.device)
+    True
+    """
+    current: Any = torch.accelerator.current_accelerator  # its 2.6 signature, untyped here
+    try:
+        found = current(check_available=False)
+    except TypeError:  # PyTorch 2.6: no check_available
+        try:
+            found = current()
+        except RuntimeError:
+            found = None
+    return None if found is None else torch.device(found)

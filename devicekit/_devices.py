@@ -13,6 +13,7 @@ from typing import TypeAlias, cast
 
 import torch
 
+from devicekit import _compat
 from devicekit._errors import DeviceUnavailableError
 
 __all__ = [
@@ -56,23 +57,14 @@ def _device_count(device_type: str) -> int | None:
 def accelerator_type() -> str | None:
     """This PyTorch build's accelerator type, such as ``"cuda"``, read without starting it.
 
-    PyTorch's ``torch.accelerator`` says where it offers it; older builds are asked
-    family by family. None where the build has none.
+    As ``torch.accelerator`` names it (PyTorch 2.6, the oldest devicekit takes, has
+    it). None where the build has none.
 
     >>> accelerator_type() in (None, "cuda", "xpu", "mps")
     True
     """
-    current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
-    if current is not None:
-        try:
-            found = current(check_available=False)  # PyTorch 2.7: no device is started
-        except TypeError:  # PyTorch 2.6 has no check_available, and raises without one
-            try:
-                found = current()
-            except RuntimeError:
-                found = None
-        return None if found is None else str(found.type)
-    return next((kind for kind in _ACCELERATORS if _device_count(kind)), None)
+    found = _compat.current_accelerator()
+    return None if found is None else str(found.type)
 
 
 # Accelerators whose copies can run on a side stream from page-locked host memory: all

@@ -70,3 +70,18 @@ def assert_unchanged(
         assert tensor.device == device
         if value is not None:
             assert torch.equal(tensor, value)
+
+
+@pytest.fixture
+def own_safe_globals() -> Iterator[None]:
+    """PyTorch's default allowlist only, for the length of a test.
+
+    Importing torch_geometric adds classes (defaultdict among them) to the process's
+    safe globals: what a weights-only load refuses depends on what the process imported.
+    """
+    added = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(added)

@@ -33,9 +33,9 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _checkpoint, _compat, _tree
+from devicekit import _checkpoint, _tree
 
-from .helpers import META
+from .helpers import META, own_safe_globals  # noqa: F401 - a fixture, used by name
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_A_CHECKPOINT = "Expected a file written by torch.save, but "
@@ -784,21 +784,6 @@ def _stepped_optimizer() -> torch.optim.Optimizer:
     return optimizer
 
 
-@pytest.fixture
-def own_safe_globals() -> Iterator[None]:
-    """PyTorch's default allowlist only, for the length of a test.
-
-    Importing torch_geometric adds classes (defaultdict among them) to the process's
-    safe globals: what a weights-only load refuses depends on what the process imported.
-    """
-    added = torch.serialization.get_safe_globals()
-    torch.serialization.clear_safe_globals()
-    try:
-        yield
-    finally:
-        torch.serialization.add_safe_globals(added)
-
-
 _STUCK = "allowing would not do"
 
 
@@ -983,50 +968,6 @@ def test_the_classes_a_refusal_advises_to_allow_make_the_save_load_back(state: A
         buffer.seek(0)
         loaded = dk.load(buffer, "cpu")
     assert type(loaded) is type(state)
-
-
-@pytest.mark.parametrize(
-    ("state", "allowing"),
-    [
-        (collections.defaultdict(list, a=[1]), [collections.defaultdict, list]),
-        (collections.defaultdict(list), [collections.defaultdict, list]),
-        (collections.defaultdict(list), [collections.defaultdict]),
-        ({"config": Config()}, [Config]),
-        ({"config": Config()}, []),
-        (_stepped_optimizer(), [torch.optim.SGD, collections.defaultdict, dict]),
-        (_optimizer(), [torch.optim.Adam, collections.defaultdict, dict]),
-        ({"weight": torch.ones(2), "ids": {1, 2}}, []),
-        ([collections.UserList([1])], [collections.UserList, list]),
-    ],
-    ids=[
-        "defaultdict",
-        "empty-defaultdict",
-        "its-factory-not-allowed",
-        "allowed-class",
-        "class-not-allowed",
-        "stepped-optimizer",
-        "optimizer",
-        "plain",
-        "userlist",
-    ],
-)
-@pytest.mark.usefixtures("own_safe_globals")
-def test_the_trial_build_agrees_with_a_weights_only_load(state: Any, allowing: list[Any]) -> None:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    pickled = zipfile.ZipFile(buffer).read("archive/data.pkl")
-    buffer.seek(0)
-    with torch.serialization.safe_globals(allowing):
-        try:
-            torch.load(buffer, weights_only=True)
-        except pickle.UnpicklingError:
-            loads = False
-        else:
-            loads = True
-    before = torch.serialization.get_safe_globals()
-    tried = _compat.weights_only_build_refusal(pickled, allowing)
-    assert (tried is None) == loads
-    assert torch.serialization.get_safe_globals() == before  # the process's list untouched
 
 
 def test_the_search_for_what_is_refused_keeps_to_the_depth_rule() -> None:
@@ -1232,21 +1173,6 @@ def test_save_s_weights_only_takes_true_or_false_only(value: object) -> None:
     with pytest.raises(TypeError, match=re.escape(msg)):
         dk.save(RNNModel(), buffer, weights_only=value)  # type: ignore[arg-type]
     assert buffer.getvalue() == b""
-
-
-@pytest.mark.usefixtures("own_safe_globals")
-def test_the_globals_refused_are_those_torch_names_in_the_order_first_written() -> None:
-    state = {"counts": collections.defaultdict(list), "model": RNNModel()}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    pickled = zipfile.ZipFile(buffer).read("archive/data.pkl")
-    refused = _compat.weights_only_refused_globals(pickled)
-    assert refused == ["collections.defaultdict", "builtins.list", *_MODEL_CLASSES.split(", ")]
-    buffer.seek(0)
-    assert set(refused) == set(torch.serialization.get_unsafe_globals_in_checkpoint(buffer))
-    with torch.serialization.safe_globals([collections.defaultdict, list]):
-        assert _compat.weights_only_refused_globals(pickled) == _MODEL_CLASSES.split(", ")
-    assert _compat.weights_only_refused_globals(b"\x80\x02\x95") == []  # no pickle of torch's
 
 
 def test_a_class_allowed_with_add_safe_globals_saves_and_loads(tmp_path: Path) -> None:
@@ -1551,31 +1477,3 @@ def test_the_legacy_format_still_loads() -> None:
     torch.save({"weight": torch.ones(2)}, buffer, _use_new_zipfile_serialization=False)
     buffer.seek(0)
     assert torch.equal(dk.load(buffer, "cpu")["weight"], torch.ones(2))
-
-
-@pytest.mark.parametrize(
-    "state",
-    [
-        {"weight": torch.ones(2), "step": 3, "name": "run", "raw": b"\x00", "z": 1j},
-        {"ids": {1, 2}, "frozen": frozenset({1})},
-        {"config": Config()},
-        {"args": argparse.Namespace(lr=0.1)},
-        {"best": np.float32(0.5)},
-        torch.nn.Linear(2, 2).state_dict(),
-        {"big": 2**3000},
-    ],
-    ids=["plain", "sets", "own-class", "namespace", "numpy", "state-dict", "huge-int"],
-)
-def test_the_save_time_check_agrees_with_a_weights_only_load(state: Any) -> None:
-    # Without devicekit's allowlist, the check and PyTorch's own load must agree.
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    pickled = zipfile.ZipFile(io.BytesIO(buffer.getvalue())).read("archive/data.pkl")
-    buffer.seek(0)
-    try:
-        torch.load(buffer, weights_only=True)
-    except pickle.UnpicklingError:
-        loads = False
-    else:
-        loads = True
-    assert (_compat.weights_only_refusal(pickled) is None) == loads
