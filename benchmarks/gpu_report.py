@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_to_device import mixed_batch, per_tensor_loop
 
 import devicekit as dk
-from devicekit import _loader, _packing
+from devicekit import _loader, _packing, _pipeline
 from devicekit._bench import per_image_batch
 from devicekit._transfer import as_accelerator
 
@@ -128,7 +128,7 @@ class _HostPrefetcher:
         self.device = device
 
     def pin(self, batch: Any) -> Any:
-        return _loader._pin(batch, torch.Tensor.clone)
+        return _pipeline._pin(batch, torch.Tensor.clone)
 
     def start(self, batch: Any) -> Any:
         return dk.to_device(batch, self.device)

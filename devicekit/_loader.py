@@ -8,7 +8,8 @@ On an accelerator a loader iterates as a pipeline:
    the training thread never pays for reading or pinning; small tensors need no
    pinning, since they travel packed through a pinned staging buffer. Reads that draw
    random numbers are the exception: made in the training thread, where an epoch's
-   first two reads show them (see ``_ahead``; ``stats`` says which it was).
+   first two reads show them (see :func:`~devicekit._pipeline.ahead`; ``stats`` says
+   which it was).
 2. The training thread issues each batch's copy on the loader's side stream, up to
    ``prefetch`` batches ahead, and records an event after each. It starts the copies of
    the batches the feed has ready, never waits for one while it holds a batch: a batch
@@ -21,15 +22,18 @@ back for a batch, the side stream first waits for all the work the consumer has 
 and the loader makes its side-stream allocations after that wait only. Memory the
 consumer freed can therefore only be reused by copies queued after its last use.
 
-Every stream and event operation sits behind one small seam, :class:`Prefetcher`, so
-that the pipeline's control flow (what is in flight, what ends an epoch, what an error
-or an early ``break`` leaves behind) runs and is tested on machines without an
-accelerator, with a stand-in for the seam.
+Every stream and event operation sits behind one small seam,
+:class:`~devicekit._pipeline.Prefetcher`, so that the pipeline's control flow (what is
+in flight, what ends an epoch, what an error or an early ``break`` leaves behind) runs
+and is tested on machines without an accelerator: a test or a benchmark plugs its
+stand-in in by device type through :data:`PREFETCHERS` (``meta``, in the tests). The
+feed is :mod:`devicekit._feed`, the copies ahead :mod:`devicekit._pipeline`; this
+room holds the facade: what a loader is asked, and how each epoch starts and ends.
 
 On the CPU, the ``meta`` device and any device without streams, batches move in line:
 there is nothing to overlap.
 
-Every epoch is measured as it runs (:mod:`devicekit._stats`): how long the training
+Every epoch is measured as it runs (:mod:`devicekit._recorder`): how long the training
 thread waits for each batch, how long its step takes, and on an accelerator how long
 each copy takes on the side stream, read from its events once they are done. While a
 ``torch.profiler`` session runs, the waits, pins and copies are named ranges
@@ -45,25 +49,18 @@ the live ones first, waiting at most :data:`HANDOFF_S` for their feeds to leave 
 
 from __future__ import annotations
 
-import collections
-import copy
-import queue
-import random
-import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final, Generic, Literal, Protocol, TypeAlias, TypeVar
+from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar
 
 import torch
 
-from devicekit import _compat
 from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, streams_to
-from devicekit._kinds import Leaf, leaf_how
-from devicekit._packing import PACK_MAX_BYTES
-from devicekit._recorder import CopyTimer, EpochRecorder
+from devicekit._feed import BackgroundFeed
+from devicekit._pipeline import Prefetcher, StreamPrefetcher, ahead, profiling
+from devicekit._recorder import EpochRecorder
 from devicekit._stats import (
     Counting,
     LoaderStats,
@@ -74,373 +71,22 @@ from devicekit._stats import (
     machine_cpus,
 )
 from devicekit._transfer import NonBlocking, in_line_mover, to_device
-from devicekit._tree import map_leaves
 
-__all__ = ["DeviceDataLoader", "Prefetcher", "StreamPrefetcher", "profiling"]
+__all__ = ["PREFETCHERS", "DeviceDataLoader"]
 
 B = TypeVar("B")
 PinMemory: TypeAlias = bool | Literal["auto"]
 
-# How often a background thread blocked on a full queue looks up to see whether it
-# was told to stop.
-_STOP_POLL_S: Final = 0.1
 _END: Final = object()
-_NOT_READY: Final = object()  # a feed's next batch is still being read
-_READS_CHECKED: Final = 2
-"""An epoch's reads watched for random draws before it reads ahead (see ``_ahead``): the
-first read of a shuffled DataLoader draws the sampler's seed, however plain its data."""
 HANDOFF_S = 30.0
 """How long a new epoch of a DataLoader with persistent workers waits for a live epoch's
 feed to leave the DataLoader's one iterator (its next batch, being read), before it
 refuses to reset that iterator under it."""
 
 
-class Prefetcher(Protocol):
-    """The seam between the loader's pipeline and an accelerator's streams and events.
-
-    The pipeline calls :meth:`start` for a batch ``prefetch`` batches before it is
-    needed, :meth:`hand_over` when the consumer asks for it, and :meth:`consumer_done`
-    each time the consumer comes back for the next one.
-    """
-
-    def pin(self, batch: Any) -> Any:
-        """The batch with the tensors worth pinning in page-locked memory (any thread)."""
-
-    def start(self, batch: Any) -> Any:
-        """Issue the batch's copy to the device without waiting; return a ticket for it."""
-
-    def hand_over(self, ticket: Any) -> Any:
-        """The moved batch of ``ticket``, safe for the consumer's stream to read."""
-
-    def consumer_done(self) -> None:
-        """Order later copies after everything the consumer has queued so far."""
-
-    def timer(self, ticket: Any) -> CopyTimer:
-        """How long the ticket's copy took on the device; it holds nothing of the batch."""
-
-
-profiling: Final = _compat.profiler_running
-"""Whether a torch.profiler session runs: a range costs 15 us even when none does (this
-0.1 us), so the loader names its work only while one does."""
-
-
-def _named(name: str, work: Callable[[Any], Any], item: Any) -> Any:
-    """``work(item)``, as a range called ``name`` in the profiler's trace."""
-    with torch.profiler.record_function(name):
-        return work(item)
-
-
-def random_state() -> tuple[Any, ...]:
-    """Where the process's global random generators stand: torch's (CPU), Python's, numpy's.
-
-    About 100 us (numpy's copy of its state is most of it): taken twice an epoch at most.
-    """
-    numpy = sys.modules.get("numpy")
-    legacy = None if numpy is None else numpy.random.get_state(legacy=False)
-    return torch.default_generator.get_state(), random.getstate(), legacy
-
-
-def drew_since(before: tuple[Any, ...]) -> bool:
-    """Whether anything drew from those generators since ``before`` was taken."""
-    after = random_state()
-    if not torch.equal(before[0], after[0]) or before[1] != after[1]:
-        return True
-    numpy_before, numpy_after = before[2], after[2]
-    if numpy_before is None or numpy_after is None:
-        return numpy_before is not numpy_after
-    return bool(
-        numpy_before["state"]["pos"] != numpy_after["state"]["pos"]
-        or numpy_before["has_gauss"] != numpy_after["has_gauss"]
-        or (numpy_before["state"]["key"] != numpy_after["state"]["key"]).any()
-    )
-
-
-def _as_it_is(batch: Any) -> Any:
-    return batch
-
-
-def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.is_pinned() else tensor.pin_memory()
-
-
-def _pin(batch: Any, pin: Callable[[torch.Tensor], torch.Tensor] = _page_locked) -> Any:
-    """The batch with every large host tensor ``pin``-ned; aliases stay aliases.
-
-    Tensors of at most PACK_MAX_BYTES are left alone: they travel packed, through a
-    staging buffer that is pinned already, and pinning them first would copy them twice.
-    Objects that move themselves (a TensorDict, a graph, a PackedSequence) are pinned
-    by their own ``pin_memory()``, as torch's pin-memory thread pins them, on a shallow
-    copy (a graph's pins in place): they move with their ``.to()``, never packed.
-    ``pin`` is the seam the tests replace, on machines where nothing can be pinned.
-    """
-    return map_leaves(_pinned, batch, ({}, pin))
-
-
-def _pinned(leaf: Any, state: tuple[dict[int, Any], Callable[..., Any]]) -> Any:
-    if not isinstance(leaf, torch.Tensor):
-        pin_memory = getattr(leaf, "pin_memory", None)
-        if not callable(pin_memory) or leaf_how(type(leaf))[0] is not Leaf.TO_METHOD:
-            return leaf
-        pinned = state[0]
-        if id(leaf) not in pinned:
-            pinned[id(leaf)] = copy.copy(leaf).pin_memory()
-        return pinned[id(leaf)]
-    if not leaf.is_cpu or leaf.nbytes <= PACK_MAX_BYTES:
-        return leaf
-    pinned, pin = state
-    copied = pinned.get(id(leaf))
-    if copied is None:
-        copied = pinned[id(leaf)] = pin(leaf)
-    return copied
-
-
-class StreamPrefetcher:
-    """The accelerator side of the pipeline: one side stream for the loader's whole life."""
-
-    def __init__(self, device: torch.device, non_blocking: NonBlocking) -> None:
-        self._device = device
-        self._non_blocking = non_blocking
-        self._stream = torch.Stream(device=device)
-
-    def pin(self, batch: Any) -> Any:
-        return _pin(batch)
-
-    def start(self, batch: Any) -> tuple[Any, torch.Event, torch.Event]:
-        # Timing events, recorded around the copy: its time, read later, costs no wait.
-        begin, ready = (torch.Event(device=self._device, enable_timing=True) for _ in "br")
-        with self._stream:
-            begin.record(self._stream)
-            moved = to_device(batch, self._device, non_blocking=self._non_blocking)
-            ready.record(self._stream)
-        return moved, begin, ready
-
-    def hand_over(self, ticket: tuple[Any, torch.Event, torch.Event]) -> Any:
-        moved, _, ready = ticket
-        torch.accelerator.current_stream(self._device).wait_event(ready)
-        return moved
-
-    def timer(self, ticket: tuple[Any, torch.Event, torch.Event]) -> CopyTimer:
-        _, begin, ready = ticket
-
-        def seconds(wait: bool) -> float | None:
-            if wait:
-                ready.synchronize()
-            elif not ready.query():
-                return None
-            return begin.elapsed_time(ready) / 1e3
-
-        return seconds
-
-    def consumer_done(self) -> None:
-        self._stream.wait_stream(torch.accelerator.current_stream(self._device))
-
-
 PREFETCHERS: dict[str, Callable[[torch.device, NonBlocking], Prefetcher]] = {}
-"""Prefetchers by device type, besides the side streams of this build's accelerator
-(see ``streams_to``): the tests register a stand-in here."""
-
-
-class _Failure:
-    """An exception raised in the background thread, carried to the consumer unchanged."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_DONE: Final = object()
-
-
-class _BackgroundFeed:
-    """Iterates ``batches`` in a daemon thread, ``prepare``-ing up to ``depth`` items ahead.
-
-    The consumer gets the items in order, then the source's exception (the same object,
-    with its traceback) if it raised; after either, the feed stays ended. :meth:`close`
-    stops the thread: it ends as soon as the item it is waiting for arrives, and never
-    blocks on a full queue. :meth:`join` waits for that.
-    """
-
-    def __init__(
-        self,
-        batches: Iterator[Any],
-        prepare: Callable[[Any], Any],
-        depth: int,
-        device: torch.device | None = None,
-    ) -> None:
-        self._items: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
-        self._ended = False
-        self._device = device
-        # A daemon: a thread stuck in the source (a worker blocked on I/O) never holds
-        # up the interpreter's exit.
-        self._thread = threading.Thread(
-            target=self._run, args=(batches, prepare), name="devicekit-feed", daemon=True
-        )
-        self._thread.start()
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._items.put(item, timeout=_STOP_POLL_S)
-            except queue.Full:
-                continue
-            return True
-        return False
-
-    def _run(self, batches: Iterator[Any], prepare: Callable[[Any], Any]) -> None:
-        # Set up as PyTorch's pin-memory thread is: pinning copies take one core (the
-        # setting is the thread's own), and allocations go to the loader's device.
-        torch.set_num_threads(1)
-        device = self._device
-        if device is not None and device.index is not None and streams_to(device):
-            torch.accelerator.set_device_index(device.index)
-        try:
-            for item in batches:
-                ready = _named("devicekit.pin", prepare, item) if profiling() else prepare(item)
-                if not self._put(ready):
-                    return
-        except BaseException as error:  # every failure goes to the consumer
-            self._put(_Failure(error))
-            return
-        self._put(_DONE)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        if self._ended:
-            raise StopIteration
-        return self._received(self._items.get())
-
-    def ready(self) -> Any:
-        """The next item where the thread has it already, else ``_NOT_READY``; never waits.
-
-        Raises:
-            StopIteration: The source ended.
-            Exception: What the source raised, in its place.
-        """
-        if self._ended:
-            raise StopIteration
-        try:
-            item = self._items.get_nowait()
-        except queue.Empty:
-            return _NOT_READY
-        return self._received(item)
-
-    def _received(self, item: Any) -> Any:
-        """A batch as taken from the thread; its end or its source's error, raised here."""
-        if item is _DONE:
-            self.close()
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self.close()
-            raise item.error
-        return item
-
-    def close(self) -> None:
-        """Tell the thread to stop and drop what it prepared; does not wait for it."""
-        self._ended = True
-        self._stop.set()
-        while True:
-            try:
-                self._items.get_nowait()
-            except queue.Empty:  # noqa: PERF203 - draining: the exception is how it ends
-                break
-
-    def join(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` s for the thread to end; whether it did."""
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def alive(self) -> bool:
-        """Whether the thread is still running (it may be inside the source's next())."""
-        return self._thread.is_alive()
-
-
-def _started(prefetcher: Prefetcher, batch: Any) -> Any:
-    """``prefetcher.start(batch)``, in a ``devicekit.copy`` range while a profiler runs."""
-    return (
-        _named("devicekit.copy", prefetcher.start, batch)
-        if profiling()
-        else prefetcher.start(batch)
-    )
-
-
-def _prefetched(
-    batches: Iterator[Any],
-    prefetcher: Prefetcher,
-    depth: int,
-    finish: Callable[[Any], Any],
-    record: EpochRecorder,
-    *,
-    ready: Callable[[], Any] | None = None,
-    first: Any = _NOT_READY,
-) -> Iterator[Any]:
-    """The pipeline: copies up to ``depth`` batches ahead, hands them over in order.
-
-    A batch whose copy has started is handed over as soon as it is asked for: later
-    batches are taken only where ``ready()`` has them already (a feed that reads ahead),
-    never waited for while one is in hand, so a source whose next batch is slow, or
-    depends on the step's result, holds nothing back. Where nothing is in flight, the
-    next batch is waited for. ``first``, where given, was read already.
-
-    An exception from the source or from starting a copy surfaces in its place, after
-    every batch before it; one from ``finish`` (the transform) surfaces at once. Each
-    copy's timer goes to ``record`` as its batch is handed over.
-    """
-    in_flight: collections.deque[Any] = collections.deque()
-    failure: list[Exception] = []  # the source's: raised once the batches before it are out
-    ended = False
-
-    def take(read: Callable[[], Any]) -> bool:
-        """Start the copy of what ``read`` gives; whether it gave a batch."""
-        nonlocal ended
-        try:
-            # No local holds the batch or its ticket: the source's exception, kept until
-            # raised (and maybe by the caller after), would keep them alive.
-            item = read()
-            if item is _NOT_READY:
-                return False
-            in_flight.append(_started(prefetcher, item))
-        except StopIteration:
-            ended = True
-            return False
-        except Exception as error:  # re-raised below, unchanged, in its place
-            failure.append(error)
-            ended = True
-            return False
-        return True
-
-    def top_up() -> None:  # what is ready, no more: the batch in hand is never held back
-        while ready is not None and not ended and len(in_flight) < depth and take(ready):
-            pass
-
-    # An epoch left early never came back for its last batch: order this epoch's first
-    # copies after whatever the consumer queued since, as every later resume does.
-    prefetcher.consumer_done()
-    if first is not _NOT_READY:
-        in_flight.append(_started(prefetcher, first))
-        del first
-    while True:
-        if not in_flight and not ended:
-            take(batches.__next__)  # nothing in flight: wait for the source
-        top_up()
-        if not in_flight:
-            break
-        ticket = in_flight.popleft()
-        record.timers.append(prefetcher.timer(ticket))
-        batch = prefetcher.hand_over(ticket)
-        del ticket
-        record.read_copies()
-        top_up()  # the next copies run while the consumer's step does
-        yield finish(batch)
-        del batch
-        prefetcher.consumer_done()
-    if failure:
-        raise failure[0]
+"""The seam: prefetchers by device type, besides the side streams of this build's
+accelerator (see ``streams_to``). The tests and the benchmarks register a stand-in here."""
 
 
 class DeviceDataLoader(Generic[B]):
@@ -546,7 +192,7 @@ class DeviceDataLoader(Generic[B]):
         self._prefetcher: Prefetcher | None = None
         self._one_shot: Literal["fresh", "started", "used up"] = "fresh"
         # The feeds of live epochs, while their threads run (each thread holds its feed).
-        self._feeds: weakref.WeakSet[_BackgroundFeed] = weakref.WeakSet()
+        self._feeds: weakref.WeakSet[BackgroundFeed] = weakref.WeakSet()
         self._record: EpochRecorder | None = None  # the latest epoch's
 
     @property
@@ -683,7 +329,17 @@ class DeviceDataLoader(Generic[B]):
         prefetcher = self._prefetcher
         if prefetcher is None:
             prefetcher = self._prefetcher = make_prefetcher(device, self._non_blocking)
-        return self._measured(self._ahead(self._batches(), prefetcher, device, record), record)
+        epoch = ahead(
+            self._batches(),
+            prefetcher,
+            device,
+            record,
+            depth=self._prefetch,
+            finish=self._finish,
+            pins=self._pins(),
+            feeds=self._feeds,
+        )
+        return self._measured(epoch, record)
 
     def _setup(self, *, ahead: bool) -> Setup:
         loader = self.loader
@@ -784,56 +440,3 @@ class DeviceDataLoader(Generic[B]):
             return in_line_mover(device)
         non_blocking, finish = self._non_blocking, self._finish
         return lambda batch: finish(to_device(batch, device, non_blocking=non_blocking))
-
-    def _ahead(
-        self,
-        batches: Iterator[Any],
-        prefetcher: Prefetcher,
-        device: torch.device,
-        record: EpochRecorder,
-    ) -> Iterator[B]:
-        # Reads that draw from the global random generators (augmentation in a dataset
-        # read without workers, a sampler's shuffle, graph sampling) happen in this
-        # thread, between the loop's steps, as in a plain loop: a thread reading ahead
-        # would interleave its draws with the loop's by timing, and a seeded run would
-        # repeat neither the plain loop nor itself. So an epoch's first read is always
-        # made here, and its second where the first drew; where the second draws too,
-        # every read is made here, batch by batch as the loop asks (``reads_draw``, in the
-        # stats and their verdict). Otherwise the rest is read ahead (by the feed).
-        #
-        # That is the whole rule, and it cannot see further: a read's draws cannot be
-        # known before it is made, nor told apart from the loop's once a thread makes it
-        # beside them (the generators are the process's), and read k's draws follow step
-        # k-1's in a plain loop, so no read that might draw can be made ahead of it. A
-        # source that draws only from a later read on (augmentation switched on after a
-        # warm-up, every other batch) is read ahead, and the guide says so.
-        checks = _READS_CHECKED
-        while True:
-            before = random_state() if checks else None
-            batch = next(batches, _END)
-            if batch is _END:
-                return
-            if before is not None:
-                if not drew_since(before):
-                    record.reads_draw = False
-                    break  # reading draws nothing: from this batch on, read ahead
-                checks -= 1
-                if not checks:
-                    record.reads_draw = True  # every read is made here, from now on
-            yield from _prefetched(iter((batch,)), prefetcher, 1, self._finish, record)
-            del batch
-        # The rest is read by a feed thread, pinned there where devicekit pins, so that a
-        # batch ready on the device is handed over whatever the next one's read costs.
-        pin = prefetcher.pin if self._pins() else _as_it_is
-        feed = _BackgroundFeed(batches, pin, self._prefetch, device)
-        self._feeds.add(feed)
-        record.read_ahead = True
-        pipeline = _prefetched(
-            feed, prefetcher, self._prefetch, self._finish, record, ready=feed.ready, first=batch
-        )
-        del batch
-        try:
-            yield from pipeline
-        finally:
-            # The end, an error, or a loop left early: the thread stops, the prefetched go.
-            feed.close()

@@ -66,7 +66,7 @@ class EpochRecorder:
         self.copies: list[float] | None = [] if setup.accelerator else None
         self.timers: list[CopyTimer] = []  # copies handed over, time not read yet
         self.finished = False
-        # Where the loader reads this epoch's batches (see DeviceDataLoader._ahead).
+        # Where the loader reads this epoch's batches (see _pipeline.ahead).
         self.read_ahead = False
         self.reads_draw: bool | None = None
         # Where this epoch's batches hold their samples (see samples_in): the entry

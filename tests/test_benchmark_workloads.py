@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import dataloader
 
 import devicekit as dk
-from devicekit import _loader, _packing, _transfer
+from devicekit import _feed, _loader, _packing, _transfer
 from devicekit.testing import assert_same_structure
 
 from .helpers import CPU, META, Pair, tensor_leaves
@@ -85,8 +85,8 @@ def test_the_gpu_report_runs_every_section_through_the_accelerator_path(
 
         return wrapper
 
-    feed_init = _loader._BackgroundFeed.__init__
-    monkeypatch.setattr(_loader._BackgroundFeed, "__init__", counting("feeds", feed_init))
+    feed_init = _feed.BackgroundFeed.__init__
+    monkeypatch.setattr(_feed.BackgroundFeed, "__init__", counting("feeds", feed_init))
     start = report_script._HostPrefetcher.start
     monkeypatch.setattr(report_script._HostPrefetcher, "start", counting("starts", start))
     monkeypatch.setattr(_packing, "pack", counting("packed", _packing.pack, packed=True))

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import devicekit as dk
-from devicekit import _loader
+from devicekit import _pipeline
 
 from .helpers import CPU, META, PinRecorder, require_package
 
@@ -409,7 +409,7 @@ def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
     graph_features = batches["graph"].x
     for name, batch in batches.items():
         recorder.pinned.clear()
-        pinned = _loader._pin(
+        pinned = _pipeline._pin(
             {  # the feed's pinning, as StreamPrefetcher.pin runs it
                 "batch": batch,
                 "id": 3,

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
-from devicekit import _loader
+from devicekit import _loader, _pipeline
 from devicekit._packing import PACK_MAX_BYTES
 
 from .conftest import WATCHDOG_S, Hang
@@ -501,7 +501,7 @@ def test_pinning_takes_large_host_tensors_once_each_and_leaves_the_rest() -> Non
     on_meta = torch.zeros(PACK_MAX_BYTES, device="meta")
     batch = {"a": large, "again": [large], "small": small, "meta": on_meta, "id": "x"}
     pin = PinRecorder()
-    pinned = _loader._pin(batch, pin)
+    pinned = _pipeline._pin(batch, pin)
     assert [id(t) for t in pin.pinned] == [id(large)]  # pinned once, although there twice
     assert pinned["a"] is pinned["again"][0]  # aliases stay aliases
     assert pinned["a"] is not large
@@ -522,7 +522,7 @@ def test_pinning_by_default_keeps_pinned_tensors_and_pins_the_others() -> None:
             return True
 
     already = tensor.as_subclass(Pinned)
-    assert _loader._page_locked(already) is already
+    assert _pipeline._page_locked(already) is already
     assert calls == ["is_pinned"]
 
 
