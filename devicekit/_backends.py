@@ -19,6 +19,7 @@ import torch
 
 from devicekit._devices import accelerator_type, shown
 from devicekit._nvml import NvmlGpu, read_nvml, unforked, visible_gpus
+from devicekit._units import gib
 
 __all__ = [
     "AcceleratorBackend",
@@ -26,11 +27,14 @@ __all__ = [
     "CpuBackend",
     "CudaBackend",
     "DeviceInfo",
+    "Family",
     "GpuProcess",
     "MpsBackend",
     "XpuBackend",
     "builtin_backends",
     "cuda_started",
+    "describe",
+    "who_uses",
 ]
 
 
@@ -81,6 +85,35 @@ class GpuProcess(NamedTuple):
     """Bytes of GPU memory it uses; None where the driver does not say (in containers)."""
 
 
+def who_uses(info: DeviceInfo) -> str:
+    """Who uses a GPU, as NVML lists them: ``31.0 GiB used by pid 4242, pid 77``."""
+    if not info.processes:
+        return ""
+    ordered = sorted(info.processes, key=lambda process: -(process.used_memory or 0))
+    named = [
+        f"{gib(process.used_memory)} used by pid {process.pid}"
+        if process.used_memory is not None
+        else f"used by pid {process.pid}"
+        for process in ordered[:3]
+    ]
+    more = len(ordered) - len(named)
+    return ", ".join(named) + (f" and {more} more" if more else "")
+
+
+def describe(info: DeviceInfo) -> str:
+    """One line about a device, as ``explain()`` and ``devicekit info`` show it."""
+    parts = [f"{info.device!s:<8}", info.name or "unknown model"]
+    if info.free_memory is not None and info.total_memory is not None:
+        parts.append(f"{gib(info.free_memory)} free of {gib(info.total_memory)}")
+    elif info.total_memory is not None:
+        parts.append(f"{gib(info.total_memory)}, free memory unknown")
+    if info.capability is not None:
+        parts.append(f"compute capability {info.capability[0]}.{info.capability[1]}")
+    if info.utilization is not None:
+        parts.append(f"{info.utilization:.0%} busy")
+    return f"{parts[0]} {', '.join(parts[1:])}"
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A family of devices that :class:`~devicekit.DeviceManager` can select from.
@@ -118,6 +151,29 @@ class Backend(Protocol):
         are merely listed.
         """
         ...
+
+
+class Family(NamedTuple):
+    """One device family as its backend listed it: ``cuda`` (ROCm too), ``xpu``, ``mps``."""
+
+    name: str
+    device_type: str
+    devices: tuple[DeviceInfo, ...]
+    note: str | None = None  # why it found nothing, where it knows
+
+    @classmethod
+    def listed(cls, backend: Backend) -> Family:
+        """What ``backend`` lists now, checked: a custom backend's mistake is named here."""
+        found = tuple(backend.devices())  # first: listing sets the note
+        for position, info in enumerate(found):
+            if not isinstance(info, DeviceInfo):  # for untyped backends
+                msg = (  # type: ignore[unreachable]
+                    f"Expected the {backend.name!r} backend's devices() to list "
+                    f"devicekit.DeviceInfo objects, got {type(info).__name__} {shown(info)} "
+                    f"at position {position}."
+                )
+                raise TypeError(msg)
+        return cls(backend.name, backend.device_type, found, getattr(backend, "note", None))
 
 
 def cuda_started() -> bool:
@@ -365,14 +421,10 @@ class CpuBackend:
         ]
 
 
-_KNOWN_TYPES = frozenset({"cuda", "xpu", "mps", "cpu"})
-
-
 def builtin_backends() -> list[Backend]:
     """The built-in backends, plus one for an accelerator PyTorch knows and they miss."""
-    backends: list[Backend] = [CudaBackend(), XpuBackend(), MpsBackend()]
+    backends: list[Backend] = [CudaBackend(), XpuBackend(), MpsBackend(), CpuBackend()]
     other = accelerator_type()  # the build's, read without starting it
-    if other is not None and other not in _KNOWN_TYPES:
-        backends.append(AcceleratorBackend(other))
-    backends.append(CpuBackend())
+    if other is not None and all(backend.device_type != other for backend in backends):
+        backends.insert(-1, AcceleratorBackend(other))
     return backends

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import TypeAlias, cast
+from typing import Final, TypeAlias, cast
 
 import torch
 
@@ -17,9 +17,12 @@ from devicekit import _compat
 from devicekit._errors import DeviceUnavailableError
 
 __all__ = [
+    "HOST_TYPES",
     "DeviceLike",
     "accelerator_type",
     "available_devices",
+    "has_backend",
+    "no_backend",
     "parse_device",
     "resolve_device",
     "streams_to",
@@ -29,8 +32,13 @@ DeviceLike: TypeAlias = torch.device | str | int
 """What a ``device=`` argument accepts: a :class:`torch.device`, a string such as
 ``"cuda:0"``, or the index of a device of this machine's accelerator."""
 
-# Devices that exist on every machine and carry no index.
-_ALWAYS_AVAILABLE = ("cpu", "meta")
+HOST_TYPES: Final = ("cpu", "meta")
+"""The host-side device types: on every machine, without an index, and without a stream.
+
+Work on them runs on the calling thread (``meta`` only computes shapes), so a copy to
+them needs no stream to order it and nothing to wait on; every other type is an
+accelerator's. Listed in this order by :func:`available_devices`."""
+
 # Accelerator families in the order devicekit prefers them when nothing is asked for.
 _ACCELERATORS = ("cuda", "xpu", "mps")
 _EXAMPLES = "'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
@@ -90,7 +98,7 @@ def available_devices() -> list[str]:
     found = [
         f"{kind}:{index}" for kind in _ACCELERATORS for index in range(_device_count(kind) or 0)
     ]
-    return [*found, *_ALWAYS_AVAILABLE]
+    return [*found, *HOST_TYPES]
 
 
 def _choices() -> str:
@@ -116,9 +124,21 @@ def has_backend(device_type: str) -> bool:
     >>> has_backend("cpu"), has_backend("xla")
     (True, False)
     """
-    if device_type in _ALWAYS_AVAILABLE or device_type == accelerator_type():
+    if device_type in HOST_TYPES or device_type == accelerator_type():
         return True
     return getattr(torch, device_type, None) is not None  # an extension's module
+
+
+def no_backend(spec: str, device_type: str) -> str:
+    """The refusal of a device of a type this PyTorch has no backend for; the caller lists.
+
+    >>> no_backend("'xla'", "xla")  # doctest: +ELLIPSIS
+    "Expected a device of a backend this PyTorch has, got 'xla': no xla backend is loaded ..."
+    """
+    return (
+        f"Expected a device of a backend this PyTorch has, got {spec}: no {device_type} "
+        "backend is loaded (an extension such as torch_xla registers one when imported)."
+    )
 
 
 @functools.cache
@@ -180,16 +200,12 @@ def parse_device(spec: object) -> torch.device:
 
 
 def _check_available(device: torch.device, spec: object) -> torch.device:
-    if device.type in _ALWAYS_AVAILABLE:
+    if device.type in HOST_TYPES:
         return torch.device(device.type)  # "cpu:0" and "cpu" are one device; tensors say "cpu"
     count = _device_count(device.type)
     if count is None:
         if not has_backend(device.type):
-            msg = (
-                f"Expected a device of a backend this PyTorch has, got {shown(spec)}: no "
-                f"{device.type} backend is loaded (an extension such as torch_xla registers "
-                f"one when imported). Available here: {_choices()}."
-            )
+            msg = f"{no_backend(shown(spec), device.type)} Available here: {_choices()}."
             raise DeviceUnavailableError(msg)
         # A family devicekit cannot count (hpu, ...): trust the extension that registered it.
         return device
@@ -249,7 +265,7 @@ def resolve_device(spec: DeviceLike) -> torch.device:
         pass
     device = _check_available(parse_device(spec), spec)
     if isinstance(spec, int | str | torch.device) and (
-        device.type in _ALWAYS_AVAILABLE or parse_device(spec).index is not None
+        device.type in HOST_TYPES or parse_device(spec).index is not None
     ):
         if len(_resolved) >= _SPECS_KEPT:
             _resolved.clear()  # distinct specs made at run time must not pile up

@@ -3,44 +3,35 @@
 :func:`diagnose` is a pure function of a :class:`Machine` snapshot (the environment
 variables, the device families the backends list, whether CUDA started, the claim
 directory's state), returning one :class:`Finding` per mistake: what it is, why it
-breaks a run, and the fix. Where a launcher's rank gets no device of its own, the
-manager's own choice decides (:func:`devicekit._selection.choose`, given the snapshot
-as the manager would see it), and the variables are read by the manager's readers
-(:mod:`devicekit._launch`, :func:`devicekit._nvml.parse_visible_devices`): the doctor
-names a problem with the ranks exactly where a ``DeviceManager`` would refuse them, and
-adds only rules of its own. :func:`look` takes the snapshot of this process; the
-command prints the findings and exits 1 where one would break a run (an ``error``),
-else 0 (``warning`` findings only say what may surprise).
+breaks a run, and the fix. Where the manager's own choice refuses (a launcher's rank
+without a device of its own, a ``DEVICEKIT_DEVICE`` naming none), the doctor reports
+that refusal: it asks :func:`devicekit._selection.choose`, given the snapshot as the
+manager would see it, and reads the variables with the manager's readers
+(:mod:`devicekit._launch`). Its own rules are only those the choice has not: variables
+that hide every GPU, came too late or disagree, GPU numbering, the claim directory.
+:func:`look` takes the snapshot of this process; the command prints the findings and
+exits 1 where one would break a run (an ``error``), else 0 (``warning`` findings only
+say what may surprise).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
-from typing import Final, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 import torch
 
 from devicekit import _claims as _claims_module
-from devicekit._backends import Backend, builtin_backends, cuda_started
-from devicekit._devices import shown
-from devicekit._launch import (
-    VISIBILITY_VARIABLES,
-    devicekit_device,
-    given_devices,
-    local_rank,
-    whole_number,
-)
-from devicekit._nvml import parse_visible_devices
-from devicekit._selection import Family, RankProblem, Refused, Request, Seen, choose
+from devicekit._backends import Backend, Family, builtin_backends, cuda_started
+from devicekit._devices import has_backend, shown
+from devicekit._launch import VISIBILITY_VARIABLES, parse_visible_devices
+from devicekit._selection import RankProblem, Refused, Request, Seen, choose
 
 __all__ = ["Finding", "Machine", "diagnose", "look"]
 
 Severity = Literal["error", "warning"]
-
-# In the order ROCm applies them, as the conflict's finding lists them.
-_ROCM_VARIABLES: Final = tuple(reversed(VISIBILITY_VARIABLES["cuda"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +59,8 @@ class Machine:
     cuda_count: int | None = None  # what torch.cuda.device_count() says, where CUDA started
     rocm: bool = False  # a ROCm build of PyTorch: cuda means AMD GPUs
     claim_problem: str | None = None  # what is wrong with the claim directory
+    loaded: Callable[[str], bool] = lambda device_type: False
+    """Whether PyTorch has a backend for a device type no family lists (torch_xla's)."""
 
 
 def diagnose(machine: Machine) -> list[Finding]:
@@ -78,41 +71,36 @@ def diagnose(machine: Machine) -> list[Finding]:
     >>> diagnose(Machine({}))
     []
     """
-    findings = [
-        *_ranks(machine),
-        *_visibility(machine),
-        *_order(machine),
-        *_devicekit_device(machine),
-        *_claims(machine),
-    ]
+    findings = [*_refused(machine), *_visibility(machine), *_order(machine), *_claims(machine)]
     return sorted(findings, key=lambda finding: finding.severity != "error")
 
 
-def _accelerators(machine: Machine) -> list[Family]:
-    return [f for f in machine.families if f.device_type not in ("cpu", "meta") and f.devices]
+def _family(machine: Machine, device_type: str) -> Family | None:
+    return next((f for f in machine.families if f.device_type == device_type), None)
 
 
-def _seen(machine: Machine) -> Seen:
-    """What a manager would see in the snapshot's environment: the input of its choice."""
-    environ = machine.environ
-    return Seen(
-        machine.families,
-        devicekit_device=devicekit_device(environ),
-        local_rank=local_rank(environ),
-        split=given_devices(environ),
-    )
-
-
-def _ranks(machine: Machine) -> list[Finding]:
-    """A local rank that is no number, or more ranks than GPUs: as the manager refuses them.
+def _refused(machine: Machine) -> list[Finding]:
+    """Where the manager refuses: the launcher's rank, or ``DEVICEKIT_DEVICE``, in its words.
 
     ``DeviceManager.from_env()`` (every devicekit call's default device) chooses with the
-    default options; where that choice refuses the launcher's rank, so does the doctor.
+    default options, which refuse only these two; where that choice refuses, so does the
+    doctor.
     """
-    outcome = choose(_seen(machine), Request())
-    if not isinstance(outcome, Refused) or outcome.rank is None:
+    seen = Seen.of(machine.families, machine.environ, loaded=machine.loaded)
+    outcome = choose(seen, Request())
+    if not isinstance(outcome, Refused):
         return []
-    return [_rank_finding(outcome.rank)]
+    if outcome.rank is not None:
+        return [_rank_finding(outcome.rank)]
+    return [
+        Finding(
+            "error",
+            "devicekit-device",
+            outcome.message.removesuffix("."),
+            "every devicekit entry point given no device uses it, and stops there",
+            "name one of the devices `devicekit info` lists, or unset it",
+        )
+    ]
 
 
 def _rank_finding(problem: RankProblem) -> Finding:
@@ -142,8 +130,9 @@ def _rank_finding(problem: RankProblem) -> Finding:
 def _visibility(machine: Machine) -> list[Finding]:
     """Variables that hide every GPU, conflict, or came after CUDA started."""
     environ, found = machine.environ, []
-    cuda = next((f for f in machine.families if f.device_type == "cuda"), None)
+    cuda = _family(machine, "cuda")
     visible = environ.get("CUDA_VISIBLE_DEVICES")
+    listed = _counted(parse_visible_devices(visible))
     # The backend's note says so where it saw GPUs that the variable then hid.
     hid = cuda is not None and (cuda.note or "").startswith("CUDA_VISIBLE_DEVICES")
     if visible is not None and cuda is not None and hid and not machine.rocm:
@@ -157,19 +146,14 @@ def _visibility(machine: Machine) -> list[Finding]:
                 "unset it, or list the GPUs this process should use (CUDA_VISIBLE_DEVICES=0,1)",
             )
         )
-    if (
-        machine.cuda_started
-        and visible is not None
-        and machine.cuda_count is not None
-        and _listed(visible) is not None
-        and _listed(visible) != machine.cuda_count
-    ):
+    count = machine.cuda_count if machine.cuda_started else None
+    if count is not None and listed not in (None, count):
         found.append(
             Finding(
                 "error",
                 "visible-devices-after-cuda",
-                f"CUDA_VISIBLE_DEVICES={shown(visible)} lists {_listed(visible)} GPU(s), but "
-                f"CUDA, started before it was set, sees {machine.cuda_count}",
+                f"CUDA_VISIBLE_DEVICES={shown(visible)} lists {listed} GPU(s), but "
+                f"CUDA, started before it was set, sees {count}",
                 "CUDA reads the variable once, when it starts: set later, in the program, it "
                 "changes nothing, and every process keeps all the GPUs it saw",
                 "set it before the program starts (in the shell or the job script), or before "
@@ -179,10 +163,9 @@ def _visibility(machine: Machine) -> list[Finding]:
     if machine.rocm:
         found += _rocm(machine)
     mask = environ.get("ZE_AFFINITY_MASK")
-    xpu = next((f for f in machine.families if f.device_type == "xpu"), None)
-    if mask is not None and (
-        not _mask_parses(mask) or (xpu is not None and not xpu.devices and mask.strip())
-    ):
+    masked = parse_visible_devices(mask, "ZE_AFFINITY_MASK")
+    xpu = _family(machine, "xpu")
+    if masked is not None and (not masked or (xpu is not None and not xpu.devices)):
         found.append(
             Finding(
                 "error",
@@ -196,29 +179,22 @@ def _visibility(machine: Machine) -> list[Finding]:
     return found
 
 
-def _listed(value: str) -> int | None:
-    """How many GPUs ``CUDA_VISIBLE_DEVICES`` lists, read as CUDA (and the manager) reads it.
+def _counted(listed: list[int] | list[str] | None) -> int | None:
+    """How many GPUs a visibility variable lists; None where unset or by UUID (NVML's to tell).
 
-    None where it names GPUs by UUID: whether a prefix matches a GPU only NVML can tell.
-
-    >>> _listed("0,1"), _listed("0,0"), _listed("1,-1,0"), _listed("GPU-5f1c")
-    (2, 0, 1, None)
+    >>> _counted([0, 1]), _counted([]), _counted(["GPU-5f1c"]), _counted(None)
+    (2, 0, None, None)
     """
-    wanted = parse_visible_devices(value)
-    if wanted is None or any(isinstance(token, str) for token in wanted):
+    if listed is None or any(isinstance(token, str) for token in listed):
         return None
-    return len(wanted)
-
-
-def _mask_parses(mask: str) -> bool:
-    items = [item.strip() for item in mask.split(",")]
-    return all(part.isdecimal() for item in items for part in item.split(".")) or not mask.strip()
+    return len(listed)
 
 
 def _rocm(machine: Machine) -> list[Finding]:
     environ = machine.environ
-    given = {name: environ[name] for name in _ROCM_VARIABLES if environ.get(name) is not None}
-    cuda = next((f for f in machine.families if f.device_type == "cuda"), None)
+    applied = reversed(VISIBILITY_VARIABLES["cuda"])  # in ROCm's order, as the finding lists
+    given = {name: environ[name] for name in applied if environ.get(name) is not None}
+    cuda = _family(machine, "cuda")
     found = []
     if len(given) >= 2 and len(set(given.values())) > 1:
         listed = ", ".join(f"{name}={shown(value)}" for name, value in given.items())
@@ -239,7 +215,7 @@ def _rocm(machine: Machine) -> list[Finding]:
 
 def _order(machine: Machine) -> list[Finding]:
     """GPUs that nvidia-smi and CUDA number differently."""
-    cuda = next((f for f in machine.families if f.device_type == "cuda"), None)
+    cuda = _family(machine, "cuda")
     if cuda is None or machine.rocm or machine.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
         return []
     models = {info.name for info in cuda.devices}
@@ -256,48 +232,6 @@ def _order(machine: Machine) -> list[Finding]:
             "export CUDA_DEVICE_ORDER=PCI_BUS_ID, so that both number GPUs alike",
         )
     ]
-
-
-def _devicekit_device(machine: Machine) -> list[Finding]:
-    """DEVICEKIT_DEVICE naming a device this machine does not have."""
-    spec = devicekit_device(machine.environ)
-    if not spec:
-        return []
-    index = whole_number(spec)
-    if index is not None:  # an index into the first accelerator family with devices
-        accelerators = _accelerators(machine)
-        count = len(accelerators[0].devices) if accelerators else 0
-        return (
-            [] if index < count else [_bad_devicekit_device(spec, f"{count} accelerator(s) here")]
-        )
-    try:
-        device = torch.device(spec)  # not parse_device: its message lists this machine's
-    except RuntimeError:
-        return [_bad_devicekit_device(spec, "PyTorch knows no such device")]
-    if device.type in ("cpu", "meta") or all(
-        family.device_type != device.type for family in machine.families
-    ):
-        return []  # a device no backend here lists (xla...): PyTorch's to judge
-    found = [
-        info
-        for family in machine.families
-        for info in family.devices
-        if info.device.type == device.type
-    ]
-    if not found or (device.index is not None and all(i.index != device.index for i in found)):
-        devices = ", ".join(str(info.device) for info in found) or "none"
-        return [_bad_devicekit_device(spec, f"the {device.type} devices here: {devices}")]
-    return []
-
-
-def _bad_devicekit_device(spec: str, said: str) -> Finding:
-    return Finding(
-        "error",
-        "devicekit-device",
-        f"DEVICEKIT_DEVICE={shown(spec)} names no device of this machine",
-        f"every devicekit entry point given no device uses it, and stops ({said})",
-        "name one of the devices `devicekit info` lists, or unset it",
-    )
 
 
 def _claims(machine: Machine) -> list[Finding]:
@@ -319,15 +253,8 @@ def _claims(machine: Machine) -> list[Finding]:
 
 def look(backends: Sequence[Backend] | None = None) -> Machine:
     """This process's snapshot: its environment, its devices, its CUDA, its claim directory."""
-    families = tuple(
-        Family(
-            backend.name,
-            backend.device_type,
-            tuple(backend.devices()),
-            getattr(backend, "note", None),
-        )
-        for backend in (builtin_backends() if backends is None else backends)
-    )
+    listing = builtin_backends() if backends is None else backends
+    families = tuple(Family.listed(backend) for backend in listing)
     started = cuda_started()
     return Machine(
         environ=dict(os.environ),
@@ -336,4 +263,5 @@ def look(backends: Sequence[Backend] | None = None) -> Machine:
         cuda_count=torch.cuda.device_count() if started else None,
         rocm=torch.version.hip is not None,
         claim_problem=_claims_module.directory_problem(),
+        loaded=has_backend,
     )

@@ -25,6 +25,7 @@ __all__ = [
     "given_devices",
     "local_rank",
     "own_devices_variable",
+    "parse_visible_devices",
     "slurm_gpus_per_task",
     "whole_number",
 ]
@@ -33,12 +34,11 @@ VISIBILITY_VARIABLES: Final = {
     "cuda": ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"),
     "xpu": ("ZE_AFFINITY_MASK",),
 }
-"""The variables that give a process its own devices, by device type.
+"""The variables that give a process its own devices, by device type: the only table.
 
 Each family's first is the one advice names. ROCm applies its three in the reverse order:
 ``ROCR_VISIBLE_DEVICES`` first, then ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``)
-numbers the devices that are left. ``CUDA_VISIBLE_DEVICES`` itself is read as the CUDA
-runtime reads it by :func:`devicekit._nvml.parse_visible_devices`.
+numbers the devices that are left. Their values are read by :func:`parse_visible_devices`.
 """
 
 
@@ -67,6 +67,72 @@ def given_devices(environ: Mapping[str, str] | None = None) -> frozenset[str]:
         for device_type, names in VISIBILITY_VARIABLES.items()
         if any(environ.get(name) for name in names)
     )
+
+
+_MOST_DIGITS = 9  # an index longer than this names no GPU
+
+
+def _leading_integer(token: str) -> int:
+    """The integer a token starts with, as the CUDA runtime reads it ("1gpu" is 1); -1 if none."""
+    digits = token[1:] if token[:1] in "+-" else token
+    length = len(digits) - len(digits.lstrip("0123456789"))
+    if length == 0:
+        return -1
+    if length > _MOST_DIGITS:  # no GPU has that index; int() would refuse 4,301 digits
+        return -1 if token.startswith("-") else 10**_MOST_DIGITS
+    return int(token[: length + (len(token) - len(digits))])
+
+
+def parse_visible_devices(
+    value: str | None, variable: str = "CUDA_VISIBLE_DEVICES"
+) -> list[int] | list[str] | None:
+    """The devices a visibility variable lists, read as its runtime reads it.
+
+    ``CUDA_VISIBLE_DEVICES`` (and ROCm's two, in the same form) as the CUDA runtime and
+    PyTorch read it: indices, or UUID prefixes (``GPU-…``, ``MIG-…``); the list stops at
+    the first entry that is not of the same kind (a negative index, say), and a repeated
+    entry hides every GPU. ``ZE_AFFINITY_MASK`` as Level Zero's: devices by index, a
+    tile as ``0.1``; blank is no mask, and a malformed one leaves no device.
+
+    >>> parse_visible_devices(None) is None, parse_visible_devices("2,0"), parse_visible_devices("")
+    (True, [2, 0], [])
+    >>> parse_visible_devices("1,-1,0"), parse_visible_devices("0,0")
+    ([1], [])
+    >>> parse_visible_devices("GPU-ab,x")
+    ['GPU-ab']
+    >>> mask = "ZE_AFFINITY_MASK"
+    >>> parse_visible_devices("0.1, 1", mask), parse_visible_devices("first", mask)
+    (['0.1', '1'], [])
+
+    Returns:
+        None when unset (every device is visible); otherwise the visible devices as
+        indices in the runtime's order, or as UUID prefixes (Level Zero's as written).
+    """
+    if value is None or (variable == "ZE_AFFINITY_MASK" and not value.strip()):
+        return None
+    if variable == "ZE_AFFINITY_MASK":
+        entries = [entry.strip() for entry in value.split(",")]
+        parses = all(part.isdecimal() for entry in entries for part in entry.split("."))
+        return entries if parses else []
+    for prefix in ("GPU-", "MIG-"):
+        if value.startswith(prefix):
+            uuids: list[str] = []
+            for token in value.split(","):  # UUIDs are taken verbatim, spaces included
+                if not token.startswith(prefix):
+                    break
+                if token in uuids:
+                    return []
+                uuids.append(token)
+            return uuids
+    indices: list[int] = []
+    for token in value.split(","):
+        index = _leading_integer(token.strip())
+        if index < 0:
+            break
+        if index in indices:
+            return []
+        indices.append(index)
+    return indices
 
 
 def own_devices_variable(device_type: str) -> str:

@@ -12,38 +12,34 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from devicekit import _claims, _current, _launch
-from devicekit._backends import Backend, DeviceInfo, builtin_backends, cuda_started
-from devicekit._devices import DeviceLike, has_backend, shown
-from devicekit._errors import DeviceUnavailableError
-from devicekit._selection import (
-    Chosen,
-    Fallback,
+from devicekit._backends import (
+    Backend,
+    DeviceInfo,
     Family,
-    Policy,
-    Refused,
-    Request,
-    Seen,
-    Wait,
-    choose,
+    builtin_backends,
+    cuda_started,
     describe,
 )
+from devicekit._devices import HOST_TYPES, DeviceLike, has_backend, shown
+from devicekit._errors import DeviceUnavailableError
+from devicekit._selection import Chosen, Fallback, Policy, Refused, Request, Seen, Wait, choose
 from devicekit._units import duration, parse_bytes, parse_seconds
 from devicekit._warnings import warn
 
 __all__ = ["DeviceManager", "Fallback", "Policy", "claim_holders"]
 
-_POLICIES = ("auto", "most-free-memory", "local-rank")
-_FALLBACKS = ("cpu", "error")
+_POLICIES = get_args(Policy)
+_FALLBACKS = get_args(Fallback)
 _FAMILIES = ("cuda", "rocm", "xpu", "mps", "cpu")
-_HOST_TYPES = ("cpu", "meta")
 
 
 class _Once:
@@ -62,9 +58,6 @@ class _Once:
         except IndexError:
             return False
         return True
-
-    def is_set(self) -> bool:
-        return not self._left
 
     def set(self) -> None:
         self._left.clear()
@@ -91,21 +84,8 @@ def _claim_key(info: DeviceInfo) -> str:
 
 def claim_holders(devices: Sequence[DeviceInfo]) -> dict[torch.device, _claims.Holder]:
     """The accelerators among ``devices`` that a job claims (this process too), and by whom."""
-    keys = {_claim_key(info): info.device for info in devices if info.device.type != "cpu"}
+    keys = {_claim_key(info): info.device for info in devices if info.device.type not in HOST_TYPES}
     return {keys[key]: holder for key, holder in _claims.holders(list(keys)).items()}
-
-
-def _listed(backend: Backend) -> tuple[DeviceInfo, ...]:
-    """What ``backend.devices()`` lists, checked: a custom backend's mistake named here."""
-    found = tuple(backend.devices())
-    for position, info in enumerate(found):
-        if not isinstance(info, DeviceInfo):  # for untyped backends
-            msg = (  # type: ignore[unreachable]
-                f"Expected the {backend.name!r} backend's devices() to list devicekit.DeviceInfo "
-                f"objects, got {type(info).__name__} {shown(info)} at position {position}."
-            )
-            raise TypeError(msg)
-    return found
 
 
 def _share(value: object) -> float | None:
@@ -355,19 +335,13 @@ class DeviceManager:
 
     def _look(self, lost: dict[torch.device, _claims.Holder | None]) -> Seen:
         """What this machine and its environment show now: devices, claims, launcher."""
-        families = tuple(
-            Family(backend.name, backend.device_type, found, getattr(backend, "note", None))
-            for backend in self._backends
-            for found in (_listed(backend),)
-        )
+        families = tuple(Family.listed(backend) for backend in self._backends)
         devices = tuple(info for family in families for info in family.devices)
         claimed = {**lost, **claim_holders(devices)} if self._claiming else {}
-        return Seen(
+        return Seen.of(
             families,
-            claimed,
-            devicekit_device=_launch.devicekit_device(),
-            local_rank=_launch.local_rank(),
-            split=_launch.given_devices(),
+            os.environ,
+            claimed=claimed,
             cuda_index=torch.cuda.current_device() if cuda_started() else 0,
             loaded=has_backend,
         )
@@ -407,7 +381,7 @@ class DeviceManager:
 
     def _claim_chosen(self, chosen: Chosen) -> bool:
         """Claim the accelerator chosen, where the manager claims; False where it was lost."""
-        if not self._claiming or chosen.device.type in _HOST_TYPES:
+        if not self._claiming or chosen.device.type in HOST_TYPES:
             return True
         info = next((info for info in self._seen.devices if info.device == chosen.device), None)
         name = str(chosen.device) if info is None else _claim_key(info)

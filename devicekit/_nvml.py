@@ -3,8 +3,9 @@
 NVML reads the driver's view of the GPUs without creating a CUDA context, so
 listing devices stays cheap and keeps ``fork()`` safe. NVML numbers GPUs in PCI bus
 order; CUDA numbers them in its own order (``CUDA_DEVICE_ORDER``) and then applies
-``CUDA_VISIBLE_DEVICES``. :func:`visible_gpus` turns the first into the second,
-matching GPUs by UUID, never by assuming the two numberings agree.
+``CUDA_VISIBLE_DEVICES`` (read by :func:`devicekit._launch.parse_visible_devices`).
+:func:`visible_gpus` turns the first into the second, matching GPUs by UUID, never by
+assuming the two numberings agree.
 
 A fork never happens in the middle of a read: the binding (``pynvml``) takes a lock of
 its own as NVML starts and stops, and NVML has its own inside; a child forked while
@@ -21,7 +22,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-__all__ = ["NvmlGpu", "parse_visible_devices", "read_nvml", "unforked", "visible_gpus"]
+from devicekit._launch import parse_visible_devices
+
+__all__ = ["NvmlGpu", "read_nvml", "unforked", "visible_gpus"]
 
 _T = TypeVar("_T")
 
@@ -197,59 +200,6 @@ def _read(pynvml: Any) -> list[NvmlGpu] | None:
     finally:
         pynvml.nvmlShutdown()
     return gpus
-
-
-_MOST_DIGITS = 9  # an index longer than this names no GPU
-
-
-def _leading_integer(token: str) -> int:
-    """The integer a token starts with, as the CUDA runtime reads it ("1gpu" is 1); -1 if none."""
-    digits = token[1:] if token[:1] in "+-" else token
-    length = len(digits) - len(digits.lstrip("0123456789"))
-    if length == 0:
-        return -1
-    if length > _MOST_DIGITS:  # no GPU has that index; int() would refuse 4,301 digits
-        return -1 if token.startswith("-") else 10**_MOST_DIGITS
-    return int(token[: length + (len(token) - len(digits))])
-
-
-def parse_visible_devices(value: str | None) -> list[int] | list[str] | None:
-    """Read ``CUDA_VISIBLE_DEVICES`` the way the CUDA runtime (and PyTorch) do.
-
-    >>> parse_visible_devices(None) is None, parse_visible_devices("2,0"), parse_visible_devices("")
-    (True, [2, 0], [])
-    >>> parse_visible_devices("1,-1,0"), parse_visible_devices("0,0")
-    ([1], [])
-    >>> parse_visible_devices("GPU-ab,x")
-    ['GPU-ab']
-
-    Returns:
-        None when unset (every GPU is visible); otherwise the visible GPUs as indices in
-        CUDA's order, or as UUID prefixes (``GPU-…``, ``MIG-…``). The list stops at the
-        first entry that is not of the same kind (a negative index, say), and a repeated
-        entry hides every GPU.
-    """
-    if value is None:
-        return None
-    for prefix in ("GPU-", "MIG-"):
-        if value.startswith(prefix):
-            uuids: list[str] = []
-            for token in value.split(","):  # UUIDs are taken verbatim, spaces included
-                if not token.startswith(prefix):
-                    break
-                if token in uuids:
-                    return []
-                uuids.append(token)
-            return uuids
-    indices: list[int] = []
-    for token in value.split(","):
-        index = _leading_integer(token.strip())
-        if index < 0:
-            break
-        if index in indices:
-            return []
-        indices.append(index)
-    return indices
 
 
 def _cuda_order(gpus: Sequence[NvmlGpu], device_order: str) -> list[NvmlGpu]:

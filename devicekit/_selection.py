@@ -20,19 +20,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Literal, NamedTuple, TypeAlias, cast
+from typing import Any, Literal, NamedTuple, TypeAlias, cast
 
 import torch
 
-from devicekit._backends import DeviceInfo
+from devicekit._backends import DeviceInfo, Family, who_uses
 from devicekit._claims import Holder
-from devicekit._devices import DeviceLike, parse_device, shown
+from devicekit._devices import HOST_TYPES, DeviceLike, no_backend, parse_device, shown
 from devicekit._errors import DeviceKitError
 from devicekit._launch import (
     LAUNCHERS,
     BadRank,
     Launcher,
     LocalRank,
+    devicekit_device,
+    given_devices,
+    local_rank,
     own_devices_variable,
     whole_number,
 )
@@ -40,35 +43,21 @@ from devicekit._units import count, duration, gib, percent
 
 __all__ = [
     "Chosen",
-    "Family",
     "RankProblem",
     "Refused",
     "Request",
     "Seen",
     "Wait",
     "choose",
-    "describe",
-    "passed_over",
-    "who_uses",
 ]
 
 Policy: TypeAlias = Literal["auto", "most-free-memory", "local-rank"]
 Fallback: TypeAlias = Literal["cpu", "error"]
 
-_HOST_TYPES = ("cpu", "meta")
 # "auto" takes the lowest-numbered device whose free memory is within this share of the
 # most free: an idle multi-GPU machine then gives cuda:0, not whichever GPU happens to
 # have a few megabytes more free, while a busy cuda:0 is passed over.
 _AUTO_FREE_TOLERANCE = 0.05
-
-
-class Family(NamedTuple):
-    """One device family as its backend listed it: ``cuda`` (ROCm too), ``xpu``, ``mps``."""
-
-    name: str
-    device_type: str
-    devices: tuple[DeviceInfo, ...]
-    note: str | None = None  # why it found nothing, where it knows
 
 
 class Seen(NamedTuple):
@@ -88,6 +77,17 @@ class Seen(NamedTuple):
     cuda_index: int = 0  # what "cuda" names: the current CUDA device, 0 before CUDA starts
     loaded: Callable[[str], bool] = lambda device_type: False
     """Whether PyTorch has a backend for a device type no family lists (torch_xla's)."""
+
+    @classmethod
+    def of(cls, families: tuple[Family, ...], environ: Mapping[str, str], **more: Any) -> Seen:
+        """What a manager sees: ``families``, and what the launcher's ``environ`` says."""
+        return cls(
+            families,
+            devicekit_device=devicekit_device(environ),
+            local_rank=local_rank(environ),
+            split=given_devices(environ),
+            **more,
+        )
 
     @property
     def devices(self) -> tuple[DeviceInfo, ...]:
@@ -138,7 +138,7 @@ class RankProblem(NamedTuple):
     launcher: Launcher
     family: str = ""  # the accelerator family the ranks share
     devices: int = 0  # how many of its devices this process sees
-    own: str = "CUDA_VISIBLE_DEVICES"  # the variable that would give each process its own
+    own: str = ""  # the variable that would give each process its own devices
 
 
 class Refused(NamedTuple):
@@ -223,16 +223,13 @@ class _Choice:
             device = parse_device(spec)
         except DeviceKitError as err:
             return Refused(str(err))
-        if device.type in _HOST_TYPES:
+        if device.type in HOST_TYPES:
             return self.chosen(torch.device(device.type), f"asked for {device.type}")
         found = [info for info in seen.devices if info.device.type == device.type]
         if not found and not any(f.device_type == device.type for f in seen.families):
             if not seen.loaded(device.type):
-                return Refused(
-                    f"Expected a device of a backend this PyTorch has, got {shown(str(spec))}: "
-                    f"no {device.type} backend is loaded (an extension such as torch_xla "
-                    f"registers one when imported). Devices here: {self.listed()}."
-                )
+                listed = f" Devices here: {self.listed()}."
+                return Refused(no_backend(shown(str(spec)), device.type) + listed)
             return self.chosen(device, f"asked for {device}, a device type devicekit cannot check")
         index = cast("int | None", device.index)  # None for "cuda", whatever the stubs say
         if index is None:
@@ -421,7 +418,22 @@ class _Choice:
         return chosen._replace(fell_back=why)
 
     def passed_over(self) -> list[str]:
-        return passed_over(self.seen, self.request.prefer, self.skipped)
+        """Why each accelerator family or device was not chosen, a sentence each."""
+        prefer = self.request.prefer
+        reasons = [f"Passed over {reason}." for reason in self.skipped]
+        for family in self.seen.families:
+            if family.device_type == "cpu":
+                continue
+            wanted = family.name in prefer or family.device_type in prefer
+            if not family.devices and wanted:
+                note = f" ({family.note})" if family.note else ""
+                reasons.append(f"No {family.name} device is visible{note}.")
+            elif family.devices and not wanted:
+                devices = ", ".join(str(info.device) for info in family.devices)
+                reasons.append(
+                    f"Passed over {devices}: {family.name} is not among prefer {prefer}."
+                )
+        return reasons
 
     # What was seen.
 
@@ -445,22 +457,6 @@ class _Choice:
 
     def listed(self) -> str:
         return ", ".join(str(info.device) for info in self.seen.devices) or "none"
-
-
-def passed_over(seen: Seen, prefer: tuple[str, ...], skipped: list[str]) -> list[str]:
-    """Why each accelerator family or device was not chosen, a sentence each."""
-    reasons = [f"Passed over {reason}." for reason in skipped]
-    for family in seen.families:
-        if family.device_type == "cpu":
-            continue
-        wanted = family.name in prefer or family.device_type in prefer
-        if not family.devices and wanted:
-            note = f" ({family.note})" if family.note else ""
-            reasons.append(f"No {family.name} device is visible{note}.")
-        elif family.devices and not wanted:
-            devices = ", ".join(str(info.device) for info in family.devices)
-            reasons.append(f"Passed over {devices}: {family.name} is not among prefer {prefer}.")
-    return reasons
 
 
 def _by(holder: Holder | int | None) -> str:
@@ -492,32 +488,3 @@ def _shared(start: str, problem: RankProblem) -> str:
 
 def _processes(number: int) -> str:
     return "1 process" if number == 1 else f"{number} processes"
-
-
-def who_uses(info: DeviceInfo) -> str:
-    """Who uses a GPU, as NVML lists them: ``31.0 GiB used by pid 4242, pid 77``."""
-    if not info.processes:
-        return ""
-    ordered = sorted(info.processes, key=lambda process: -(process.used_memory or 0))
-    named = [
-        f"{gib(process.used_memory)} used by pid {process.pid}"
-        if process.used_memory is not None
-        else f"used by pid {process.pid}"
-        for process in ordered[:3]
-    ]
-    more = len(ordered) - len(named)
-    return ", ".join(named) + (f" and {more} more" if more else "")
-
-
-def describe(info: DeviceInfo) -> str:
-    """One line about a device, as ``explain()`` and ``devicekit info`` show it."""
-    parts = [f"{info.device!s:<8}", info.name or "unknown model"]
-    if info.free_memory is not None and info.total_memory is not None:
-        parts.append(f"{gib(info.free_memory)} free of {gib(info.total_memory)}")
-    elif info.total_memory is not None:
-        parts.append(f"{gib(info.total_memory)}, free memory unknown")
-    if info.capability is not None:
-        parts.append(f"compute capability {info.capability[0]}.{info.capability[1]}")
-    if info.utilization is not None:
-        parts.append(f"{info.utilization:.0%} busy")
-    return f"{parts[0]} {', '.join(parts[1:])}"

@@ -21,12 +21,12 @@ import torch
 
 import devicekit
 from devicekit import _bench
+from devicekit._backends import who_uses
 from devicekit._claims import Holder
 from devicekit._demo import BATCH_SIZE, fit_demo_batch, schedule_for, train
 from devicekit._doctor import diagnose, look
 from devicekit._errors import DeviceKitError
 from devicekit._manager import DeviceManager, claim_holders
-from devicekit._selection import who_uses
 from devicekit._units import count, gib
 
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import devicekit as dk
 from devicekit._backends import CpuBackend, CudaBackend, builtin_backends
-from devicekit._nvml import NvmlGpu, parse_visible_devices, visible_gpus
+from devicekit._launch import parse_visible_devices
+from devicekit._nvml import NvmlGpu, visible_gpus
 
 from .helpers import CPU, GiB
 from .programs import run_program

@@ -20,11 +20,11 @@ import torch
 
 import devicekit as dk
 from devicekit import _doctor
-from devicekit._backends import CpuBackend, CudaBackend, DeviceInfo
+from devicekit._backends import CpuBackend, CudaBackend, DeviceInfo, Family
+from devicekit._devices import has_backend
 from devicekit._doctor import Finding, Machine, diagnose, look
 from devicekit._launch import LAUNCHERS, VISIBILITY_VARIABLES
 from devicekit._nvml import NvmlGpu
-from devicekit._selection import Family
 
 from .fakes import FakeGpus
 from .helpers import GiB
@@ -314,9 +314,14 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         [("error", "devicekit-device")],
     ),
     (
-        "DEVICEKIT_DEVICE a device no backend lists",
-        on(TWO, environ={"DEVICEKIT_DEVICE": "xla"}),
+        "DEVICEKIT_DEVICE a device of an extension's backend no family lists",
+        on(TWO, environ={"DEVICEKIT_DEVICE": "xla"}, loaded=lambda device_type: True),
         [],
+    ),
+    (
+        "DEVICEKIT_DEVICE a device type this PyTorch has no backend for",
+        on(TWO, environ={"DEVICEKIT_DEVICE": "xla"}),
+        [("error", "devicekit-device")],
     ),
     # The claim directory.
     (
@@ -620,3 +625,47 @@ def test_a_repeated_gpu_in_cuda_visible_devices_hides_every_gpu_for_both(
     findings = diagnose(machine)
     assert [f.code for f in findings if f.code != "claim-directory"] == ["visible-devices-hide-all"]
     assert findings[0].what == "CUDA_VISIBLE_DEVICES='0,0' hides every GPU"
+
+
+def _manager_refusal(families: tuple[Family, ...]) -> str | None:
+    """The message of the error a manager with the default options raises, or None."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback, said once
+            dk.DeviceManager.from_env(backends=[Listed(family) for family in families])
+    except dk.DeviceUnavailableError as error:
+        return str(error)
+    return None
+
+
+# A family that prefer= does not name by default: an index names none of its devices.
+GAUDI = gpus("Gaudi 2", device_type="hpu")
+NAMED: list[tuple[str, tuple[Family, ...], str]] = [
+    ("a GPU here", (TWO,), "cuda:1"),
+    ("past the GPUs", (TWO,), "cuda:3"),
+    ("the current GPU", (TWO,), "cuda"),
+    ("no device at all", (TWO,), "gpu"),
+    ("an index here", (TWO,), " 1 "),
+    ("an index past the GPUs", (TWO,), "2"),
+    ("the CPU without GPUs", (NONE,), "cpu"),
+    ("meta", (TWO,), "meta"),
+    ("a GPU without GPUs", (NONE,), "cuda:0"),
+    ("a family with no device here", (TWO, gpus(device_type="mps", note="not available")), "mps"),
+    ("a type this PyTorch has no backend for", (TWO,), "xla"),
+    ("an index where only a family prefer leaves out has devices", (GAUDI,), "0"),
+    ("a device of that family", (GAUDI,), "hpu:0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("families", "spec"), [case[1:] for case in NAMED], ids=[case[0] for case in NAMED]
+)
+def test_the_doctor_refuses_devicekit_device_exactly_where_the_manager_does_in_its_words(
+    monkeypatch: pytest.MonkeyPatch, families: tuple[Family, ...], spec: str
+) -> None:
+    environ = {"DEVICEKIT_DEVICE": spec}
+    machine = on(*families, environ=environ, loaded=has_backend)  # as look() takes it
+    found = [f.what for f in diagnose(machine) if f.code == "devicekit-device"]
+    _in_environment(monkeypatch, environ)
+    refusal = _manager_refusal(machine.families)
+    assert found == ([] if refusal is None else [refusal.removesuffix(".")])

@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from devicekit._backends import DeviceInfo
+from devicekit._backends import DeviceInfo, Family
 from devicekit._claims import Holder
 from devicekit._launch import LAUNCHERS, BadRank, LocalRank, local_rank, slurm_gpus_per_task
 from devicekit._selection import (
     Chosen,
-    Family,
     RankProblem,
     Refused,
     Request,
