@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _checkpoint, _tree
+from devicekit import _atomic, _checkpoint, _tree, _weights_only
 
 from .helpers import META, own_safe_globals  # noqa: F401 - a fixture, used by name
 
@@ -157,7 +157,7 @@ def test_a_full_disk_says_so_and_names_the_path_not_the_temporary(
         os.close(descriptor)
         return real_fdopen(os.open("/dev/full", os.O_WRONLY), mode, *args)
 
-    monkeypatch.setattr(_checkpoint.os, "fdopen", onto_a_full_disk)
+    monkeypatch.setattr(_atomic.os, "fdopen", onto_a_full_disk)
     with pytest.raises(
         OSError, match=re.escape(f"Cannot save to '{path}': the disk holding")
     ) as raised:
@@ -194,7 +194,7 @@ def test_a_folder_that_is_not_writable_is_named_not_the_temporary(
             raise PermissionError(errno.EACCES, "Permission denied")
         return real_open(path, flags, mode, **kw)
 
-    monkeypatch.setattr(_checkpoint.os, "open", refused)
+    monkeypatch.setattr(_atomic.os, "open", refused)
     with pytest.raises(PermissionError) as raised:
         dk.save({"epoch": 1}, tmp_path / "model.pt")
     assert f"the folder '{tmp_path}' is not writable (Permission denied)" in str(raised.value)
@@ -291,7 +291,7 @@ def test_a_folder_that_cannot_be_opened_to_flush_the_rename_still_saves(
             raise PermissionError(errno.EACCES, "Permission denied")
         return real_open(path, flags, *args, **kw)
 
-    monkeypatch.setattr(_checkpoint.os, "open", unlistable)
+    monkeypatch.setattr(_atomic.os, "open", unlistable)
     dk.save({"epoch": 1}, tmp_path / "model.pt")
     monkeypatch.undo()
     assert dk.load(tmp_path / "model.pt", "cpu") == {"epoch": 1}
@@ -311,7 +311,7 @@ def test_a_folder_that_refuses_to_be_flushed_still_saves(
             raise OSError(errno.EINVAL, "Invalid argument")
         real_fsync(descriptor)
 
-    monkeypatch.setattr(_checkpoint.os, "fsync", no_folder_flush)
+    monkeypatch.setattr(_atomic.os, "fsync", no_folder_flush)
     dk.save({"epoch": 1}, tmp_path / "model.pt")
     dk.save({"epoch": 2}, tmp_path / "model.pt")
     monkeypatch.undo()
@@ -380,7 +380,7 @@ def test_root_that_may_not_give_files_away_refuses_another_user_s_checkpoint(
     def refused(descriptor: int, uid: int, gid: int) -> None:
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
-    monkeypatch.setattr(_checkpoint.os, "fchown", refused)
+    monkeypatch.setattr(_atomic.os, "fchown", refused)
     msg = f"Cannot save to '{path}': the file there belongs to user nobody (uid {NOBODY}), and"
     with pytest.raises(PermissionError, match=re.escape(msg)):
         dk.save({"epoch": 2}, path)
@@ -404,7 +404,7 @@ def test_a_refused_rename_names_the_path_and_removes_the_temporary(
     def refused(source: str, target: str) -> None:
         raise PermissionError(errno.EPERM, "Operation not permitted", source, target)
 
-    monkeypatch.setattr(_checkpoint.os, "replace", refused)
+    monkeypatch.setattr(_atomic.os, "replace", refused)
     why = (
         f"the folder '{tmp_path}' is sticky, where only a file's owner may replace it"
         if sticky
@@ -977,7 +977,7 @@ def test_the_search_for_what_is_refused_keeps_to_the_depth_rule() -> None:
     for _ in range(_tree.MAX_DEPTH):
         deep = [deep]
     refusal = "Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global"
-    message = _checkpoint._unloadable(deep, refusal, "'ckpt.pt'")
+    message = _weights_only.save_refusal(deep, refusal, "'ckpt.pt'")
     assert message.startswith(
         "Cannot save to 'ckpt.pt': a weights-only load, dk.load's default, would refuse to "
         "build torch.nn.modules.linear.Linear (building it could run code the file names). "
@@ -998,7 +998,7 @@ def test_the_search_counts_containers_and_attributes_together_against_the_depth_
     # 9,995 lists, an attribute, then 20 more: each walk alone is shallow enough.
     args = argparse.Namespace(table=_nested(torch.nn.Linear(1, 1), 20))
     refusal = "Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global"
-    message = _checkpoint._unloadable(_nested(args, 9_995), refusal, "'ckpt.pt'")
+    message = _weights_only.save_refusal(_nested(args, 9_995), refusal, "'ckpt.pt'")
     assert (
         "Where it is could not be found: Expected data nested at most 10,000 containers deep, "
         "but data[0][0][0][0][0][0][0][0]...<9,984 more levels>...[0][0][0].table[0][0][0][0] "
@@ -1009,7 +1009,7 @@ def test_the_search_counts_containers_and_attributes_together_against_the_depth_
 def test_the_search_finds_what_is_refused_within_the_depth_rule() -> None:
     args = argparse.Namespace(table=_nested(torch.nn.Linear(1, 1), 3))
     refusal = "Unsupported global: GLOBAL torch.nn.modules.linear.Linear was not an allowed global"
-    message = _checkpoint._unloadable({"run": _nested(args, 2)}, refusal, "'ckpt.pt'")
+    message = _weights_only.save_refusal({"run": _nested(args, 2)}, refusal, "'ckpt.pt'")
     assert "['run'][0][0].table[0][0][0] is torch.nn.modules.linear.Linear" in message
 
 

@@ -1,0 +1,427 @@
+"""The weights-only check: what a weights-only load would refuse, found before save writes.
+
+A weights-only load (``torch.load``'s default, and :func:`~devicekit.load`'s) builds
+tensors, containers and plain data, and refuses every other global a pickle names, since
+building it could run code the file chooses. Its invariant: :func:`~devicekit.save`
+writes nothing that the default load refuses, unless asked to (``weights_only=False``).
+So both allow the same plain data of training scripts beyond PyTorch's list while they
+run (:data:`allowing`: numpy scalars and arrays, ``argparse.Namespace``, ``pathlib``
+paths), and torch.save is given a pickler (:func:`checked_pickle`) that checks its pickle
+whole with PyTorch's own scan before a byte of it is written. A refusal
+(:func:`save_refusal`) names every global refused at once, every outermost value that holds
+one with its path, and the ways out: a ``state_dict()``, a plain dict, allowing a class
+of the program's, or the object saved whole for a load that runs its code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import pathlib
+import pickle
+import sys
+import threading
+import types
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeAlias
+
+import torch
+
+from devicekit import _tree
+from devicekit._compat import (
+    weights_only_build_refusal,
+    weights_only_refusal,
+    weights_only_refused_globals,
+    weights_only_said,
+)
+from devicekit._devices import shown
+from devicekit._errors import TransferError
+
+__all__ = [
+    "Unloadable",
+    "allow_call",
+    "allowing",
+    "checked_pickle",
+    "first_sentence",
+    "loaded",
+    "refused_names",
+    "save_refusal",
+]
+
+
+@functools.cache
+def _safe_types() -> tuple[Any, ...]:
+    """Plain data of training scripts that build without running a checkpoint's code.
+
+    numpy's scalars and arrays (``np.float64(loss)``, ``np.random.get_state()``) under
+    the module names numpy 2 and numpy 1 write, with the dtype classes their state
+    builds; ``argparse.Namespace`` (``args``) and ``pathlib`` paths in it.
+    """
+    allowed: list[Any] = [
+        argparse.Namespace,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+        type(pathlib.Path()),
+    ]
+    try:
+        import numpy  # noqa: PLC0415 - optional; PyTorch imports it where installed
+    except ImportError:
+        return tuple(allowed)
+    core = getattr(numpy, "_core", None) or numpy.core
+    allowed += [
+        (getattr(core.multiarray, name), f"{module}.{name}")
+        for module in ("numpy._core.multiarray", "numpy.core.multiarray")
+        for name in ("scalar", "_reconstruct")
+    ]
+    dtypes = getattr(numpy, "dtypes", None)
+    allowed += [numpy.dtype, numpy.ndarray]
+    allowed += [getattr(dtypes, name) for name in getattr(dtypes, "__all__", ())]
+    return tuple(allowed)
+
+
+class _Allowing:
+    """The safe types added to PyTorch's weights-only allowlist while a save or load runs.
+
+    PyTorch's list is the process's; a save or load in another thread shares the
+    additions, and the last to finish takes away only what devicekit added.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._added: Any = None  # a torch.serialization.safe_globals, entered
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                present = set(torch.serialization.get_safe_globals())
+                missing = [each for each in _safe_types() if each not in present]
+                self._added = torch.serialization.safe_globals(missing)
+                self._added.__enter__()
+            self._users += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._added is not None:
+                self._added.__exit__(None, None, None)
+                self._added = None
+
+
+allowing: Final = _Allowing()
+"""Entered while a save or load runs: the safe types allowed for its length."""
+
+
+class Unloadable(Exception):  # noqa: N818 - carries the refusal out of torch.save
+    """What a weights-only load would refuse in the pickle about to be written."""
+
+    def __init__(self, refusal: str, pickled: bytes) -> None:
+        super().__init__(refusal)
+        self.refusal = refusal
+        self.pickled = pickled
+
+
+def checked_pickle(*, checks: bool, passed: Callable[[], None]) -> Any:
+    """What torch.save takes as ``pickle_module``: a pickler that checks before it writes.
+
+    torch.save pickles the object whole into memory before it writes a record; the
+    pickle is checked then, as a weights-only load would read it, and :class:`Unloadable`
+    raised where the load would refuse it; ``passed()`` is called once it has passed
+    (at once where ``checks`` is False: a save written as it is).
+    """
+
+    class Pickler(pickle.Pickler):
+        def __init__(self, file: io.BytesIO, protocol: int | None = None) -> None:
+            super().__init__(file, protocol)
+            self._written = file
+
+        def dump(self, obj: Any) -> None:
+            super().dump(obj)
+            if checks:
+                pickled = self._written.getvalue()
+                refusal = weights_only_refusal(pickled)
+                if refusal is not None:
+                    raise Unloadable(refusal, pickled)
+            passed()
+
+    return types.SimpleNamespace(__name__="pickle", Pickler=Pickler)
+
+
+def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = None) -> str:
+    """Why save refuses ``obj``: what a weights-only load would not build, where, and the fixes.
+
+    Every global refused is named at once, in the order the pickle names them, and every
+    value that holds them at the top (a module, not the modules in it), so that one
+    change makes the save pass. The ways out: save what is refused as data (a
+    ``state_dict()``, a dict), or save it whole with ``weights_only=False``. Allowing
+    the classes named is advised too where that is the fix (a class of the program's,
+    a ``defaultdict``, never a module or an optimizer, which have a state_dict, nor a
+    function, which the load would call) and makes the load build ``pickled`` (the
+    pickle refused), tried without writing: a weights-only load builds no defaultdict
+    that holds items, allowed or not (an optimizer's state, once it has stepped).
+    Built-in classes the pickle names (``dict``, a defaultdict's factory) are advised
+    too: the load refuses them, as it does any global not allowed.
+    """
+    names = refused_names(refusal, pickled)
+    try:
+        found = _refused_in(obj, frozenset(names))
+        lost = ""
+    except TransferError as err:  # a cycle, or depth past MAX_DEPTH: said with its path
+        found, lost = [], f" Where it is could not be found: {err}"
+    whole = _saved_whole(obj)
+    if not found:
+        refused = (
+            f"to build {', '.join(names)} (building {'them' if len(names) > 1 else 'it'} "
+            "could run code the file names)"
+            if names
+            else f"it ({first_sentence(refusal)})"
+        )
+        return (
+            f"Cannot save to {where}: a weights-only load, dk.load's default, would refuse "
+            f"{refused}.{lost} Save tensors and plain data, or allow the classes where you "
+            f"save and where you load with torch.serialization.add_safe_globals([...]).{whole}"
+        )
+    every = ""
+    if len(names) > 1:
+        every = f" The load refuses {'both' if len(names) == 2 else f'all {len(names)}'} of "
+        every += f"these: {', '.join(names)}."
+    held = [_qualified(value if _by_reference(value) else type(value)) or "?" for _, value in found]
+    at = _listed(
+        [
+            f"{path} is {name}" if path else f"the object at the top level is {name}"
+            for (path, _), name in zip(found, held, strict=True)
+        ]
+    )
+    them = "them" if len(found) > 1 else "it"
+    by_kind: dict[str, list[str]] = {}  # how to save each as data: the paths it fits
+    for path, value in found:
+        by_kind.setdefault(_kind_of(value), []).append(path)
+    fixes = " ".join(
+        _fix(kind, paths, obj, alone=len(found) == 1) for kind, paths in by_kind.items()
+    )
+    alternative = ""
+    allowed = [*dict.fromkeys(held), *(each for each in names if each not in held)]
+    # Modules and optimizers: their state_dict, or whole. Functions: never tried, since
+    # the trial build would call them.
+    if "state_dict" not in by_kind and all(isinstance(loaded(each), type) for each in allowed):
+        stuck = None if pickled is None else _refused_even_if_allowed(pickled, allowed)
+        if stuck is None:
+            yours = (
+                "the class is yours and safe to build, allow it"
+                if len(allowed) == 1
+                else "the classes are yours and safe to build, allow them"
+            )
+            alternative = (
+                f" Or, where {yours} before saving and before loading: {allow_call(allowed)}."
+            )
+        else:
+            alternative = (
+                " Allowing its classes would not do: a weights-only load refuses to build "
+                f"{them} even then ({stuck})."
+            )
+    return (
+        f"Cannot save to {where}: {at}, which a weights-only load, dk.load's default, refuses "
+        f"to build (building {them} could run code the file names).{every} "
+        f"{fixes}{alternative}{whole}"
+    )
+
+
+# How many values a refusal names where it lists them; the rest are counted.
+_SHOWN: Final = 3
+
+
+def _listed(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 4 more``."""
+    if len(items) > _SHOWN:
+        return f"{', '.join(items[:_SHOWN])} and {len(items) - _SHOWN} more"
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _kind_of(value: object) -> str:
+    """How to save ``value`` as data: by name, its state_dict, as a dict, or its fields."""
+    if _by_reference(value):
+        return "name"
+    if callable(getattr(value, "state_dict", None)):  # modules, optimizers, schedulers
+        return "state_dict"
+    return "mapping" if isinstance(value, Mapping) else "fields"
+
+
+_FIXES: Final = {  # (for one value, for several)
+    "name": ("save its name as a str instead", "save their names as str instead"),
+    "state_dict": ("save its state_dict() instead", "save their state_dict() instead"),
+    "mapping": (
+        "save it as a plain dict instead (dict(...))",
+        "save them as plain dicts instead (dict(...))",
+    ),
+    "fields": (
+        "save its fields as a dict instead (vars(...) or dataclasses.asdict(...))",
+        "save their fields as dicts instead (vars(...) or dataclasses.asdict(...))",
+    ),
+}
+
+
+def _fix(kind: str, paths: list[str], obj: Any, *, alone: bool) -> str:
+    """The way out that keeps the checkpoint weights-only, for the values at ``paths``.
+
+    ``alone``: these are all the values refused, so "its" says which.
+    """
+    one, several = _FIXES[kind]
+    if not alone:
+        return f"For {_listed(paths)}, {several if len(paths) > 1 else one}."
+    if kind == "state_dict" and not paths[0]:  # the object saved: the code to write
+        name = _name_for(obj)
+        return f"Save its state_dict() instead: dk.save({name}.state_dict(), path)."
+    return f"{one[0].upper()}{one[1:]}."
+
+
+def _name_for(obj: object) -> str:
+    """What the fixes call the object saved, in the code they show."""
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    return "checkpoint" if isinstance(obj, Mapping) else "obj"
+
+
+def _saved_whole(obj: object) -> str:
+    """The other way out: the whole object written anyway, for a load that runs its code."""
+    name = _name_for(obj)
+    return (
+        f" Or, to save it whole, write dk.save({name}, path, weights_only=False) and load it "
+        "with dk.load(path, weights_only=False) where its classes can be imported; only load "
+        "such a file if you trust it, since unpickling it can execute arbitrary code."
+    )
+
+
+def _refused_even_if_allowed(pickled: bytes, names: list[str]) -> str | None:
+    """Why a weights-only load, the globals ``names`` allowed, still refuses ``pickled``.
+
+    None where it would build it, or where that cannot be told: a name that is no loaded
+    module's (pickle wrote it from one), an error raised by a class's own code.
+    """
+    found = [loaded(name) for name in names]
+    if any(each is None for each in found):
+        return None
+    try:
+        with allowing:
+            refused = weights_only_build_refusal(pickled, zip(found, names, strict=True))
+    except Exception:  # a class's own code, run on meta tensors: nothing to tell
+        return None
+    return None if refused is None else f"PyTorch: {first_sentence(refused)}"
+
+
+def refused_names(said: str, pickled: bytes | None) -> list[str]:
+    """The globals refused: read from ``pickled``, first written first; else as ``said`` names them.
+
+    ``said`` is a weights-only refusal's text (torch.load's, or the check's).
+    """
+    found = weights_only_refused_globals(pickled) if pickled else []
+    return found or weights_only_said(said).names
+
+
+def allow_call(names: list[str]) -> str:
+    """The call that allows the classes ``names`` (``module.Name``), as the user would write it."""
+    shorts = ", ".join(name.rsplit(".", 1)[-1] for name in names)
+    return f"torch.serialization.add_safe_globals([{shorts}])"
+
+
+def loaded(qualified: str) -> Any:
+    """The global pickle wrote as ``qualified`` (``module.Name``), from a loaded module."""
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is not None:
+            found: Any = module
+            for part in parts[cut:]:
+                found = getattr(found, part, None)
+            return found
+    return None
+
+
+def first_sentence(refusal: str) -> str:
+    """The first sentence of a weights-only refusal's own words, shown (quoted, cut short)."""
+    return shown(weights_only_said(refusal).reason.split(". ")[0].strip(" ."), limit=160)
+
+
+def _qualified(value: object) -> str | None:
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    return f"{module}.{qualname}" if module and qualname else None
+
+
+# What pickle writes as it is, with no global to name: a value of these types is never
+# the refused one (a defaultdict's list values are not its factory, builtins.list).
+_WRITTEN_AS_IS: Final = frozenset({type(None), bool, int, float, str, dict, list, tuple})
+
+
+def _by_reference(value: object) -> bool:
+    """Whether pickle writes ``value`` as a global of its own: a class or a function."""
+    return isinstance(value, type | types.FunctionType | types.BuiltinFunctionType)
+
+
+def _is_refused(value: object, names: frozenset[str]) -> bool:
+    if _by_reference(value) and _qualified(value) in names:
+        return True
+    kind = type(value)
+    return kind not in _WRITTEN_AS_IS and _qualified(kind) in names
+
+
+# A path from the object saved, one fragment a level ("['model']", "[0]", ".lr"): a
+# chain of (the path above, the last fragment), shared by the values it leads to.
+_Path: TypeAlias = "tuple[_Path, str] | None"
+
+
+def _fragments(path: _Path) -> list[str]:
+    fragments: list[str] = []
+    while path is not None:
+        path, fragment = path
+        fragments.append(fragment)
+    return fragments[::-1]
+
+
+# walk: to be replaced by _tree's walk (with _Path and _fragments, which only it uses)
+def _refused_in(root: Any, names: frozenset[str]) -> list[tuple[str, Any]]:
+    """Where in ``root`` the values pickled as one of the global ``names`` are, outermost only.
+
+    Each such value once (the first path to it), and none inside another: a module's
+    own modules go with it. A search on the error path only, through devicekit's one
+    walk (:mod:`devicekit._tree`, iterative), first in the order pickle writes (an object
+    before what it holds), then through the attributes of the leaves pickle saves by
+    their ``__dict__`` (``argparse.Namespace``, a class allowed with add_safe_globals),
+    each object once, breadth first. Containers and attribute hops count together against
+    the depth rule of every walk: a container or object ``MAX_DEPTH`` levels down is refused.
+
+    Raises:
+        TransferError: The data nests deeper than MAX_DEPTH, or holds a cycle.
+    """
+    found: dict[int, tuple[str, Any]] = {}  # by id: an object saved twice is named once
+    entered: set[int] = set()  # objects whose attributes were queued
+    queue: deque[tuple[_Path, int, Any]] = deque([(None, 0, root)])  # path, its levels, data
+    while queue:
+        above, levels, tree = queue.popleft()
+        chain: list[_Path] = []  # the path to the value open at each depth of this walk
+        inside = _tree.MAX_DEPTH + 1  # the depth of a refused container being passed over
+        for depth, key, value, is_container in _tree.preorder(_tree.flatten(tree)):
+            if depth > inside:
+                continue
+            inside = _tree.MAX_DEPTH + 1
+            here = above if depth == 0 else (chain[depth - 1], key)
+            del chain[depth:]
+            chain.append(here)
+            if _is_refused(value, names):
+                found.setdefault(id(value), ("".join(_fragments(here)), value))
+                inside = depth if is_container else inside
+                continue
+            state = None if is_container else getattr(value, "__dict__", None)
+            if type(state) is not dict or id(value) in entered or _by_reference(value):
+                state = None
+            if (is_container or state is not None) and levels + depth >= _tree.MAX_DEPTH:
+                too_deep = _tree.too_deep_at("data", _fragments(here))
+                raise too_deep
+            if state is not None:
+                entered.add(id(value))
+                queue.extend(
+                    ((here, f".{name}"), levels + depth + 1, each) for name, each in state.items()
+                )
+    return list(found.values())
