@@ -1,11 +1,10 @@
 """A feed: a daemon thread that reads a source a bounded number of items ahead.
 
-The loader's first stage (see :mod:`devicekit._loader`): the thread iterates the
-wrapped loader's epoch and ``prepare``-s each item (pins it) while the training thread
-works. Its invariant, for every way an epoch ends: the consumer gets the items in
-order, then the source's own exception, and :meth:`BackgroundFeed.close` never blocks
-(the thread ends as soon as the item it waits for arrives). It knows nothing of devices
-but the one its allocations go to, and is tested alone.
+The first stage of the pipeline that :mod:`devicekit._loader` draws: while the training
+thread works, the feed's thread iterates the wrapped loader's epoch and ``prepare``-s
+(pins) each item. A room of its own because its one concern, a thread's life (what
+reaches the consumer, and how the thread ends whatever the consumer does), holds for
+any source; it knows nothing of copies, and is tested alone.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""Copying ahead: the seam to an accelerator's streams, and the pipeline that drives it.
+"""Copying ahead: the copies in flight, the seam they go through, and when to read ahead.
 
-Steps 2 and 3 of the pipeline :mod:`devicekit._loader` draws, and the rule for when
-its first stage (:mod:`devicekit._feed`) may read ahead at all. :class:`Prefetcher` is
-the seam: every stream and event operation sits behind it, :class:`StreamPrefetcher`
-on an accelerator's side stream, a stand-in in the tests, so that the control flow
-here (what is in flight, what ends an epoch, what an error or an early ``break``
-leaves behind) runs on machines without an accelerator.
+Steps 2 and 3 of the pipeline that :mod:`devicekit._loader` draws, behind the seam it
+describes (:class:`Prefetcher`; :class:`StreamPrefetcher` on an accelerator's side
+stream), and the rule for when its first stage (:mod:`devicekit._feed`) may read ahead
+at all (:func:`ahead`). Control flow over the seam only: it runs the same with the
+tests' stand-in on a machine without an accelerator.
 """
 
 from __future__ import annotations
