@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from devicekit._devices import available_devices
+from devicekit._devices import HOST_TYPES, available_devices
 from devicekit._transfer import to_device
 
 __all__ = ["handwritten_per_image", "measure", "per_image_batch", "report"]
@@ -95,7 +95,7 @@ def measure() -> dict[str, Any]:
         hand = _median_us(functools.partial(handwritten_per_image, batch, device))
         ours = _median_us(functools.partial(to_device, batch, device))
         rows.append({"target": label, "handwritten_us": hand, "to_device_us": ours})
-    accelerators = [name for name in available_devices() if name not in ("cpu", "meta")]
+    accelerators = [name for name in available_devices() if name not in HOST_TYPES]
     copies = None
     if accelerators:
         device = torch.device(accelerators[0])

@@ -14,7 +14,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from devicekit._devices import available_devices
+from devicekit._devices import HOST_TYPES, available_devices
 from devicekit.testing._containers import CONTAINER_KINDS, FrozenRecord, Pair, Record
 
 __all__ = ["batches", "devices", "tensors"]
@@ -204,6 +204,6 @@ def devices(*, meta: bool = True, host: bool = True) -> st.SearchStrategy[torch.
     wanted = [
         device
         for device in found
-        if (meta or device.type != "meta") and (host or device.type not in ("cpu", "meta"))
+        if (meta or device.type != "meta") and (host or device.type not in HOST_TYPES)
     ]
     return st.sampled_from(wanted) if wanted else st.nothing()
