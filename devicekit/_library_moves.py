@@ -16,7 +16,8 @@ import torch
 
 from devicekit import _tree
 from devicekit._errors import LeafError, TransferError
-from devicekit._kinds import ITEM, READ, Key, Leaf, is_cache_layer, leaf_how, mapping_items
+from devicekit._kinds import READ, Leaf, leaf_how
+from devicekit._nodes import ITEM, Key, is_cache_layer, mapping_items
 
 __all__ = ["Call", "keep_skipped", "move_cache"]
 

@@ -18,8 +18,9 @@ import torch
 
 from devicekit import _tree
 from devicekit._errors import LeafError
-from devicekit._kinds import CAST, Leaf, Node, decide, state_on_host
+from devicekit._kinds import CAST, Leaf, decide
 from devicekit._library_moves import Call, keep_skipped, move_cache
+from devicekit._nodes import Node, state_on_host
 
 __all__ = ["MOVES", "keep"]
 

@@ -20,6 +20,7 @@ import torch
 from devicekit import _kinds
 from devicekit._errors import TransferError
 from devicekit._kinds import READ
+from devicekit._nodes import ITEM, LIST, TUPLE, Node
 from devicekit._stats import LoaderStats, Setup, verdict
 from devicekit._tree import flatten
 
@@ -221,14 +222,17 @@ def _per_sample(value: Any) -> bool:
     )
 
 
-def _entries(batch: Any, node: _kinds.Node, *, sequence: bool) -> list[tuple[Any, Any]]:
-    """The batch's children with the key or index each is read by (_NOWHERE: none)."""
-    if node.mapping:
-        return list(_kinds.mapping_items(batch))
-    if sequence:
-        return list(enumerate(batch))
-    # A dataclass's fields, an object's contents: no entry to read them by.
-    return [(_NOWHERE, child) for child in node.children(batch)]
+def _entries(batch: Any, node: Node) -> list[tuple[Any, Any]]:
+    """The batch's children with the key or index each is read by (_NOWHERE: none).
+
+    Only an item is read again with a subscript: a dataclass's fields, a namedtuple's
+    attributes and an object's contents are not.
+    """
+    keys = node.keys(batch)
+    return [
+        (key.name if key.form == ITEM else _NOWHERE, child)
+        for key, child in zip(keys, node.children(batch), strict=True)
+    ]
 
 
 def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
@@ -260,14 +264,14 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     if type(batch) is _Tensor:
         return (batch.shape[dim], _WHOLE, False) if batch.dim() > dim else (None, _NOWHERE, False)
     node = _kinds.decide(type(batch)).read
-    if not isinstance(node, _kinds.Node):
+    if not isinstance(node, Node):
         return None, _NOWHERE, False
     try:
         leaves = flatten(batch, view=READ).leaves
     except TransferError:
         return None, _NOWHERE, False
-    sequence = node is _kinds.LIST or node is _kinds.TUPLE
-    entries = _entries(batch, node, sequence=sequence)
+    sequence = node is LIST or node is TUPLE
+    entries = _entries(batch, node)
     # (a per-sample list's length, its entry)
     lengths = [(len(child), key) for key, child in entries if dim == 0 and _per_sample(child)]
     if sequence and dim == 0 and _per_sample(batch):

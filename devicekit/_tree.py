@@ -20,7 +20,8 @@ from typing import Any, Final, NamedTuple, TypeAlias
 
 from devicekit import _kinds
 from devicekit._errors import LeafError, TransferError
-from devicekit._kinds import DICT, INERT, LIST, MOVE, READ, TUPLE, Key, Node
+from devicekit._kinds import INERT, MOVE, READ
+from devicekit._nodes import DICT, LIST, TUPLE, Key, Node, rebuild_namedtuple
 
 MAX_DEPTH: Final = 10_000
 """Containers nested deeper than this are refused: no real batch comes near it."""
@@ -29,7 +30,6 @@ TRACED_MAX_DEPTH: Final = 64
 Python frames a level: about 90 levels exhaust Python's recursion limit there."""
 _SCAN_FROM = 64  # lists at least this long are checked in one pass for leaves only
 _PATH_SHOWN = 16  # path fragments a message shows before eliding the middle
-_rebuild_namedtuple = _kinds.rebuild_namedtuple
 _tuple_new = tuple.__new__  # a NamedTuple's own __new__ is a Python frame
 
 # Per container, in the order they close (children first): (leaves seen when it
@@ -49,7 +49,7 @@ class Flat(NamedTuple):
 def format_path(root: str, keys: Iterable[Key | str]) -> str:
     """Join keys after a root name, eliding the middle of very long paths.
 
-    >>> from devicekit._kinds import ATTRIBUTE, ITEM
+    >>> from devicekit._nodes import ATTRIBUTE, ITEM
     >>> format_path("data", [Key(ITEM, "image"), Key(ITEM, 0), Key(ATTRIBUTE, "boxes")])
     "data['image'][0].boxes"
     """
@@ -226,7 +226,7 @@ def unflatten(spec: Spec, leaves: list[Any]) -> Any:
             values.append(dict(zip(container, children)))  # noqa: B905 - same dict
         elif node is TUPLE:
             values.append(tuple(children))
-        elif node.rebuild is _rebuild_namedtuple:
+        elif node.rebuild is rebuild_namedtuple:
             values.append(_tuple_new(type(container), children))
         else:
             try:
@@ -399,7 +399,7 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
                 result = dict(zip(container, results))  # noqa: B905 - same dict, same length
             elif node is TUPLE:
                 result = tuple(results)
-            elif node.rebuild is _rebuild_namedtuple:
+            elif node.rebuild is rebuild_namedtuple:
                 result = _tuple_new(type(container), results)
             else:
                 try:
@@ -478,7 +478,7 @@ def too_deep_at(root: str, keys: Sequence[Key | str]) -> TransferError:
 
     ``keys`` lead from ``root`` to the container refused, one per level.
 
-    >>> print(too_deep_at("Net.table", [Key(_kinds.ITEM, 0)] * 3))
+    >>> print(too_deep_at("Net.table", ["[0]"] * 3))
     Expected data nested at most 10,000 containers deep, but Net.table[0][0][0] goes deeper.
     """
     path = format_path(root, keys)
@@ -496,8 +496,9 @@ Expand: TypeAlias = Callable[[Any], "Iterable[tuple[Key, Any]] | None"]
 def keys_of(path: Path) -> list[Key]:
     """The keys from the walk's root to ``path``'s value, outermost first.
 
-    >>> [str(key) for key in keys_of((((), Key(_kinds.ITEM, "a")), Key(_kinds.ITEM, 0)))]
-    ["['a']", '[0]']
+    >>> path, value = list(walk({"a": [1]}))[-1]
+    >>> [str(key) for key in keys_of(path)], value
+    (["['a']", '[0]'], 1)
     """
     keys: list[Key] = []
     while path:

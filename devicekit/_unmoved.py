@@ -24,7 +24,8 @@ from typing import Any, Final, NamedTuple
 import torch
 
 from devicekit._compat import recomputed_attributes
-from devicekit._kinds import ATTRIBUTE, SHOWN, Key, Node, decide
+from devicekit._kinds import decide
+from devicekit._nodes import ATTRIBUTE, SHOWN, Key, Node
 from devicekit._tree import Path, contents, keys_of, walk
 
 __all__ = ["Stray", "read_again", "strays"]

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import devicekit as dk
 from devicekit import _tree
-from devicekit._kinds import LIST, MOVE, READ, container_node
+from devicekit._kinds import MOVE, READ
+from devicekit._nodes import LIST, container_node
 from devicekit.testing import assert_batches_equal, batches
 
 from .helpers import CPU, META

@@ -17,7 +17,8 @@ import torch
 
 from devicekit._checks import describe_devices, find_devices
 from devicekit._devices import DeviceLike, resolve_device
-from devicekit._kinds import CAST, SET, Leaf, decide, leaf_how, mapping_items
+from devicekit._kinds import CAST, Leaf, decide, leaf_how
+from devicekit._nodes import SET, mapping_items
 from devicekit._tree import flatten, paths
 
 __all__ = ["assert_batches_equal", "assert_on_device", "assert_same_structure"]
