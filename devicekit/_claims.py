@@ -1,23 +1,13 @@
 """Claims on GPUs that every job of a machine sees: one OS file lock per GPU.
 
-A claim is an exclusive ``flock`` on a file named after the GPU's UUID in the claim
-directory (``DEVICEKIT_CLAIM_DIR``, else ``devicekit-claims`` in the system's temporary
-directory). The operating system drops the lock when the file is closed or its process
-ends in any way, ``kill -9`` included, so a claim can never outlive its job the way a
-pid file does. The file holds the claiming pid, for messages only: whether a GPU is
-claimed is the lock's to say, never the file's contents.
-
-Looking takes no lock. A claim also holds a write lock of its open file (Linux's
-``F_OFD_SETLK``, on the same descriptor as its ``flock``), and a look asks the kernel
-whether such a lock is on the file (``F_OFD_GETLK``), which takes none and is answered
-alike across containers (PID namespaces) and file systems. Where no write lock is there
-(an older devicekit's claim holds only its ``flock``), the kernel's table of locks
-(``/proc/locks``) still shows an exclusive ``flock`` of a job in this container. So
-another job's look (a manager's, ``devicekit info``) can never make a free GPU look
-claimed to a job claiming it at that moment. Where the kernel answers neither question
-(macOS), a look tests a file with a shared lock that it drops at once; a job whose claim
-meets only such looks (or an older devicekit's) tries again for a moment before it
-counts the GPU as held.
+A claim is a lock of :mod:`devicekit._file_locks` (an exclusive ``flock``) on a file
+named after the GPU's UUID in the claim directory (``DEVICEKIT_CLAIM_DIR``, else
+``devicekit-claims`` in the system's temporary directory). The operating system drops
+it when the file is closed or its process ends in any way, ``kill -9`` included, so a
+claim can never outlive its job the way a pid file does; and other jobs ask about it
+without taking a lock, so a look (a manager's, ``devicekit info``) can never make a
+free GPU look claimed to a job claiming it at that moment. The file holds the claiming
+pid, for messages only: whether a GPU is claimed is the lock's to say, never the file's.
 
 The directory is shared by every user's jobs, as /tmp is, so nothing another user put
 there is trusted: the directory is opened once, without following a link another user
@@ -48,17 +38,16 @@ import functools
 import os
 import re
 import stat
-import struct
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, NamedTuple, overload
 
+from devicekit import _file_locks
+
 if sys.platform != "win32":
-    import fcntl
     import pwd
 
 __all__ = ["Claim", "Holder", "claim_dir", "directory_problem", "holders", "take"]
@@ -70,24 +59,6 @@ _ADVICE = (
 )
 # Never follow a link at the last step, never wait on a FIFO, never leak into exec'd programs.
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC if sys.platform != "win32" else 0
-
-# Linux's table of the locks held on the machine (the tests point it elsewhere): since
-# Linux 4.9 it leaves out the flocks of processes in other containers (PID namespaces).
-_LOCK_TABLE = "/proc/locks"
-# Locks of an open file (Linux 3.15+): owned by the open file, as a flock is, so released
-# when its last descriptor closes (a forked child closing its copy leaves it whole) and
-# asked about without taking one. False where Python has none (macOS; the tests' seam).
-_OFD = sys.platform.startswith("linux") and hasattr(fcntl, "F_OFD_GETLK")
-# Linux's struct flock: short l_type, short l_whence, off_t l_start, off_t l_len,
-# pid_t l_pid, padded to the alignment of off_t (32 bytes on x86_64 and aarch64).
-# l_start = l_len = 0 from SEEK_SET is the whole file; l_pid must be 0 on input.
-_FLOCK = struct.Struct("hhqqi0q")
-# A claim that meets a shared lock (a look, where looks take one) tries again after 1 ms,
-# then twice as long each time, for at most this long: a look holds its lock between two
-# system calls, so only a look whose process is stopped outlasts it.
-_LOOK_S = 0.25
-_FIRST_PAUSE_S = 0.001
-_pause = time.sleep  # the tests' seam: a look they hold ends in the first pause
 
 # This process's claims by GPU key; `take` and `release` change it under the lock.
 _taken: dict[str, Claim] = {}
@@ -346,120 +317,6 @@ def _open_lock(directory: int, path: Path) -> tuple[int, bool] | None:
     return descriptor, found.st_uid == os.geteuid()
 
 
-def _hold_write_lock(descriptor: int) -> None:
-    """Add a write lock of the open file to a claim's ``flock``, for looks to ask about.
-
-    The ``flock`` is the claim: it alone is what older devicekits see, and it stays the
-    claim where this lock cannot be had (Linux before 3.15; a file another user made
-    read-only to this one, as a write lock needs write access; a file system that
-    refuses it). NFS makes a ``flock`` a lock of the whole file on the server, owned
-    (since Linux 4.10) otherwise than this one, which may then be refused as if another
-    job held the file: the ``flock`` alone claims, and a look's question, which the
-    server answers, meets that ``flock`` as it would this lock.
-    """
-    if _OFD:
-        with contextlib.suppress(OSError):
-            whole = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
-            fcntl.fcntl(descriptor, fcntl.F_OFD_SETLK, whole)
-
-
-def _write_locked(descriptor: int) -> bool | None:
-    """Whether another open file holds a write lock on this one's file (a claim does).
-
-    Asked of the kernel without taking a lock: a read lock over the whole file that
-    conflicts only with a write lock, tested and not placed. None where the kernel
-    cannot be asked (no ``F_OFD_GETLK``: macOS, Linux before 3.15).
-    """
-    if not _OFD:
-        return None
-    try:
-        asked = _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
-        answer = fcntl.fcntl(descriptor, fcntl.F_OFD_GETLK, asked)
-    except OSError:
-        return None
-    return bool(_FLOCK.unpack(answer)[0] == fcntl.F_WRLCK)
-
-
-_Table = dict[tuple[int, int], bool]
-
-
-def _locks() -> _Table | None:
-    """The files locked now, by (device, inode), each with whether a lock on it is exclusive.
-
-    Read from the kernel's table, which takes no lock; None where there is none (macOS).
-    The table leaves out locks of processes in other containers (PID namespaces), and
-    some file systems (btrfs subvolumes) number devices there otherwise than ``stat``:
-    it is only asked where the open file's write lock says nothing.
-    """
-    try:
-        descriptor = os.open(_LOCK_TABLE, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        chunks = []
-        while chunk := os.read(descriptor, 1 << 16):
-            chunks.append(chunk)
-    except OSError:
-        return None
-    finally:
-        os.close(descriptor)
-    locked: _Table = {}
-    for line in b"".join(chunks).decode(errors="replace").splitlines():
-        # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF"; "1: -> FLOCK ..." waits, holds none
-        fields = line.split()
-        if len(fields) < 6 or fields[1] == "->":
-            continue
-        try:
-            major, minor, inode = fields[5].split(":")
-            where = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
-        except ValueError:
-            continue
-        locked[where] = locked.get(where, False) or fields[3] == "WRITE"
-    return locked
-
-
-def _claimed(descriptor: int, table: Callable[[], _Table | None]) -> bool | None:
-    """Whether a job claims the open claim file, told without a lock; None where untold.
-
-    A write lock of another open file is a claim's, wherever its job runs. Without one,
-    an exclusive lock in the kernel's table (``table()``, read where needed) is a claim
-    too: an older devicekit's, or one whose file system refused the write lock. None
-    where the kernel can be asked neither (macOS): only a lock can tell there.
-    """
-    written = _write_locked(descriptor)
-    if written:
-        return True
-    locks = table()
-    if locks is None:
-        return None if written is None else False
-    found = os.fstat(descriptor)
-    return locks.get((found.st_dev, found.st_ino), False)
-
-
-def _lock_file(descriptor: int) -> bool:
-    """Lock an open claim file for this process; False where a job holds it.
-
-    Meeting a lock, it asks whose: a claim's is given up on at once. Any other is a look
-    (an older devicekit's, or one made where the kernel answers no question about locks)
-    or a claim that cannot be told from one: a look ends at once, so it is waited out,
-    for ``_LOOK_S`` at most.
-    """
-    pause, waited = _FIRST_PAUSE_S, 0.0
-    while True:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass
-        else:
-            _hold_write_lock(descriptor)
-            return True
-        if waited >= _LOOK_S or _claimed(descriptor, _locks):
-            return False
-        _pause(pause)
-        waited += pause
-        pause *= 2
-
-
 def take(key: str, *, share: bool = True) -> Claim | None:
     """Claim the GPU ``key`` names (its UUID) without waiting; None where a job holds it.
 
@@ -485,7 +342,7 @@ def take(key: str, *, share: bool = True) -> Claim | None:
             return None
         descriptor, own = opened
         try:
-            locked = _lock_file(descriptor)
+            locked = _file_locks.lock(descriptor)
         except BaseException:
             os.close(descriptor)
             raise
@@ -520,7 +377,7 @@ def holders(keys: list[str]) -> dict[str, Holder]:
     except OSError:
         return found
     try:
-        table = functools.cache(_locks)  # read once a look, and only where needed
+        table = functools.cache(_file_locks.read_table)  # once a look, only where needed
         for key in keys:
             holder = _holder(directory, _file_name(key), table)
             if holder is not None:
@@ -530,7 +387,9 @@ def holders(keys: list[str]) -> dict[str, Holder]:
     return found
 
 
-def _holder(directory: int, name: str, table: Callable[[], _Table | None]) -> Holder | None:
+def _holder(
+    directory: int, name: str, table: Callable[[], _file_locks.Table | None]
+) -> Holder | None:
     """Who claims the claim file ``name`` in ``directory``; None where nobody does."""
     try:
         descriptor = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=directory)
@@ -545,16 +404,7 @@ def _holder(directory: int, name: str, table: Callable[[], _Table | None]) -> Ho
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a FIFO, say: nobody's claim
             return None
-        claimed = _claimed(descriptor, table)
-        if claimed is None:  # a shared lock, dropped at once, tells; a claim meeting it tries again
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                claimed = True
-            else:
-                fcntl.flock(descriptor, fcntl.LOCK_UN)
-                claimed = False
-        if not claimed:
+        if not _file_locks.locked(descriptor, table):
             return None
         text = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
         return Holder(int(text) if text.isdecimal() else None)

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _claims, _manager, _nvml, _transfer, _units
+from devicekit import _claims, _file_locks, _manager, _nvml, _transfer, _units
 from devicekit._backends import CpuBackend
 from devicekit.cli import _info_json, _info_table
 
@@ -527,12 +527,12 @@ def kernel_answers(what: str, directory: Path, monkeypatch: pytest.MonkeyPatch) 
     table only); ``"nothing"``: macOS, where only a lock tells.
     """
     if what in ("no lock table", "nothing"):
-        monkeypatch.setattr(_claims, "_LOCK_TABLE", str(directory.parent / "no-such-table"))
+        monkeypatch.setattr(_file_locks, "_LOCK_TABLE", str(directory.parent / "no-such-table"))
     if what == "a lock table that hides the claim":
         (directory.parent / "empty-table").touch()
-        monkeypatch.setattr(_claims, "_LOCK_TABLE", str(directory.parent / "empty-table"))
+        monkeypatch.setattr(_file_locks, "_LOCK_TABLE", str(directory.parent / "empty-table"))
     if what in ("no open-file locks", "nothing"):
-        monkeypatch.setattr(_claims, "_OFD", False, raising=False)
+        monkeypatch.setattr(_file_locks, "_OFD", False, raising=False)
 
 
 @pytest.mark.usefixtures("watchdog")
@@ -558,7 +558,7 @@ def test_a_look_never_makes_a_free_gpu_look_claimed(
         pauses.append(seconds)
         look.end()
 
-    monkeypatch.setattr(_claims, "_pause", pause, raising=False)
+    monkeypatch.setattr(_file_locks, "_pause", pause, raising=False)
     try:
         manager = dk.DeviceManager(claim=True, fallback="error", backends=backends)
     finally:
@@ -671,12 +671,12 @@ def test_a_claim_is_still_a_claim_to_the_look_and_to_claiming(
     try:
         kernel_answers(answers, own_claims, monkeypatch)
         pauses: list[float] = []
-        monkeypatch.setattr(_claims, "_pause", pauses.append)
+        monkeypatch.setattr(_file_locks, "_pause", pauses.append)
         found = _claims.holders(["GPU-0000", "GPU-0001"])
         assert found == ({"GPU-0000": _claims.Holder(pid)} if named else {})
         assert _claims.take("GPU-0000") is None  # what a claim meets, chosen before it was taken
         # A claim that cannot tell a look from a claim tries for a moment; none else waits.
-        assert sum(pauses) >= _claims._LOOK_S if waits else pauses == []
+        assert sum(pauses) >= _file_locks._LOOK_S if waits else pauses == []
         manager = dk.DeviceManager(claim=True, backends=server()[1])
         assert manager.device == cuda(1)
         assert (f"Skipped cuda:0: claimed by pid {pid}." in manager.explain()) == named
@@ -692,13 +692,13 @@ _LOOK_FROM_ANOTHER_CONTAINER = """
 import json, os, sys
 sys.path.insert(0, {root!r})
 import devicekit as dk
-from devicekit import _claims
+from devicekit import _claims, _file_locks
 from devicekit._backends import CpuBackend
 from devicekit.cli import _info_table
 from tests.fakes import FakeGpus
 claim_file = os.stat({path!r})
 pauses = []
-_claims._pause = pauses.append
+_file_locks._pause = pauses.append
 found = _claims.holders(["GPU-0000"])
 refused = _claims.take("GPU-0000") is None
 manager = dk.DeviceManager(claim=True, backends=[FakeGpus((70, 70)), CpuBackend()])
@@ -762,18 +762,18 @@ def test_a_claim_s_write_lock_is_read_back_as_the_kernel_wrote_it(own_claims: Pa
     assert claim is not None
     descriptor = os.open(claim.path, os.O_RDONLY)
     try:
-        asked = _claims._FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
+        asked = _file_locks._FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
         answer = fcntl.fcntl(descriptor, fcntl.F_OFD_GETLK, asked)
-        assert _claims._FLOCK.unpack(answer) == (fcntl.F_WRLCK, os.SEEK_SET, 0, 0, -1)
-        assert _claims._write_locked(descriptor) is True
+        assert _file_locks._FLOCK.unpack(answer) == (fcntl.F_WRLCK, os.SEEK_SET, 0, 0, -1)
+        assert _file_locks._write_locked(descriptor) is True
         assert write_locked(claim.path)
         claim.release()
-        assert _claims._write_locked(descriptor) is False
+        assert _file_locks._write_locked(descriptor) is False
         assert not write_locked(claim.path)
     finally:
         os.close(descriptor)
     if os.uname().machine in ("x86_64", "aarch64"):
-        assert _claims._FLOCK.size == 32
+        assert _file_locks._FLOCK.size == 32
 
 
 @pytest.mark.usefixtures("watchdog")
