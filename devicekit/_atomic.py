@@ -163,9 +163,8 @@ def _not_theirs(shown_path: str, owner: int) -> PermissionError:
 def _folder_to_sync(folder: str) -> int | None:
     """The folder, opened before anything is written, to flush the rename to disk; or None.
 
-    That flush is durability, not correctness: where the folder cannot be opened (one
-    this user may write and enter but not list, mode 0733, or no POSIX folders), the save
-    goes on without it, rather than report a failure after the file was replaced.
+    None where it cannot be opened (one this user may write and enter but not list, mode
+    0733, or no POSIX folders): the flush is durability only.
     """
     if not hasattr(os, "O_DIRECTORY"):
         return None
@@ -179,7 +178,7 @@ def _replace(
     target: str, folder: str, found: os.stat_result | None, shown_path: str, write: Write
 ) -> None:
     """Write a temporary beside ``target``, flush it to disk, and rename it over ``target``."""
-    temporary = _Temporary.open(folder, os.path.basename(target), found, shown_path)
+    temporary = _Temporary(folder, os.path.basename(target), found, shown_path)
     with _removed_on_any_exit(temporary):
         sink = _Sink(os.fdopen(temporary.descriptor, "wb"))
         try:
@@ -230,62 +229,33 @@ class _Temporary:
     Unnamed where ``O_TMPFILE`` allows, and named only when whole (:meth:`name_it`).
     """
 
-    def __init__(self, beside: tuple[str, str], descriptor: int, path: str | None) -> None:
-        self.beside = beside  # the target's folder and name
-        self.descriptor = descriptor
-        self.named = path is not None
-        self.path = path or _temporary_name(*beside)  # its name, or the one it will have
-
-    @classmethod
-    def open(
-        cls, folder: str, name: str, replaced: os.stat_result | None, shown_path: str
-    ) -> _Temporary:
+    def __init__(
+        self, folder: str, name: str, replaced: os.stat_result | None, shown_path: str
+    ) -> None:
+        self.beside = (folder, name)
+        self.path = _temporary_name(folder, name)  # its name, or the one it will have
         # A new checkpoint gets 0o666 less the umask, as torch.save's open() gives it;
         # one that replaces a file starts private and then takes that file's mode and owner.
         mode = 0o666 if replaced is None else 0o600
-        temporary = cls._unnamed(folder, name, mode) or cls._named(
-            folder, name, mode, replaced, shown_path
-        )
-        try:
-            if replaced is not None and hasattr(os, "fchown"):  # POSIX owners and modes
-                temporary._keep_owner(replaced, shown_path)
-                os.fchmod(temporary.descriptor, stat.S_IMODE(replaced.st_mode))
-        except BaseException:
-            temporary.close_and_remove()
-            raise
-        return temporary
-
-    @classmethod
-    def _unnamed(cls, folder: str, name: str, mode: int) -> _Temporary | None:
-        unnamed = getattr(os, "O_TMPFILE", 0)
-        # Named later through /proc (linkat), which must be there to be used.
-        if not unnamed or not os.path.isdir("/proc/self/fd"):
-            return None
-        try:
-            descriptor = os.open(folder, unnamed | os.O_WRONLY, mode)
-        except OSError:  # not on this file system (or refused: the named way says why)
-            return None
-        return cls((folder, name), descriptor, None)
-
-    @classmethod
-    def _named(
-        cls,
-        folder: str,
-        name: str,
-        mode: int,
-        replaced: os.stat_result | None,
-        shown_path: str,
-    ) -> _Temporary:
+        descriptor = _unnamed(folder, mode)
+        self.named = descriptor is None
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-        while True:
-            path = _temporary_name(folder, name)
+        while descriptor is None:
             try:
-                descriptor = os.open(path, flags, mode)
-            except FileExistsError:
-                continue
+                descriptor = os.open(self.path, flags, mode)
+            except FileExistsError:  # noqa: PERF203 - a name taken, rarely: another draw
+                self.path = _temporary_name(folder, name)
             except OSError as err:
                 raise _cannot_write(shown_path, folder, err, replaced is not None) from None
-            return cls((folder, name), descriptor, path)
+        self.descriptor = descriptor
+        try:
+            if replaced is not None and hasattr(os, "fchown"):  # POSIX owners and modes
+                self._keep_owner(replaced, shown_path)
+                os.fchmod(descriptor, stat.S_IMODE(replaced.st_mode))
+        except BaseException:
+            os.close(descriptor)
+            self.remove()
+            raise
 
     def _keep_owner(self, replaced: os.stat_result, shown_path: str) -> None:
         if replaced.st_uid != os.geteuid():  # root here: others were refused before
@@ -315,14 +285,22 @@ class _Temporary:
         finally:
             os.close(fds)
 
-    def close_and_remove(self) -> None:
-        os.close(self.descriptor)
-        self.remove()
-
     def remove(self) -> None:
         if self.named:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+
+
+def _unnamed(folder: str, mode: int) -> int | None:
+    """A file in ``folder`` with no name yet (``O_TMPFILE``), where Linux allows; else None."""
+    unnamed = getattr(os, "O_TMPFILE", 0)
+    # Named later through /proc (linkat), which must be there to be used.
+    if not unnamed or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(folder, unnamed | os.O_WRONLY, mode)
+    except OSError:  # not on this file system (or refused: the named way says why)
+        return None
 
 
 def _temporary_name(folder: str, name: str) -> str:

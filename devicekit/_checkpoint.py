@@ -1,15 +1,10 @@
 """save and load: ``torch.save`` made atomic and checked, ``torch.load`` onto the selected device.
 
-:func:`save` writes on the process that calls it, to the path it is given, and never
-talks to other ranks: who saves is the caller's ``if rank == 0:``, as with torch.save.
-To a path, it writes through the atomic writer (:mod:`devicekit._atomic`: the old
-checkpoint or the new one, never a torn one); to a file object, as torch.save writes.
-Before a byte is written, the pickle is checked against what a weights-only
-:func:`load` builds (:mod:`devicekit._weights_only`), so what save writes load reads by
-default, unless asked to write it anyway (``weights_only=False``: a whole model, for a
-load that runs its code). :func:`load` sniffs the file's format first, so that what is
-no whole checkpoint is refused in devicekit's words (never with PyTorch's advice to run
-a pickle's code), and words PyTorch's refusals as devicekit's.
+:func:`save` writes through the atomic writer (:mod:`devicekit._atomic`) what a
+weights-only :func:`load` reads (:mod:`devicekit._weights_only`), on the process that
+calls it and never talking to other ranks (who saves is the caller's ``if rank == 0:``).
+:func:`load` sniffs a file's format before torch.load reads it, and says in devicekit's
+words what is no whole checkpoint and what the default load refuses.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import io
 import os
 import pickle
 import stat
-import zipfile
 from collections.abc import Callable
 from typing import IO, Any, cast
 
@@ -35,12 +29,10 @@ from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import TransferError
 from devicekit._weights_only import (
     Unloadable,
-    allow_call,
     allowing,
     checked_pickle,
     first_sentence,
-    loaded,
-    refused_names,
+    load_refusal,
     save_refusal,
 )
 
@@ -154,27 +146,25 @@ def _not_a_file(f: object, doing: str) -> str:
 
 
 def _torch_save(obj: Any, opening: Callable[[], IO[bytes]], where: str, *, checks: bool) -> None:
-    """torch.save to the file ``opening()`` gives, opened once the pickle has passed the check.
-
-    A refused save writes nothing there: torch.save's zip writer ends the archive on its
-    way out even when the pickling raised (674 bytes of an empty checkpoint), into the
-    gate, which drops them.
-    """
+    """torch.save to the file ``opening()`` gives, opened once the pickle has passed the check."""
     gate = _Gate(opening, checks=checks)
     try:
         with allowing:
             torch.save(obj, cast("IO[bytes]", gate), pickle_module=gate.checking)
     except Unloadable as refused:
+        said, pickled = refused.args
         with allowing:  # what is refused, named as the check saw it
-            msg = save_refusal(obj, refused.refusal, where, refused.pickled)
+            msg = save_refusal(obj, said, where, pickled)
         raise ValueError(msg) from None
 
 
 class _Gate:
     """What torch.save writes to: nothing reaches the file before the pickle passed the check.
 
-    The file is opened (``opening()``) once the pickle has passed, and torch.save then
-    writes straight to it: no copy made first, no second pickling. Into a BytesIO, best
+    torch.save's zip writer ends the archive on its way out even when the pickling raised
+    (674 bytes of an empty checkpoint), and an opened FIFO waits for a reader: so the file
+    is opened (``opening()``) once the pickle has passed, and torch.save then writes
+    straight to it: no copy made first, no second pickling. Into a BytesIO, best
     of 30 on a busy 2-core machine: 800 small tensors 35-38 ms (torch.save alone 28-31
     ms: the check is the rest), where pickling first to check took 56-58 ms; a 100 MiB
     state 0.10 s, as torch.save, where a copy made first took 0.19-0.23 s. Bytes written
@@ -273,7 +263,7 @@ def load(
         with allowing:
             loaded = torch.load(source, map_location=target, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
-        refused = _refused_on_load(str(err), name, source, start) if weights_only else None
+        refused = load_refusal(str(err), name, source, start) if weights_only else None
         if refused is not None:
             raise pickle.UnpicklingError(refused) from None
         raise ValueError(_damaged(name, first_sentence(str(err)))) from None
@@ -403,65 +393,3 @@ def _damaged(name: str, said: str) -> str:
         f"Expected a file written by torch.save, but {name} is cut short or damaged, or a "
         f"zip archive that is not a checkpoint (PyTorch: {said})."
     )
-
-
-def _refused_on_load(
-    text: str, name: str, source: str | IO[bytes], start: int | None
-) -> str | None:
-    """The words for a weights-only refusal: what the file holds, and the ways to load it.
-
-    Every global the load refuses is named, read from the checkpoint's pickle (a scan:
-    nothing of the file is built or called), where PyTorch names the first; the file is
-    read from ``start`` (a stream's position before the load). Loading it whole is
-    advised for a file you trust; allowing its classes too, where each is a class of the
-    program's own (not a function, which the load would call, nor a module or an
-    optimizer, whose state_dict is the way to save them as weights, nor a class of
-    Python's or PyTorch's, such as a defaultdict, which allowing may not build).
-    """
-    said = weights_only_said(text)
-    if said.blocked:
-        return (
-            f"Refusing to load {name}: it calls {said.blocked}, which runs commands on "
-            "this machine. The file is unsafe: do not load it."
-        )
-    if not said.names:  # an operand no pickle of torch.save's has: damaged, as load says
-        return None
-    with allowing:
-        names = refused_names(text, _pickle_in(source, start))
-    holds = ", ".join(names)
-    whole = (
-        f"Cannot load {name} as weights and plain data: it holds {holds}, which a "
-        "weights-only load, dk.load's default, does not build or call, since that could run "
-        "code the file chooses. If you trust the file, load it whole with "
-        "dk.load(path, weights_only=False) where its classes can be imported; only load a "
-        "file you trust, since unpickling it can execute arbitrary code."
-    )
-    if not all(_of_the_program(loaded(each)) for each in names):
-        return whole
-    known = (
-        "it is a class of yours that is safe to build, allow it"
-        if len(names) == 1
-        else "they are classes of yours that are safe to build, allow them"
-    )
-    return f"{whole} Or, if you know {known} first: {allow_call(names)}."
-
-
-def _of_the_program(value: object) -> bool:
-    """Whether ``value`` is a class of the program's own that holds data, not a module's."""
-    return (
-        isinstance(value, type)
-        and value.__module__.split(".")[0] not in {"builtins", "collections", "torch"}
-        and not callable(getattr(value, "state_dict", None))
-    )
-
-
-def _pickle_in(source: str | IO[bytes], start: int | None) -> bytes | None:
-    """The pickle of a checkpoint in torch.save's zip format; None for the legacy format."""
-    try:
-        if start is not None:
-            cast("IO[bytes]", source).seek(start)
-        with zipfile.ZipFile(source) as archive:
-            record = next(each for each in archive.namelist() if each.endswith("/data.pkl"))
-            return archive.read(record)
-    except (zipfile.BadZipFile, StopIteration, OSError, ValueError):
-        return None

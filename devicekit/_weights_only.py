@@ -7,10 +7,11 @@ writes nothing that the default load refuses, unless asked to (``weights_only=Fa
 So both allow the same plain data of training scripts beyond PyTorch's list while they
 run (:data:`allowing`: numpy scalars and arrays, ``argparse.Namespace``, ``pathlib``
 paths), and torch.save is given a pickler (:func:`checked_pickle`) that checks its pickle
-whole with PyTorch's own scan before a byte of it is written. A refusal
-(:func:`save_refusal`) names every global refused at once, every outermost value that holds
-one with its path, and the ways out: a ``state_dict()``, a plain dict, allowing a class
-of the program's, or the object saved whole for a load that runs its code.
+whole with PyTorch's own scan before a byte of it is written. A refusal, at save
+(:func:`save_refusal`) or at load (:func:`load_refusal`), names every global refused at
+once, and the ways out: at save, with the path of every outermost value holding one, a
+``state_dict()``, a plain dict, or the object saved whole for a load that runs its code;
+at load, the file loaded whole if trusted; at both, allowing a class of the program's.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import pickle
 import sys
 import threading
 import types
+import zipfile
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeAlias
+from typing import IO, Any, Final, TypeAlias, cast
 
 import torch
 
@@ -41,12 +43,10 @@ from devicekit._errors import TransferError
 
 __all__ = [
     "Unloadable",
-    "allow_call",
     "allowing",
     "checked_pickle",
     "first_sentence",
-    "loaded",
-    "refused_names",
+    "load_refusal",
     "save_refusal",
 ]
 
@@ -115,12 +115,7 @@ allowing: Final = _Allowing()
 
 
 class Unloadable(Exception):  # noqa: N818 - carries the refusal out of torch.save
-    """What a weights-only load would refuse in the pickle about to be written."""
-
-    def __init__(self, refusal: str, pickled: bytes) -> None:
-        super().__init__(refusal)
-        self.refusal = refusal
-        self.pickled = pickled
+    """What a weights-only load would refuse: ``args`` are its words and the pickle refused."""
 
 
 def checked_pickle(*, checks: bool, passed: Callable[[], None]) -> Any:
@@ -164,7 +159,7 @@ def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = Non
     Built-in classes the pickle names (``dict``, a defaultdict's factory) are advised
     too: the load refuses them, as it does any global not allowed.
     """
-    names = refused_names(refusal, pickled)
+    names = _refused_names(refusal, pickled)
     try:
         found = _refused_in(obj, frozenset(names))
         lost = ""
@@ -205,7 +200,7 @@ def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = Non
     allowed = [*dict.fromkeys(held), *(each for each in names if each not in held)]
     # Modules and optimizers: their state_dict, or whole. Functions: never tried, since
     # the trial build would call them.
-    if "state_dict" not in by_kind and all(isinstance(loaded(each), type) for each in allowed):
+    if "state_dict" not in by_kind and all(isinstance(_loaded(each), type) for each in allowed):
         stuck = None if pickled is None else _refused_even_if_allowed(pickled, allowed)
         if stuck is None:
             yours = (
@@ -214,7 +209,7 @@ def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = Non
                 else "the classes are yours and safe to build, allow them"
             )
             alternative = (
-                f" Or, where {yours} before saving and before loading: {allow_call(allowed)}."
+                f" Or, where {yours} before saving and before loading: {_allow_call(allowed)}."
             )
         else:
             alternative = (
@@ -295,13 +290,73 @@ def _saved_whole(obj: object) -> str:
     )
 
 
+def load_refusal(text: str, name: str, source: str | IO[bytes], start: int | None) -> str | None:
+    """The words for a weights-only refusal: what the file holds, and the ways to load it.
+
+    Every global the load refuses is named, read from the checkpoint's pickle (a scan:
+    nothing of the file is built or called), where PyTorch names the first; the file is
+    read from ``start`` (a stream's position before the load). Loading it whole is
+    advised for a file you trust; allowing its classes too, where each is a class of the
+    program's own (not a function, which the load would call, nor a module or an
+    optimizer, whose state_dict is the way to save them as weights, nor a class of
+    Python's or PyTorch's, such as a defaultdict, which allowing may not build).
+    """
+    said = weights_only_said(text)
+    if said.blocked:
+        return (
+            f"Refusing to load {name}: it calls {said.blocked}, which runs commands on "
+            "this machine. The file is unsafe: do not load it."
+        )
+    if not said.names:  # an operand no pickle of torch.save's has: damaged, as load says
+        return None
+    with allowing:
+        names = _refused_names(text, _pickle_in(source, start))
+    holds = ", ".join(names)
+    whole = (
+        f"Cannot load {name} as weights and plain data: it holds {holds}, which a "
+        "weights-only load, dk.load's default, does not build or call, since that could run "
+        "code the file chooses. If you trust the file, load it whole with "
+        "dk.load(path, weights_only=False) where its classes can be imported; only load a "
+        "file you trust, since unpickling it can execute arbitrary code."
+    )
+    if not all(_of_the_program(_loaded(each)) for each in names):
+        return whole
+    known = (
+        "it is a class of yours that is safe to build, allow it"
+        if len(names) == 1
+        else "they are classes of yours that are safe to build, allow them"
+    )
+    return f"{whole} Or, if you know {known} first: {_allow_call(names)}."
+
+
+def _of_the_program(value: object) -> bool:
+    """Whether ``value`` is a class of the program's own that holds data, not a module's."""
+    return (
+        isinstance(value, type)
+        and value.__module__.split(".")[0] not in {"builtins", "collections", "torch"}
+        and not callable(getattr(value, "state_dict", None))
+    )
+
+
+def _pickle_in(source: str | IO[bytes], start: int | None) -> bytes | None:
+    """The pickle of a checkpoint in torch.save's zip format; None for the legacy format."""
+    try:
+        if start is not None:
+            cast("IO[bytes]", source).seek(start)
+        with zipfile.ZipFile(source) as archive:
+            record = next(each for each in archive.namelist() if each.endswith("/data.pkl"))
+            return archive.read(record)
+    except (zipfile.BadZipFile, StopIteration, OSError, ValueError):
+        return None
+
+
 def _refused_even_if_allowed(pickled: bytes, names: list[str]) -> str | None:
     """Why a weights-only load, the globals ``names`` allowed, still refuses ``pickled``.
 
     None where it would build it, or where that cannot be told: a name that is no loaded
     module's (pickle wrote it from one), an error raised by a class's own code.
     """
-    found = [loaded(name) for name in names]
+    found = [_loaded(name) for name in names]
     if any(each is None for each in found):
         return None
     try:
@@ -312,7 +367,7 @@ def _refused_even_if_allowed(pickled: bytes, names: list[str]) -> str | None:
     return None if refused is None else f"PyTorch: {first_sentence(refused)}"
 
 
-def refused_names(said: str, pickled: bytes | None) -> list[str]:
+def _refused_names(said: str, pickled: bytes | None) -> list[str]:
     """The globals refused: read from ``pickled``, first written first; else as ``said`` names them.
 
     ``said`` is a weights-only refusal's text (torch.load's, or the check's).
@@ -321,13 +376,13 @@ def refused_names(said: str, pickled: bytes | None) -> list[str]:
     return found or weights_only_said(said).names
 
 
-def allow_call(names: list[str]) -> str:
+def _allow_call(names: list[str]) -> str:
     """The call that allows the classes ``names`` (``module.Name``), as the user would write it."""
     shorts = ", ".join(name.rsplit(".", 1)[-1] for name in names)
     return f"torch.serialization.add_safe_globals([{shorts}])"
 
 
-def loaded(qualified: str) -> Any:
+def _loaded(qualified: str) -> Any:
     """The global pickle wrote as ``qualified`` (``module.Name``), from a loaded module."""
     parts = qualified.split(".")
     for cut in range(len(parts) - 1, 0, -1):
