@@ -8,13 +8,7 @@ import importlib
 import typing
 
 from devicekit._backends import Backend, DeviceInfo, GpuProcess
-from devicekit._checks import (
-    GuardHandle,
-    check_same_device,
-    find_devices,
-    find_unmoved,
-    guard,
-)
+from devicekit._checks import check_same_device, find_devices, find_unmoved
 from devicekit._current import current_device
 from devicekit._errors import (
     DeviceKitError,
@@ -22,6 +16,7 @@ from devicekit._errors import (
     DeviceUnavailableError,
     TransferError,
 )
+from devicekit._guard import GuardHandle, guard
 from devicekit._kinds import register_transfer, unregister_transfer
 from devicekit._loader import DeviceDataLoader
 from devicekit._manager import DeviceManager

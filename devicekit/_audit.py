@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import site
 import sys
-import sysconfig
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -22,64 +20,11 @@ import torch
 
 from devicekit import _compat, _units
 from devicekit._errors import TransferError
+from devicekit._frames import is_library
 
 __all__ = ["TransferEvent", "TransferLog", "track_transfers"]
 
 _aten = torch.ops.aten
-
-
-def _folder(path: str) -> str:
-    return os.path.join(os.path.normpath(path), "")  # with its separator: a prefix of files
-
-
-# Frames inside these folders are not "the user's line": PyTorch's, devicekit's (this
-# file's), the standard library's.
-_OWN_FOLDERS = tuple(
-    _folder(os.path.dirname(path))
-    for path in (torch.__file__, __file__, contextlib.__file__)
-    if path is not None
-)
-# Except where installed packages live: a system Python (Debian's, a conda base) keeps
-# them beneath the standard library's folder (/usr/lib/python3.11/site-packages).
-_PACKAGE_FOLDERS = tuple(
-    _folder(path)
-    for path in {
-        sysconfig.get_path("purelib"),
-        sysconfig.get_path("platlib"),
-        *site.getsitepackages(),
-        site.getusersitepackages(),
-    }
-    if path
-)
-_PACKAGE_NAMES = frozenset({"site-packages", "dist-packages"})
-
-
-def is_library(
-    filename: str, own: tuple[str, ...] | None = None, packages: tuple[str, ...] | None = None
-) -> bool:
-    """Whether a frame in ``filename`` is PyTorch's, devicekit's or the standard library's.
-
-    The nearest folder around the file decides: a folder of installed packages inside
-    one of ``own`` (by default PyTorch's, devicekit's, the standard library's) is not
-    one of them, whether it is known (``packages``: sysconfig's and site's) or named
-    ``site-packages`` or ``dist-packages``.
-
-    >>> own = ("/usr/lib/python3.11/", "/usr/lib/python3.11/site-packages/torch/")
-    >>> [is_library(f"/usr/lib/python3.11/{name}", own, packages=()) for name in (
-    ...     "contextlib.py", "site-packages/transformers/trainer.py", "site-packages/torch/nn.py")]
-    [True, False, True]
-    """
-    own = _OWN_FOLDERS if own is None else own
-    packages = _PACKAGE_FOLDERS if packages is None else packages
-    nearest = max((folder for folder in own if filename.startswith(folder)), key=len, default="")
-    if not nearest:
-        return False
-    if any(
-        len(folder) > len(nearest) and folder.startswith(nearest) and filename.startswith(folder)
-        for folder in packages
-    ):
-        return False
-    return _PACKAGE_NAMES.isdisjoint(filename[len(nearest) :].split(os.sep)[:-1])
 
 
 @dataclasses.dataclass(frozen=True)

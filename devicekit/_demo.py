@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-from devicekit._checks import guard
+from devicekit._guard import guard
 from devicekit._loader import DeviceDataLoader
 from devicekit._memory import BatchFit, fit_batch
 from devicekit._transfer import to_device

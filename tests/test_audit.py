@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _audit
+from devicekit import _frames
 
 from .helpers import CPU, META
 
@@ -92,10 +92,10 @@ def test_copies_in_packages_beneath_the_standard_library_are_blamed_on_the_packa
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packages: str
 ) -> None:
     stdlib = tmp_path / "lib" / "python3.11"  # a system Python's layout, simulated
-    monkeypatch.setattr(_audit, "_OWN_FOLDERS", (*_audit._OWN_FOLDERS, f"{stdlib}{os.sep}"))
+    monkeypatch.setattr(_frames, "_OWN_FOLDERS", (*_frames._OWN_FOLDERS, f"{stdlib}{os.sep}"))
     if packages == "vendored":  # a folder of packages known by sysconfig or site, not by name
-        folders = (*_audit._PACKAGE_FOLDERS, f"{stdlib / packages}{os.sep}")
-        monkeypatch.setattr(_audit, "_PACKAGE_FOLDERS", folders, raising=False)
+        folders = (*_frames._PACKAGE_FOLDERS, f"{stdlib / packages}{os.sep}")
+        monkeypatch.setattr(_frames, "_PACKAGE_FOLDERS", folders, raising=False)
     standard = _module_at(stdlib / "standard" / "copies.py")
     installed = _module_at(stdlib / packages / "installed" / "copies.py")
     with dk.track_transfers() as log:
@@ -110,6 +110,6 @@ def test_copies_in_packages_beneath_the_standard_library_are_blamed_on_the_packa
 
 def test_the_folders_of_installed_packages_are_never_skipped() -> None:
     for kind in ("purelib", "platlib"):
-        assert not _audit.is_library(os.path.join(sysconfig.get_path(kind), "pkg", "mod.py"))
-    assert _audit.is_library(os.path.join(os.path.dirname(torch.__file__), "nn", "mod.py"))
-    assert _audit.is_library(os.path.join(os.path.dirname(re.__file__), "re", "mod.py"))
+        assert not _frames.is_library(os.path.join(sysconfig.get_path(kind), "pkg", "mod.py"))
+    assert _frames.is_library(os.path.join(os.path.dirname(torch.__file__), "nn", "mod.py"))
+    assert _frames.is_library(os.path.join(os.path.dirname(re.__file__), "re", "mod.py"))

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 import devicekit as dk
-from devicekit import _checks, _compat, _tree
+from devicekit import _compat, _guard, _tree
 
 from .helpers import CPU, META, require_package
 
@@ -324,8 +324,8 @@ def test_guard_reads_the_place_again_so_a_fixed_attribute_passes() -> None:
 def test_guard_walks_the_module_once_not_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     walks: list[object] = []
-    real = _checks.strays
-    monkeypatch.setattr(_checks, "strays", lambda *a, **k: walks.append(a) or real(*a, **k))
+    real = _guard.strays
+    monkeypatch.setattr(_guard, "strays", lambda *a, **k: walks.append(a) or real(*a, **k))
     with dk.guard(model):
         for _ in range(5):
             model(torch.ones(1, 4))

@@ -1,0 +1,269 @@
+"""What a guarded forward made on another device, read from PyTorch's error about it.
+
+PyTorch refuses to mix devices inside a forward in its own words (an aten argument,
+two devices); the tensor at fault is often one the forward made itself
+(``torch.zeros(n, 51)`` without ``device=``). When a ``with guard(module):`` block ends
+on that error, :func:`made_inside` reads the traceback's frames of the user's code
+inside the module's call, finds the failing call's source and the tensors it used off
+the module's device, names each as the outermost frame calls it, and says how to make
+it on the right device. It runs only then, on an error: a forward that succeeds pays
+nothing. A room of its own because it reads frames and source text, which nothing
+else in the checks does; :mod:`devicekit._guard` asks it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import os
+import re
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any, NamedTuple
+
+import torch
+
+from devicekit import _compat
+from devicekit._checks import PATHS_SHOWN, input_names, tensor_paths, tensors_of
+from devicekit._errors import DeviceKitError, DeviceMismatchError
+
+__all__ = ["made_inside"]
+
+_NAME = re.compile(r"(?<![\w.])[^\W\d]\w*")
+"""A name in source text, not an attribute's (``self.h`` gives ``self``)."""
+_FACTORY = re.compile(
+    r"\btorch\.(?:zeros|ones|empty|full|rand|randn|randint|randperm|arange|linspace|eye|tensor)\("
+)
+"""A call of a tensor factory, which puts its tensor on the default device unless told."""
+_SOURCE_LINES = 20
+"""The most lines of a failing call read: a longer span is not one call worth showing."""
+_SOURCE_SHOWN = 120
+"""The most characters of a failing call a message shows."""
+
+
+class _Call(NamedTuple):
+    """A frame of the user's code inside the guarded forward, and the line it was at."""
+
+    frame: FrameType
+    lineno: int
+    lasti: int
+
+    @property
+    def where(self) -> str:
+        """``Sequence.forward (model.py:42)``."""
+        code = self.frame.f_code
+        qualname = getattr(code, "co_qualname", None)  # Python 3.11 and later
+        if qualname is None:
+            owner = self.frame.f_locals.get("self")
+            qualname = code.co_name if owner is None else f"{type(owner).__name__}.{code.co_name}"
+        qualname = qualname.rpartition(".<locals>.")[2]
+        return f"{qualname} ({os.path.basename(code.co_filename)}:{self.lineno})"
+
+
+class _Made(NamedTuple):
+    """A tensor the forward used on another device than its module's."""
+
+    name: str
+    call: _Call
+    device: torch.device
+
+
+def _inside_calls(module: torch.nn.Module, error: BaseException) -> list[_Call]:
+    """The frames of the user's code inside ``module``'s call, outermost first.
+
+    The call begins at the first frame of the module's forward, or of PyTorch's code
+    calling it (``module(x)``); a user's method of the module that called it (a
+    ``fit()``) is not inside.
+    """
+    # Loaded on an error only: finding where packages are installed, as _frames does when
+    # it loads, took 3-17 ms here, a share of import devicekit's 30 ms budget.
+    from devicekit._frames import is_library  # noqa: PLC0415
+
+    forward = getattr(type(module).forward, "__code__", None)
+    calls: list[_Call] = []
+    inside = False
+    each = error.__traceback__
+    while each is not None:
+        frame = each.tb_frame
+        library = is_library(frame.f_code.co_filename)
+        if not inside and frame.f_locals.get("self") is module:
+            inside = library or frame.f_code is forward
+        if inside and not library:
+            calls.append(_Call(frame, each.tb_lineno, each.tb_lasti))
+        each = each.tb_next
+    return calls
+
+
+def _failing_source(call: _Call) -> str | None:
+    """The source of the call that failed in ``call``'s frame, as one line; None if unknown.
+
+    Python 3.11 and later say where the call is in its line (``co_positions``), so
+    ``h = self.cell(x, (h, c))`` gives ``self.cell(x, (h, c))``; older Pythons give the line.
+    """
+    code = call.frame.f_code
+    first, last, start, end = call.lineno, call.lineno, None, None
+    positions = getattr(code, "co_positions", None)
+    if positions is not None and call.lasti >= 0:
+        found = next(itertools.islice(positions(), call.lasti // 2, None), None)
+        if found is not None and found[0] is not None and found[1] is not None:
+            first, last, start, end = found
+    if last - first >= _SOURCE_LINES:
+        return None
+    lines = [
+        linecache.getline(code.co_filename, number, call.frame.f_globals)
+        for number in range(first, last + 1)
+    ]
+    if not all(lines):
+        return None
+    # Columns count bytes of UTF-8; the end first, as the start may be on the same line.
+    if end is not None:
+        lines[-1] = lines[-1].encode()[:end].decode(errors="ignore")
+    if start is not None:
+        lines[0] = lines[0].encode()[start:].decode(errors="ignore")
+    return " ".join(line.strip() for line in lines)
+
+
+def _tensors_named(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in a local variable, with their paths; none in a module or optimizer."""
+    if isinstance(value, torch.nn.Module | torch.optim.Optimizer):
+        return []  # its parameters are the module's, checked before the forward
+    if isinstance(value, torch.Tensor):
+        return [(name, value)]
+    try:
+        return list(tensor_paths(value, name))
+    except Exception:  # a local that cannot be walked names nothing: the user's error goes on
+        return []
+
+
+def _inputs_in(module: torch.nn.Module, calls: list[_Call]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors among the forward's positional inputs, as its own frame holds them."""
+    own = next((call for call in calls if call.frame.f_locals.get("self") is module), None)
+    if own is None:
+        return
+    for name in input_names(type(module).forward)[0]:
+        yield from _tensors_named(name, own.frame.f_locals.get(name))
+
+
+def _listing(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 2 more``."""
+    if len(names) > PATHS_SHOWN:
+        return f"{', '.join(names[:PATHS_SHOWN])} and {len(names) - PATHS_SHOWN} more"
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _made_elsewhere(calls: list[_Call], source: str | None, home: torch.device) -> list[_Made]:
+    """The tensors the failing call used that are not on ``home``, named where first seen.
+
+    The failing call is the innermost frame's; its tensors are the locals its source
+    names (all its locals where the source cannot be read). Each is named as the
+    outermost frame inside the forward calls it: ``h0`` made in ``Model.forward`` and
+    passed to a block whose forward calls it ``h``. A host scalar tensor, which PyTorch
+    takes next to any device, is left out.
+    """
+    innermost = calls[-1]
+    local = innermost.frame.f_locals
+    used = dict.fromkeys(_NAME.findall(source)) if source is not None else dict.fromkeys(local)
+    found: dict[int, _Made] = {}
+    for name in used:
+        if name == "self" or name not in local:
+            continue
+        for path, tensor in _tensors_named(name, local[name]):
+            scalar = tensor.dim() == 0 and tensor.device.type == "cpu"
+            if tensor.device != home and not scalar and id(tensor) not in found:
+                found[id(tensor)] = _Made(path, innermost, tensor.device)
+    if not found:
+        return []
+    renamed: dict[int, _Made] = {}
+    for call in calls[:-1]:
+        for name, value in call.frame.f_locals.items():
+            if isinstance(value, torch.Tensor) and id(value) in found and id(value) not in renamed:
+                renamed[id(value)] = _Made(name, call, value.device)
+    return [renamed.get(key, made) for key, made in found.items()]
+
+
+def made_inside(module: torch.nn.Module, error: BaseException) -> DeviceMismatchError | None:
+    """The error naming what the guarded forward made on another device; None if unknown.
+
+    Read from PyTorch's own error for mixed devices raised inside the module's call:
+    the tensors the failing call used that are not on the module's device, or a tensor
+    factory called there without ``device=``.
+    """
+    if isinstance(error, DeviceKitError) or not _compat.is_device_mismatch(error):
+        return None
+    calls = _inside_calls(module, error)
+    if not calls:
+        return None
+    first = next((tensor for _, tensor in tensors_of(module, own=False)), None)
+    params = first is not None
+    if first is None:
+        first = next((tensor for _, tensor in _inputs_in(module, calls)), None)
+        if first is None:
+            return None
+    home = first.device
+    # What a fix makes new tensors next to: the first input on the module's device, by
+    # its name in forward, else the first parameter (self.fc.weight).
+    near = next((path for path, t in _inputs_in(module, calls) if t.device == home), None)
+    if near is None:
+        near = next((f"self.{name}" for name, t in tensors_of(module, own=False)), "input")
+    source = _failing_source(calls[-1])
+    made = _made_elsewhere(calls, source, home)
+    label = type(module).__name__
+    default = torch.get_default_device()
+    if made:
+        return _named_made(made, home, _near(label, near, parameters=params), near)
+    if source is None or default == home or not _FACTORY.search(source) or "device" in source:
+        return None
+    shown_source = source if len(source) <= _SOURCE_SHOWN else source[: _SOURCE_SHOWN - 3] + "..."
+    msg = (
+        f"The call {shown_source} in {calls[-1].where} makes a tensor without device=, which "
+        f"puts it on {default}, but {_near(label, near, parameters=params)} on {home}. "
+        + _fix("it", near)
+    )
+    return DeviceMismatchError(msg, {home: [near], default: [f"the call in {calls[-1].where}"]})
+
+
+def _near(label: str, near: str, *, parameters: bool) -> str:
+    """``the input and the parameters of Net are``: what the tensors should be next to."""
+    if near.startswith("self."):
+        return f"the parameters of {label} are"
+    return (
+        f"the input and the parameters of {label} are" if parameters else f"the input of {label} is"
+    )
+
+
+def _fix(them: str, near: str) -> str:
+    """How to make a tensor next to ``near`` (an input, or a parameter as ``self.fc.weight``)."""
+    if near.startswith("self."):
+        return (
+            f"Make {them} on the parameters' device: torch.zeros(..., device={near}.device) "
+            f"or {near}.new_zeros(...)."
+        )
+    return (
+        f"Make {them} on the input's device: torch.zeros(..., device={near}.device), "
+        f"{near}.new_zeros(...) or torch.zeros_like({near})."
+    )
+
+
+def _named_made(
+    made: list[_Made], home: torch.device, near_said: str, near: str
+) -> DeviceMismatchError:
+    """The error naming the tensors the failing call used off the module's device."""
+    groups: dict[_Call, list[str]] = {}
+    for each in made:
+        groups.setdefault(each.call, []).append(each.name)
+    subject = " and ".join(f"{_listing(names)} in {call.where}" for call, names in groups.items())
+    devices = list(dict.fromkeys(each.device for each in made))
+    one = len(made) == 1
+    # Where the default device is the host: a factory called without device= made it.
+    host = all(device == torch.get_default_device() == torch.device("cpu") for device in devices)
+    made_there = (
+        " A tensor made inside forward is put on the host unless told otherwise." if host else ""
+    )
+    msg = (
+        f"{subject} {'is' if one else 'are'} on {' and '.join(map(str, devices))} but "
+        f"{near_said} on {home}.{made_there} {_fix('it' if one else 'them', near)}"
+    )
+    found: dict[torch.device, list[str]] = {home: [near]}
+    for each in made:
+        found.setdefault(each.device, []).append(each.name)
+    return DeviceMismatchError(msg, found)
