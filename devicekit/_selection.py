@@ -388,15 +388,15 @@ class _Choice:
         wanted = [name for name in request.prefer if name != "cpu"]
         if not wanted:
             return self.chosen(torch.device("cpu"), "prefer asks for the CPU")
-        looked = wanted[0] if len(wanted) == 1 else f"{', '.join(wanted[:-1])} or {wanted[-1]}"
+        looked = _joined(wanted, "or")
         why = why or f"no {looked} device is usable"
         visible = {info.device: info for name in wanted for info in self.family(name)}
         # Claims of this process's other managers: a wait would wait for itself (a
         # notebook cell run twice on a one-GPU machine would wait out its wait=).
-        ours = [device for device in visible if _ours(self.seen.claimed.get(device))]
+        ours = [str(device) for device in visible if _ours(self.seen.claimed.get(device))]
         if ours and len(ours) == len(visible):
             why += (
-                f": {_listing(ours)} {'is' if len(ours) == 1 else 'are'} claimed by this "
+                f": {_joined(ours, 'and')} {'is' if len(ours) == 1 else 'are'} claimed by this "
                 "process (another of its managers): close() it, leave its with block, or "
                 "name the device to share it"
             )
@@ -461,9 +461,7 @@ class _Choice:
 
 def _by(holder: Holder | int | None) -> str:
     """Who claims a device, in words: ``pid 4242``, ``this process (...)``, ``another job``."""
-    if holder is None:
-        return "another job"
-    return f"pid {holder}" if isinstance(holder, int) else str(holder)
+    return str(holder if isinstance(holder, Holder) else Holder(holder))
 
 
 def _ours(holder: Holder | int | None) -> bool:
@@ -471,10 +469,9 @@ def _ours(holder: Holder | int | None) -> bool:
     return isinstance(holder, Holder) and holder.ours
 
 
-def _listing(devices: list[torch.device]) -> str:
-    """``cuda:0``, ``cuda:0 and cuda:1``, ``cuda:0, cuda:1 and cuda:2``."""
-    names = [str(device) for device in devices]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+def _joined(names: list[str], last: str) -> str:
+    """``cuda``, ``cuda or xpu``, ``cuda, xpu or mps`` (``last`` joins the last two)."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {last} {names[-1]}"
 
 
 def _shared(start: str, problem: RankProblem) -> str:
