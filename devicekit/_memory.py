@@ -66,12 +66,15 @@ class DeviceMemory(Protocol):
         """Give the allocator's cached blocks back to the device."""
 
 
-class _Accelerator:
-    """An accelerator's memory, through its PyTorch module (``torch.cuda``, ``torch.xpu``)."""
+class _Readings:
+    """A device's memory, through its PyTorch module (``torch.cuda``, ``torch.xpu``).
+
+    Other devices (the CPU, meta) have none here: nothing to read, nothing to release.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.module: Any = getattr(torch, device.type)
+        self.module: Any = getattr(torch, device.type) if device.type in ("cuda", "xpu") else None
 
     def reset_peak(self) -> None:
         reset = getattr(self.module, "reset_peak_memory_stats", None)
@@ -95,22 +98,6 @@ class _Accelerator:
             empty()
 
 
-class _Unmeasured:
-    """A device whose memory devicekit cannot read (the CPU, meta)."""
-
-    def reset_peak(self) -> None:
-        pass
-
-    def peak(self) -> int | None:
-        return None
-
-    def free(self) -> tuple[int, int] | None:
-        return None
-
-    def release(self) -> None:
-        pass
-
-
 MEMORY: dict[str, Callable[[torch.device], DeviceMemory]] = {}
 """Memory readers by device type, besides the built-in ones: the tests register a stand-in."""
 
@@ -119,9 +106,7 @@ def _memory_of(device: torch.device) -> DeviceMemory:
     made = MEMORY.get(device.type)
     if made is not None:
         return made(device)
-    if device.type in ("cuda", "xpu"):
-        return _Accelerator(device)
-    return _Unmeasured()
+    return _Readings(device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,21 +1,13 @@
-"""What fit_batch's tries train, put back: a host copy of ``restore=``, and of the generators.
+"""What fit_batch's tries train, put back: a host copy of ``restore=`` and of the generators.
 
-The search runs the user's real training step, which trains the model, steps the
-optimizer and draws random numbers. Before the first try, :class:`Kept` copies to the
-host (never to the device, whose free memory the search measures) what ``restore=``
-names and where every global random generator stands; once the search ends, however
-it ends, it puts all of it back and drops the copy.
-
-One invariant, stated here once: everything goes back *into the objects it came from*.
-A parameter's values are copied into the same tensor (the optimizer holds it), a
-gradient into the same gradient where the step left one alike (DDP's may be views of
-its buckets), an optimizer's groups and state into the same list and dicts (a group
-the user or an LR scheduler holds still steers it), a tensor in them in place (a
-scheduler fills a tensor ``lr`` in place). Only objects that keep their state their
-own way (a scheduler, a ``GradScaler``, an optimizer with its own ``state_dict``) go
-back through their ``load_state_dict``.
-
-It stands apart from the search (:mod:`devicekit._memory`), which only says when.
+The search runs the user's real training step. Before the first try :class:`Kept`
+copies what ``restore=`` names, and where each global random generator stands, to the
+host (not the device, whose free memory the search measures); once the search ends,
+however it ends, it puts all of it back. Its one invariant: everything goes back *into
+the objects it came from* (parameters, gradients, an optimizer's groups and state, a
+tensor ``lr``), which the optimizer, an LR scheduler or the user may hold; only objects
+that keep their state their own way go back through their ``load_state_dict``. The
+search (:mod:`devicekit._memory`) only says when.
 """
 
 from __future__ import annotations
