@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from devicekit import _tree
+from devicekit._devices import HOST_TYPES
 from devicekit._transfer import to_device
 
 __all__ = ["Kept", "restorable"]
@@ -245,7 +246,7 @@ def _generators(device: torch.device) -> list[Callable[[], object]]:
         functools.partial(torch.set_rng_state, torch.get_rng_state()),
         functools.partial(random.setstate, random.getstate()),
     ]
-    backend: Any = getattr(torch, device.type, None) if device.type not in ("cpu", "meta") else None
+    backend: Any = getattr(torch, device.type, None) if device.type not in HOST_TYPES else None
     get, put = getattr(backend, "get_rng_state", None), getattr(backend, "set_rng_state", None)
     if callable(get) and callable(put):
         if device.type == "mps":  # one generator, no device argument

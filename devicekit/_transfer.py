@@ -18,7 +18,7 @@ import torch
 
 from devicekit import _compat, _packing, _tree
 from devicekit._current import current_device
-from devicekit._devices import DeviceLike, resolve_device
+from devicekit._devices import HOST_TYPES, DeviceLike, resolve_device
 from devicekit._errors import DeviceKitError, DeviceUnavailableError, LeafError, TransferError
 from devicekit._kinds import (
     Leaf,
@@ -30,7 +30,6 @@ T = TypeVar("T")
 NonBlocking: TypeAlias = bool | Literal["auto"]
 """``"auto"``, True or False; see :func:`to_device`."""
 
-_HOST = frozenset({"cpu", "meta"})  # devices whose copies need no stream to wait on
 _Tensor = torch.Tensor  # one global lookup on the hot path instead of two
 _is_compiling = torch.compiler.is_compiling  # likewise; torch.compile knows the function
 _UNSEEN: Any = object()
@@ -137,7 +136,7 @@ class _Plan:
 
     def __init__(self, device: torch.device, options: Options, *, traced: bool = False) -> None:
         simulated = device.type in _simulated
-        to_accelerator = device.type not in _HOST or simulated
+        to_accelerator = device.type not in HOST_TYPES or simulated
         self.device, self.options, self.pins, self.traced = device, options, not simulated, traced
         self.call: type[_Call] = _TracedCall if traced else _Call
         self.plain = options.dtype is None and not options.copy and options.memory_format is None
@@ -188,8 +187,10 @@ class _Plan:
             return False
         if self.options.non_blocking != "auto":
             return bool(self.options.non_blocking)
-        host = self.host if target.type == self.device.type else target.type in _HOST
-        return not host or (not self.traced and source.type not in _HOST and source.type != "mps")
+        host = self.host if target.type == self.device.type else target.type in HOST_TYPES
+        return not host or (
+            not self.traced and source.type not in HOST_TYPES and source.type != "mps"
+        )
 
 
 _plans: dict[object, _Plan] = {}
@@ -381,7 +382,7 @@ class _Call:
         """Whether a copy is asynchronous (:meth:`_Plan.asynchronous`), noting the wait it needs."""
         plan, source = self.plan, tensor.device
         asynchronous = plan.asynchronous(source, device)
-        if asynchronous and plan.waits and device.type in _HOST:
+        if asynchronous and plan.waits and device.type in HOST_TYPES:
             self.waits = (self.waits or set()) | {source}  # the one wait, in finish()
         return asynchronous
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
-from typing import Any, Final, NamedTuple, TypeAlias
+from typing import Any, Final, NamedTuple, NoReturn, TypeAlias
 
 from devicekit import _kinds
 from devicekit._errors import LeafError, TransferError
@@ -144,7 +144,7 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
                     continue
             stack.append((node, container, children, count))
             if len(stack) >= MAX_DEPTH:
-                raise _too_deep(stack)
+                _too_deep(tree, nodes, learn)
             node, container, count = child_node, child, 0
             children = iter(node.children(child))
             break
@@ -153,21 +153,6 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
             if not stack:
                 return _tuple_new(Flat, (leaves, spec, active))
             node, container, children, count = stack.pop()
-
-
-def first_leaf(tree: Any, *, view: int = MOVE) -> Any:
-    """The first leaf of ``tree`` in walk order, found without walking the rest (or None).
-
-    >>> first_leaf({"image": [(3, "x")], "label": 1})
-    3
-    """
-    nodes, learn = _kinds._views[view], _LEARN[view]
-    for _ in range(MAX_DEPTH):
-        node = _entry(type(tree), nodes, learn)
-        if not isinstance(node, Node):
-            return tree
-        tree = next(iter(node.children(tree)), None)
-    return None
 
 
 def paths(flat: Flat) -> tuple[list[str], list[str]]:
@@ -454,23 +439,19 @@ def _too_deep_to_trace(limit: int) -> TransferError:
     return TransferError(msg)
 
 
-def _too_deep(stack: list[tuple[Node, Any, Iterator[Any], int]]) -> TransferError:
-    """A walk ``MAX_DEPTH`` deep: a cycle, or honest depth (each frame's count names its key)."""
-    fragments = [list(node.keys(container))[count - 1] for node, container, _, count in stack]
-    first_seen: dict[int, int] = {}
-    for depth, (_, container, _, _) in enumerate(stack):
-        first = first_seen.setdefault(id(container), depth)
-        if first != depth:
-            here, there = (
-                format_path("data", fragments[:depth]),
-                format_path("data", fragments[:first]),
-            )
-            msg = (
-                f"Expected data without reference cycles, but {here} is the "
-                f"{type(container).__name__} {there} itself, which contains it."
-            )
-            return TransferError(msg)
-    return too_deep_at("data", fragments)
+def _too_deep(tree: Any, nodes: dict[type, Any], learn: Callable[[type], Any]) -> NoReturn:
+    """Raise why a walk ``MAX_DEPTH`` deep stopped: a cycle, or honest depth, as walk says."""
+
+    def expand(value: Any) -> Iterable[tuple[Key, Any]] | None:
+        node = _entry(type(value), nodes, learn)
+        if type(node) is not Node:
+            return None
+        return zip(node.keys(value), node.children(value), strict=True)
+
+    for _ in walk(tree, expand=expand):  # raises where flatten stopped
+        pass
+    msg = "flatten went deeper than walk, which reads the same view"
+    raise AssertionError(msg)
 
 
 def too_deep_at(root: str, keys: Sequence[Key | str]) -> TransferError:
