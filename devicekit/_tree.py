@@ -565,39 +565,3 @@ def walk(
         else:
             stack.pop()
             open_.pop(id(container), None)
-
-
-def preorder(
-    flat: Flat,
-) -> Iterator[tuple[int, str, Any, bool]]:  # walk: until _checkpoint uses walk
-    """Every container and leaf of ``flat``, each before what it holds: pickle's order.
-
-    Each comes as ``(depth, key, value, is_container)``: the containers around it, its
-    path fragment in the container that holds it (``""`` for the root), itself, and
-    whether it is one of ``flat.spec``'s containers.
-
-    >>> [visit[:3] for visit in preorder(flatten({"a": [1, (2, "x")]}))][1:4]
-    [(1, "['a']", [1, (2, 'x')]), (2, '[0]', 1), (2, '[1]', (2, 'x'))]
-    """
-    if not flat.spec:
-        yield 0, "", flat.leaves[0], False
-        return
-    held: list[list[tuple[bool, int]]] = []  # per container, in spec order: its children
-    waiting: list[tuple[bool, int]] = []  # (is a container, its index): not placed yet
-    taken = 0
-    for end, _, _, count in flat.spec:
-        waiting += ((False, index) for index in range(taken, end))
-        taken = end
-        held.append(waiting[len(waiting) - count :])
-        del waiting[len(waiting) - count :]
-        waiting.append((True, len(held) - 1))
-    stack = [(0, "", True, len(held) - 1)]  # the last container to close is the root
-    while stack:
-        depth, key, is_container, index = stack.pop()
-        if not is_container:
-            yield depth, key, flat.leaves[index], False
-            continue
-        _, node, container, _ = flat.spec[index]
-        yield depth, key, container, True
-        children = list(zip(map(str, node.keys(container)), held[index], strict=True))
-        stack += ((depth + 1, name, *child) for name, child in reversed(children))

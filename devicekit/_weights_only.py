@@ -25,9 +25,8 @@ import sys
 import threading
 import types
 import zipfile
-from collections import deque
 from collections.abc import Callable, Mapping
-from typing import IO, Any, Final, TypeAlias, cast
+from typing import IO, Any, Final, cast
 
 import torch
 
@@ -40,6 +39,8 @@ from devicekit._compat import (
 )
 from devicekit._devices import shown
 from devicekit._errors import TransferError
+from devicekit._kinds import MOVE
+from devicekit._nodes import ATTRIBUTE, Key
 
 __all__ = [
     "Unloadable",
@@ -422,61 +423,36 @@ def _is_refused(value: object, names: frozenset[str]) -> bool:
     return kind not in _WRITTEN_AS_IS and _qualified(kind) in names
 
 
-# A path from the object saved, one fragment a level ("['model']", "[0]", ".lr"): a
-# chain of (the path above, the last fragment), shared by the values it leads to.
-_Path: TypeAlias = "tuple[_Path, str] | None"
-
-
-def _fragments(path: _Path) -> list[str]:
-    fragments: list[str] = []
-    while path is not None:
-        path, fragment = path
-        fragments.append(fragment)
-    return fragments[::-1]
-
-
-# walk: to be replaced by _tree's walk (with _Path and _fragments, which only it uses)
 def _refused_in(root: Any, names: frozenset[str]) -> list[tuple[str, Any]]:
     """Where in ``root`` the values pickled as one of the global ``names`` are, outermost only.
 
     Each such value once (the first path to it), and none inside another: a module's
     own modules go with it. A search on the error path only, through devicekit's one
-    walk (:mod:`devicekit._tree`, iterative), first in the order pickle writes (an object
-    before what it holds), then through the attributes of the leaves pickle saves by
-    their ``__dict__`` (``argparse.Namespace``, a class allowed with add_safe_globals),
-    each object once, breadth first. Containers and attribute hops count together against
-    the depth rule of every walk: a container or object ``MAX_DEPTH`` levels down is refused.
+    walk (:func:`devicekit._tree.walk`), in the order pickle writes (an object before
+    what it holds): containers as to_device takes them apart, and the attributes of the
+    leaves pickle saves by their ``__dict__`` (``argparse.Namespace``, a class allowed
+    with add_safe_globals), each object once. Containers and attribute hops count
+    together against the depth rule of every walk.
 
     Raises:
-        TransferError: The data nests deeper than MAX_DEPTH, or holds a cycle.
+        TransferError: The data nests deeper than MAX_DEPTH, or a container holds itself.
     """
+    entered: set[int] = set()  # objects whose attributes were walked: each once
+
+    def expand(value: Any) -> Any:
+        if _is_refused(value, names):
+            return None  # found: what it holds goes with it
+        held = _tree.contents(value, MOVE)
+        if held is not None:
+            return held
+        state = getattr(value, "__dict__", None)
+        if type(state) is not dict or id(value) in entered or _by_reference(value):
+            return None
+        entered.add(id(value))
+        return [(Key(ATTRIBUTE, name), each) for name, each in state.items()]
+
     found: dict[int, tuple[str, Any]] = {}  # by id: an object saved twice is named once
-    entered: set[int] = set()  # objects whose attributes were queued
-    queue: deque[tuple[_Path, int, Any]] = deque([(None, 0, root)])  # path, its levels, data
-    while queue:
-        above, levels, tree = queue.popleft()
-        chain: list[_Path] = []  # the path to the value open at each depth of this walk
-        inside = _tree.MAX_DEPTH + 1  # the depth of a refused container being passed over
-        for depth, key, value, is_container in _tree.preorder(_tree.flatten(tree)):
-            if depth > inside:
-                continue
-            inside = _tree.MAX_DEPTH + 1
-            here = above if depth == 0 else (chain[depth - 1], key)
-            del chain[depth:]
-            chain.append(here)
-            if _is_refused(value, names):
-                found.setdefault(id(value), ("".join(_fragments(here)), value))
-                inside = depth if is_container else inside
-                continue
-            state = None if is_container else getattr(value, "__dict__", None)
-            if type(state) is not dict or id(value) in entered or _by_reference(value):
-                state = None
-            if (is_container or state is not None) and levels + depth >= _tree.MAX_DEPTH:
-                too_deep = _tree.too_deep_at("data", _fragments(here))
-                raise too_deep
-            if state is not None:
-                entered.add(id(value))
-                queue.extend(
-                    ((here, f".{name}"), levels + depth + 1, each) for name, each in state.items()
-                )
+    for path, value in _tree.walk(root, expand=expand):
+        if _is_refused(value, names):
+            found.setdefault(id(value), ("".join(map(str, _tree.keys_of(path))), value))
     return list(found.values())

@@ -1013,26 +1013,6 @@ def test_the_search_finds_what_is_refused_within_the_depth_rule() -> None:
     assert "['run'][0][0].table[0][0][0] is torch.nn.modules.linear.Linear" in message
 
 
-def test_the_search_walks_in_pickle_s_order_with_flatten_s_paths() -> None:
-    Point = collections.namedtuple("Point", ["x", "y"])
-    data = {"a": [1, (2, "x")], "p": Point([3], {"k": 4}), "e": [], "s": "text"}
-    flat = _tree.flatten(data)
-    leaf_paths, container_paths = _tree.paths(flat)
-    walked: list[tuple[str, Any]] = []
-    prefix: list[str] = []
-    for depth, key, value, is_container in _tree.preorder(flat):
-        del prefix[max(depth - 1, 0) :]
-        if depth:
-            prefix.append(key)
-        walked.append(("".join(prefix), value))
-        assert is_container == any(value is entry[2] for entry in flat.spec)
-    assert sorted(path for path, _ in walked) == sorted(leaf_paths + container_paths)
-    assert [path for path, _ in walked] == [
-        "", "['a']", "['a'][0]", "['a'][1]", "['a'][1][0]", "['a'][1][1]", "['p']", "['p'].x",
-        "['p'].x[0]", "['p'].y", "['p'].y['k']", "['e']", "['s']",
-    ]  # fmt: skip
-
-
 @pytest.mark.usefixtures("watchdog")
 def test_a_refused_object_in_data_with_a_cycle_is_refused_without_a_hang() -> None:
     state: dict[str, Any] = {"model": torch.nn.Linear(1, 1)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import OrderedDict, namedtuple
 from collections.abc import Mapping
@@ -341,3 +342,23 @@ def test_unflatten_rebuilds_lists_inline_and_keeps_their_identity_apart() -> Non
     rebuilt = _tree.unflatten(flat.spec, flat.leaves)
     assert rebuilt == data
     assert rebuilt[0] is not data[0]
+
+
+def test_walk_goes_in_pickle_s_order_with_flatten_s_paths() -> None:
+    Point = namedtuple("Point", ["x", "y"])
+    data = {"a": [1, (2, "x")], "p": Point([3], {"k": 4}), "e": [], "s": "text"}
+    leaf_paths, container_paths = _tree.paths(_tree.flatten(data))
+    in_move_view = functools.partial(_tree.contents, view=MOVE)
+    walked = [
+        ("".join(map(str, _tree.keys_of(path))), value)
+        for path, value in _tree.walk(data, expand=in_move_view)
+    ]
+    assert sorted(path for path, _ in walked) == sorted(leaf_paths + container_paths)
+    assert [path for path, _ in walked] == [
+        "", "['a']", "['a'][0]", "['a'][1]", "['a'][1][0]", "['a'][1][1]", "['p']", "['p'].x",
+        "['p'].x[0]", "['p'].y", "['p'].y['k']", "['e']", "['s']",
+    ]  # fmt: skip
+    path = next(path for path, value in _tree.walk(data) if value == 4)
+    *_, outer, inner = _tree.keys_of(path)
+    assert (str(outer), str(inner)) == (".y", "['k']")
+    assert inner.get(outer.get(data["p"])) == 4  # read again: an attribute, then an item
