@@ -17,7 +17,7 @@ import torch
 from devicekit import _tree
 from devicekit._errors import LeafError, TransferError
 from devicekit._kinds import READ, Leaf, leaf_how
-from devicekit._nodes import ITEM, Key, is_cache_layer, mapping_items
+from devicekit._nodes import ATTRIBUTE, ITEM, SHOWN, Key, is_cache_layer, mapping_items
 
 __all__ = ["Call", "keep_skipped", "move_cache"]
 
@@ -100,20 +100,22 @@ def _in_layer(leaf: Any, call: Call) -> Any:
 
 
 def _cache_layers(cache: Any) -> list[Any]:
-    """The layers of a transformers cache, those of the caches it holds included.
+    """The layers of a transformers cache, those of the caches it holds included."""
 
-    The caches inside are found with a stack of their own, as every walk is iterative.
-    """
-    layers: list[Any] = []
-    waiting, seen = [cache], {id(cache)}
-    while waiting:
-        for value in vars(waiting.pop()).values():
-            if isinstance(value, list):
-                layers += filter(is_cache_layer, value)
-            elif leaf_how(type(value))[0] is Leaf.CACHE and id(value) not in seen:
-                seen.add(id(value))
-                waiting.append(value)
-    return layers
+    def expand(value: Any) -> list[tuple[Key, Any]] | None:  # a cache's lists and caches
+        if leaf_how(type(value))[0] is not Leaf.CACHE:
+            return None
+        found = []
+        for name, held in vars(value).items():
+            if isinstance(held, list):
+                found += [(Key(SHOWN, f".{name}[{i}]"), x) for i, x in enumerate(held)]
+            elif leaf_how(type(held))[0] is Leaf.CACHE:
+                found.append((Key(ATTRIBUTE, name), held))
+        return found
+
+    return [
+        value for _, value in _tree.walk(cache, expand=expand, seen={}) if is_cache_layer(value)
+    ]
 
 
 def keep_skipped(original: Mapping[Any, Any], moved: Any, skip: frozenset[Hashable]) -> None:
