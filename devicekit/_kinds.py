@@ -158,27 +158,19 @@ def _decide(cls: type) -> Decision:
     return Decision(LEAF, LEAF, LEAF, Leaf.ARRAY if array else Leaf.OTHER)
 
 
-# The views, rebound (never cleared in place) when the registry changes: a walk that
-# began before the change reads one consistent set of decisions to its end. The
-# decisions themselves, and the views with keys skipped (skip_keys), go with them.
-_views: tuple[dict[type, Any], dict[type, Any], dict[type, Any]] = ({}, {}, {})
-_leaves: dict[type, tuple[Leaf | None, Any]] = {}
+# The one cache: decisions by type. Rebound (never cleared in place) when the registry
+# changes: a walk that began before the change reads one consistent set of decisions to
+# its end. The tables of skip sets (skip_keys), made from it, go with it.
 _decisions: dict[type, Decision] = {}
-_skipping: dict[tuple[int, frozenset[Any]], tuple[dict[type, Any], Callable[[type], Any]]] = {}
-_is_compiling = torch.compiler.is_compiling  # one global lookup per skip_keys walk
+_skipping: dict[frozenset[Any], tuple[dict[type, Decision], Callable[[type], Decision]]] = {}
 SKIP_SETS_KEPT: Final = 64
-"""Distinct skip_keys sets whose views the table keeps before it starts over."""
+"""Distinct skip_keys sets whose tables the cache keeps before it starts over."""
 
 
 def _start_over() -> None:
     """Forget every decision (under the lock): the registry changed, or too many types."""
-    global _views, _leaves, _decisions, _skipping  # rebound, never cleared in place
-    _views, _leaves, _decisions, _skipping = ({}, {}, {}), {}, {}, {}
-
-
-def view(number: int) -> dict[type, Any]:
-    """The current MOVE, CAST or READ view: type -> Node, LEAF or INERT."""
-    return _views[number]
+    global _decisions, _skipping  # rebound, never cleared in place
+    _decisions, _skipping = {}, {}
 
 
 def decide(cls: type) -> Decision:
@@ -194,15 +186,17 @@ def decide(cls: type) -> Decision:
 def _decided(cls: type) -> Decision:
     with _lock:
         decision = _decisions.get(cls)
-        if decision is not None:  # decided by another thread while this one waited
-            return decision
-        decision = _decide(cls)
-        if len(_leaves) >= TYPES_KEPT:
-            _start_over()
-        _views[MOVE][cls], _views[CAST][cls], _views[READ][cls] = decision[:3]
-        _leaves[cls] = decision.leaf, decision.detail
-        _decisions[cls] = decision
+        if decision is None:  # else decided by another thread while this one waited
+            decision = _decide(cls)
+            if len(_decisions) >= TYPES_KEPT:
+                _start_over()
+            _decisions[cls] = decision
     return decision
+
+
+def leaf_how(cls: type) -> tuple[Leaf | None, Any]:
+    """How a leaf of type ``cls`` moves: its :class:`Leaf`, and its detail."""
+    return (_decisions.get(cls) or decide(cls))[3:]
 
 
 class Kept:
@@ -214,53 +208,50 @@ class Kept:
         self.value = value
 
 
-def skipping_view(
-    number: int, skip: frozenset[Any]
-) -> tuple[dict[type, Any], Callable[[type], Any]]:
-    """A view whose mappings hand the values under ``skip`` over as :class:`Kept` leaves.
+def skipping(skip: frozenset[Any]) -> tuple[dict[type, Decision], Callable[[type], Decision]]:
+    """Decisions whose mappings hand the values under ``skip`` over as :class:`Kept` leaves.
 
     ``skip_keys`` is an override of the table, applied where a type is looked up: the
-    view and how it learns a type are made once per skip set, and kept with the
+    table and how it learns a type are made once per skip set, and kept with the
     decisions they come from (a registry change starts them over too).
     """
-    if _is_compiling():
-        # A trace makes a view of its own: the compiler traces no lock ("Unsupported
-        # context manager"), and a stored view, which eager calls fill as they learn
-        # types, would make it guard on the view's size and compile again.
-        return _new_view(number, skip)
-    found = _skipping.get((number, skip))
+    if torch.compiler.is_compiling():
+        # A trace makes a table of its own: the compiler traces no lock ("Unsupported
+        # context manager"), and a stored table, which eager calls fill as they learn
+        # types, would make it guard on the table's size and compile again.
+        return _new_table(skip)
+    found = _skipping.get(skip)
     if found is not None:
         return found
     with _lock:
         if len(_skipping) >= SKIP_SETS_KEPT:
             _skipping.clear()  # skip sets made at run time must not pile up
-        # The stored view is the one handed out, even when a thread beside us stored first.
-        return _skipping.setdefault((number, skip), _new_view(number, skip))
+        # The stored table is the one handed out, even when a thread beside us stored first.
+        return _skipping.setdefault(skip, _new_table(skip))
 
 
-def _new_view(number: int, skip: frozenset[Any]) -> tuple[dict[type, Any], Any]:
-    nodes: dict[type, Any] = {Kept: INERT}
+def _new_table(skip: frozenset[Any]) -> tuple[dict[type, Decision], Callable[[type], Decision]]:
+    table: dict[type, Decision] = {Kept: Decision(INERT, INERT, INERT, None)}
 
-    def learn(cls: type) -> Any:
-        node = nodes[cls] = decide(cls)[number]
-        if isinstance(node, Node) and node.mapping:
-            rebuild = node.rebuild
-            node = nodes[cls] = node._replace(
-                children=lambda c: [Kept(v) if k in skip else v for k, v in mapping_items(c)],
-                rebuild=lambda c, v: rebuild(c, [x.value if type(x) is Kept else x for x in v]),
-            )
-        return node
+    def overridden(node: Any) -> Any:
+        if not (isinstance(node, Node) and node.mapping):
+            return node
+        rebuild = node.rebuild
+        return node._replace(
+            children=lambda c: [Kept(v) if k in skip else v for k, v in mapping_items(c)],
+            rebuild=lambda c, v: rebuild(c, [x.value if type(x) is Kept else x for x in v]),
+        )
 
-    return nodes, learn
-
-
-def leaf_how(cls: type) -> tuple[Leaf | None, Any]:
-    """How a leaf of type ``cls`` moves: its :class:`Leaf`, and its detail."""
-    try:
-        return _leaves[cls]
-    except KeyError:
+    def learn(cls: type) -> Decision:
         decision = decide(cls)
-        return decision.leaf, decision.detail
+        table[cls] = decision = decision._replace(
+            move=overridden(decision.move),
+            cast=overridden(decision.cast),
+            read=overridden(decision.read),
+        )
+        return decision
+
+    return table, learn
 
 
 # Under torch.compile a decision is made in Python while the compiler traces (a lock

@@ -14,7 +14,6 @@ one walk: values under those keys pass through as inert leaves.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Final, NamedTuple, NoReturn, TypeAlias
 
@@ -60,33 +59,27 @@ def format_path(root: str, keys: Iterable[Key | str]) -> str:
     return root + "".join(parts)
 
 
-# How each view decides a type it does not hold yet (made once: a walk is often short).
-_LEARN: Final[tuple[Callable[[type], Any], ...]] = tuple(
-    functools.partial(lambda view, cls: _kinds.decide(cls)[view], view) for view in range(3)
-)
-
-
-def _one_kind(values: Collection[Any], nodes: dict[type, Any], learn: Any) -> Any:
+def _one_kind(values: Collection[Any], nodes: dict[type, Any], learn: Any, view: int) -> Any:
     """Whether children can be taken whole, at C speed: all INERT, all leaves (None), or no.
 
     A first child that is a container (most nested batches) says no at once.
     """
     if not values:
         return False
-    first = _entry(type(next(iter(values))), nodes, learn)
+    first = _entry(type(next(iter(values))), nodes, learn, view)
     if first is not None and first is not INERT:
         return False
     kinds = set(map(type, values))
-    if len(kinds) > 1 and any(_entry(kind, nodes, learn) is not first for kind in kinds):
+    if len(kinds) > 1 and any(_entry(kind, nodes, learn, view) is not first for kind in kinds):
         return False
     return first
 
 
-def _entry(cls: type, nodes: dict[type, Any], learn: Callable[[type], Any]) -> Any:
+def _entry(cls: type, nodes: dict[type, Any], learn: Callable[[type], Any], view: int) -> Any:
     try:
-        return nodes[cls]
+        return nodes[cls][view]
     except KeyError:
-        return learn(cls)
+        return learn(cls)[view]
 
 
 def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs more
@@ -101,10 +94,11 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
     Raises:
         TransferError: The data nests deeper than :data:`MAX_DEPTH`, or holds a cycle.
     """
-    nodes, learn = (
-        (_kinds._views[view], _LEARN[view]) if skip is None else _kinds.skipping_view(view, skip)
-    )
-    node = _entry(type(tree), nodes, learn)
+    # Decisions by type, each read at ``view``: (move, cast, read, leaf, detail).
+    nodes: dict[type, Any]
+    learn: Callable[[type], Any]
+    nodes, learn = (_kinds._decisions, _kinds.decide) if skip is None else _kinds.skipping(skip)
+    node = _entry(type(tree), nodes, learn, view)
     if node is None or node is INERT:
         return _tuple_new(Flat, ([tree], [], [] if node is INERT else [0]))
     leaves: list[Any] = []
@@ -112,28 +106,29 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
     active: list[int] = []
     if node is LIST or node is TUPLE or node is DICT:
         values = tree.values() if node is DICT else tree
-        kind = _one_kind(values, nodes, learn)
+        kind = _one_kind(values, nodes, learn, view)
         if kind is not False:  # scalars only, or leaves only: taken whole
             spec.append((len(values), node, tree, len(values)))
             return _tuple_new(
                 Flat, ([*values], spec, [] if kind is INERT else [*range(len(values))])
             )
     stack: list[tuple[Node, Any, Iterator[Any], int]] = []
+    child_node: Any
     container, children, count = tree, iter(node.children(tree)), 0
     while True:
         for child in children:
             count += 1
             try:  # a subscript, not .get(): the interpreter's fast path for dicts
-                child_node = nodes[type(child)]
+                child_node = nodes[type(child)][view]
             except KeyError:
-                child_node = learn(type(child))
+                child_node = learn(type(child))[view]
             if child_node is None or child_node is INERT:
                 if child_node is None:
                     active.append(len(leaves))
                 leaves.append(child)
                 continue
             if (child_node is LIST or child_node is TUPLE) and len(child) >= _SCAN_FROM:
-                kind = _one_kind(child, nodes, learn)
+                kind = _one_kind(child, nodes, learn, view)
                 if kind is INERT:  # token ids: one inert leaf, a copy, as map_leaves makes
                     leaves.append(list(child) if child_node is LIST else child)
                     continue
@@ -144,7 +139,7 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
                     continue
             stack.append((node, container, children, count))
             if len(stack) >= MAX_DEPTH:
-                _too_deep(tree, nodes, learn)
+                _too_deep(tree, nodes, learn, view)
             node, container, count = child_node, child, 0
             children = iter(node.children(child))
             break
@@ -246,11 +241,11 @@ def map_flat(
         # unflatten come down to a line each, a tenth of its host time. Only where the
         # table reads the container as plain: a rule registered for Sequence or Mapping
         # takes lists and dicts too.
-        nodes = _kinds._views[MOVE]
-        node = _entry(kind, nodes, _LEARN[MOVE])
+        nodes = _kinds._decisions
+        node = _entry(kind, nodes, _kinds.decide, MOVE)
         values = tree.values() if kind is dict else tree
         plain = node is DICT if kind is dict else node is (LIST if kind is list else TUPLE)
-        if plain and _one_kind(values, nodes, _LEARN[MOVE]) is None:
+        if plain and _one_kind(values, nodes, _kinds.decide, MOVE) is None:
             try:
                 moved = move_all([*values], range(len(values)), state)
             except Exception as err:
@@ -312,12 +307,13 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
         TransferError: As :func:`map_flat`, paths starting at ``root``. Without a root (a
             walk inside a leaf the caller names) errors pass through as they are.
     """
-    nodes, learn = (
-        (_kinds._views[view], _LEARN[view]) if skip is None else _kinds.skipping_view(view, skip)
-    )
+    # Decisions by type, each read at ``view``: (move, cast, read, leaf, detail).
+    nodes: dict[type, Any]
+    learn: Callable[[type], Any]
+    nodes, learn = (_kinds._decisions, _kinds.decide) if skip is None else _kinds.skipping(skip)
     kind = type(tree)
     try:  # inline, not a helper: a call costs a twentieth of a small batch's walk
-        node = _entry(kind, nodes, learn)
+        node = _entry(kind, nodes, learn, view)
     except LeafError as err:  # a type first met in a compiled region
         raise _with_path(err, root or "data", tree) from None
     if (
@@ -335,19 +331,20 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
     if (
         (node is LIST or node is TUPLE)
         and len(tree) >= _SCAN_FROM
-        and _one_kind(tree, nodes, learn) is INERT
+        and _one_kind(tree, nodes, learn, view) is INERT
     ):
         return list(tree) if node is LIST else tree
     stack: list[tuple[Node, Any, Iterator[Any], list[Any]]] = []
+    child_node: Any
     container: Any = None  # the root, in a frame of its own
     children, results = iter((tree,)), []
     while True:
         for child in children:
             try:  # as in flatten
-                child_node = nodes[type(child)]
+                child_node = nodes[type(child)][view]
             except KeyError:
                 try:
-                    child_node = learn(type(child))
+                    child_node = learn(type(child))[view]
                 except LeafError as err:  # a type first met in a compiled region
                     raise _with_path(err, root or "data", child) from None
             if child_node is None:
@@ -360,7 +357,7 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
             elif (
                 (child_node is LIST or child_node is TUPLE)
                 and len(child) >= _SCAN_FROM  # before a call: most lists are short
-                and _one_kind(child, nodes, learn) is INERT
+                and _one_kind(child, nodes, learn, view) is INERT
             ):
                 results.append(list(child) if child_node is LIST else child)
             else:
@@ -439,11 +436,13 @@ def _too_deep_to_trace(limit: int) -> TransferError:
     return TransferError(msg)
 
 
-def _too_deep(tree: Any, nodes: dict[type, Any], learn: Callable[[type], Any]) -> NoReturn:
+def _too_deep(
+    tree: Any, nodes: dict[type, Any], learn: Callable[[type], Any], view: int
+) -> NoReturn:
     """Raise why a walk ``MAX_DEPTH`` deep stopped: a cycle, or honest depth, as walk says."""
 
     def expand(value: Any) -> Iterable[tuple[Key, Any]] | None:
-        node = _entry(type(value), nodes, learn)
+        node = _entry(type(value), nodes, learn, view)
         if type(node) is not Node:
             return None
         return zip(node.keys(value), node.children(value), strict=True)

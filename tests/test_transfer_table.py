@@ -1,7 +1,7 @@
 """The table of per-type decisions that every walk reads, on its own.
 
 Each type is decided once and looked up after; what the table keeps is bounded; and the
-views it keeps start over when the registry of transfer rules changes.
+tables it keeps start over when the registry of transfer rules changes.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ def test_a_type_is_decided_once_then_looked_up(monkeypatch: pytest.MonkeyPatch) 
         return decide_for_real(cls)
 
     monkeypatch.setattr(_kinds, "_decide", counting)
-    views = _kinds._views
+    decisions = _kinds._decisions
     first = _kinds.decide(Fresh)
     assert all(_kinds.decide(Fresh) is first for _ in range(5))
     assert made == [Fresh]
-    assert _kinds._views is views  # looked up: no view rewritten
+    assert _kinds._decisions is decisions  # looked up: no table rewritten
 
 
 def test_caches_of_per_type_decisions_are_bounded() -> None:
@@ -47,18 +47,16 @@ def test_caches_of_per_type_decisions_are_bounded() -> None:
             first = weakref.ref(kind)
         dk.to_device([kind()], META)
         del kind
-    for number in (_kinds.MOVE, _kinds.CAST, _kinds.READ):
-        assert len(_kinds.view(number)) <= _kinds.TYPES_KEPT
-    assert len(_kinds._leaves) <= _kinds.TYPES_KEPT
+    assert len(_kinds._decisions) <= _kinds.TYPES_KEPT
     gc.collect()
     assert first() is None  # the first type made is no longer held
 
 
-def test_a_skip_set_s_view_is_made_once_and_starts_over_with_the_registry() -> None:
+def test_a_skip_set_s_table_is_made_once_and_starts_over_with_the_registry() -> None:
     skip = frozenset({"raw"})
-    view = _kinds.skipping_view(_kinds.MOVE, skip)
-    assert _kinds.skipping_view(_kinds.MOVE, skip) is view
-    nodes = view[0]
+    table = _kinds.skipping(skip)
+    assert _kinds.skipping(skip) is table
+    nodes = table[0]
     dk.to_device({"raw": torch.ones(1), "x": torch.ones(1)}, META, skip_keys="raw")
 
     @dataclasses.dataclass
@@ -70,7 +68,7 @@ def test_a_skip_set_s_view_is_made_once_and_starts_over_with_the_registry() -> N
         return Boxes(boxes.xyxy.to(device) + 1)
 
     try:
-        assert _kinds.skipping_view(_kinds.MOVE, skip)[0] is not nodes  # started over
+        assert _kinds.skipping(skip)[0] is not nodes  # started over
         moved = dk.to_device({"raw": 1, "b": Boxes(torch.zeros(1))}, CPU, skip_keys="raw")
         assert torch.equal(moved["b"].xyxy, torch.ones(1))  # the new rule applies at once
     finally:
