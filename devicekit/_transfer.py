@@ -317,8 +317,11 @@ class _Call:
 
     A tensor found twice comes back as one moved tensor. A memo write per tensor costs a
     fifth of a small copy, so the mover notes the ids it copies; a call whose notes
-    repeat is made again, ``_REMEMBER``-ing every tensor (a repeat is rare). Tensors with
-    options, and objects moved by rules, ``.to()`` or in place, always use the memo.
+    repeat is made again, ``_REMEMBER``-ing every tensor (a repeat is rare). 64
+    per-image dicts of 3 tensors, cpu -> meta: 447-458 us a call with notes, 470-513
+    with a memo write per tensor (interleaved, one run; bench_to_device.py's workload).
+    Tensors with options, and objects moved by rules, ``.to()`` or in place, always use
+    the memo.
     """
 
     __slots__ = ("memo", "notes", "plan", "skip", "waits")
