@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit import _transfer
+from devicekit import _call, _transfer
 from devicekit._transfer import as_accelerator
 
 from .helpers import CPU, META, Pair
@@ -77,7 +77,7 @@ def test_a_model_and_its_optimizer_move_in_one_call_that_waits_once(
     optimizer.step()
     calls: list[object] = []
     waits: list[set[torch.device]] = []
-    init = _transfer._Call.__init__
+    init = _call.Call.__init__
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> None:
         calls.append(self)
@@ -87,9 +87,9 @@ def test_a_model_and_its_optimizer_move_in_one_call_that_waits_once(
         self.waits = (self.waits or set()) | {torch.device("cuda", 0)}
         return False
 
-    monkeypatch.setattr(_transfer._Call, "__init__", counted)
-    monkeypatch.setattr(_transfer._Call, "non_blocking", needs_the_wait)
-    monkeypatch.setattr(_transfer._Call, "finish", lambda self: waits.append(set(self.waits)))
+    monkeypatch.setattr(_call.Call, "__init__", counted)
+    monkeypatch.setattr(_call.Call, "non_blocking", needs_the_wait)
+    monkeypatch.setattr(_call.Call, "finish", lambda self: waits.append(set(self.waits)))
     model, optimizer = dk.to_device([model, optimizer], META)
     state = optimizer.state[model.weight]
     assert state["exp_avg"].is_meta
