@@ -145,13 +145,27 @@ def _expected(length: int, prefetch: int) -> list[int]:
 
 
 DEPTHS = range(5)
-LENGTHS = range(8)
+LENGTHS = range(1, 8)  # an empty source has a test of its own: it reaches no position
 PINNING = [False, True]  # where devicekit pins in the feed thread, and where it does not
+PIN_IDS = {False: "unpinned", True: "pinned"}
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
-@pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("prefetch", DEPTHS)
+def _paths(lengths: Iterable[int] = LENGTHS) -> list[Any]:
+    """Every (prefetch, length, pin) that takes its own path through the pipeline.
+
+    With ``prefetch=0`` each batch moves in line and nothing is pinned, so pinned and
+    unpinned would run the same case twice: only the unpinned one is kept.
+    """
+    return [
+        pytest.param(prefetch, length, pin, id=f"{prefetch}-{length}-{PIN_IDS[pin]}")
+        for prefetch in DEPTHS
+        for length in lengths
+        for pin in PINNING
+        if prefetch or not pin
+    ]
+
+
+@pytest.mark.parametrize(("prefetch", "length", "pin"), _paths())
 def test_full_epochs_and_the_next_ones(
     prefetch: int, length: int, pin: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -168,9 +182,28 @@ def test_full_epochs_and_the_next_ones(
         assert made[0].pinned_in == ({"devicekit-feed"} if pin and length > 1 else set())
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
-@pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("prefetch", DEPTHS)
+@pytest.mark.parametrize("prefetch", [0, 2], ids=["in-line", "ahead"])
+def test_an_empty_source_yields_nothing_every_epoch(
+    prefetch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing is started or read, so the depth and pinning make no difference here.
+    source = Source(0)
+    loader, made = _loader_for(source, prefetch, True, monkeypatch)
+    for epoch in range(3):
+        assert list(loader) == []
+        assert source.iterations == epoch + 1
+        stats = loader.stats
+        assert (stats.batches, stats.samples, stats.finished) == (0, 0, True)
+        assert (stats.wait_fraction, stats.read_ahead) == (0.0, False)
+        assert stats.verdict == "No batch has been handed over yet: nothing to judge."
+    _no_thread_left()
+    assert len(made) == (1 if prefetch else 0)
+    if prefetch:
+        assert made[0].started == made[0].handed == []
+        assert made[0].pinned_in == set()
+
+
+@pytest.mark.parametrize(("prefetch", "length", "pin"), _paths())
 def test_breaking_out_at_each_position(
     prefetch: int, length: int, pin: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -187,9 +220,7 @@ def test_breaking_out_at_each_position(
     _no_thread_left()
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
-@pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("prefetch", DEPTHS)
+@pytest.mark.parametrize(("prefetch", "length", "pin"), _paths())
 def test_a_source_raising_at_each_position(
     prefetch: int, length: int, pin: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,9 +238,7 @@ def test_a_source_raising_at_each_position(
     _no_thread_left()
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
-@pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("prefetch", DEPTHS)
+@pytest.mark.parametrize(("prefetch", "length", "pin"), _paths())
 def test_a_transform_raising_at_each_position(
     prefetch: int, length: int, pin: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,9 +260,7 @@ def test_a_transform_raising_at_each_position(
         _no_thread_left()
 
 
-@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
-@pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("prefetch", DEPTHS)
+@pytest.mark.parametrize(("prefetch", "length", "pin"), _paths())
 def test_ctrl_c_in_the_loop_body_at_each_position(
     prefetch: int, length: int, pin: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
