@@ -59,16 +59,16 @@ def _version() -> str:
         return devicekit.__version__
 
 
-def _epochs(text: str) -> int:
-    """``--epochs``: a whole number of 1 or more, reported under demo's own usage."""
+def _count(text: str) -> int:
+    """``--epochs`` and ``--steps``: a whole number of 1 or more, under demo's own usage."""
     try:
-        epochs = int(text)
+        number = int(text)
     except ValueError:
-        epochs = 0
-    if epochs < 1:
+        number = 0
+    if number < 1:
         msg = f"expected a whole number of 1 or more, got {text!r}"
         raise argparse.ArgumentTypeError(msg)
-    return epochs
+    return number
 
 
 _COMMANDS: Final = {
@@ -102,7 +102,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             "--json", action="store_true", help="print a JSON report instead"
         )
     demo = commands["demo"]
-    demo.add_argument("--epochs", type=_epochs, default=3, help="passes over the data (default 3)")
+    demo.add_argument("--epochs", type=_count, default=3, help="passes over the data (default 3)")
+    demo.add_argument(
+        "--steps",
+        type=_count,
+        help="steps per epoch, for a short run (default: 64 at batch 64, see --fit-batch)",
+    )
     demo.add_argument("--device", help="a device such as cuda:1 (default: devicekit's choice)")
     demo.add_argument("--json", action="store_true", help="print a JSON report at the end only")
     demo.add_argument(

@@ -126,7 +126,7 @@ class Schedule:
         )
 
 
-def schedule_for(batch_size: int) -> Schedule:
+def schedule_for(batch_size: int, *, steps: int | None = None) -> Schedule:
     """How the demo trains at ``batch_size``, so that its loss falls as at batch 64.
 
     Adam's square-root scaling rule: the learning rate is :data:`LEARNING_RATE` times
@@ -141,9 +141,12 @@ def schedule_for(batch_size: int) -> Schedule:
     >>> print(schedule_for(1024).explain())  # doctest: +NORMALIZE_WHITESPACE
     Learning rate 0.003 -> 0.012 for batch 1024 (square-root scaling from batch 64, as
     for Adam, warm-up 4 steps); each epoch 16,384 images in 16 steps.
+    >>> schedule_for(64, steps=2).samples  # ``--steps 2``: a short run
+    128
 
     Args:
         batch_size: The batch to train at, such as :func:`fit_demo_batch` found.
+        steps: Steps per epoch in place of the rule's (``--steps``); None for the rule's.
 
     Returns:
         The learning rate, warm-up and images per epoch at that batch.
@@ -164,7 +167,8 @@ def schedule_for(batch_size: int) -> Schedule:
     # go per epoch, in fewer, less noisy steps: at 1024, 16 steps, 4 times the images
     # of batch 64 per epoch. A larger batch is faster per image on a GPU, not more
     # useful per image.
-    steps = max(1, round(SAMPLES // BATCH_SIZE / scale))
+    if steps is None:
+        steps = max(1, round(SAMPLES // BATCH_SIZE / scale))
     return Schedule(
         batch_size,
         LEARNING_RATE * scale,

@@ -71,6 +71,7 @@ def _demo(
     as_json: bool,
     slow_data: bool,
     fit: bool,
+    steps: int | None,
     run: _Run,
 ) -> int:
     if manager.device.type == "meta":
@@ -84,7 +85,7 @@ def _demo(
         print(f"device: {manager.device} ({manager.reason})", flush=True)
     found = fit_demo_batch(manager.device) if fit else None
     # A larger batch trains as the default one only with its learning rate scaled.
-    schedule = schedule_for(BATCH_SIZE if found is None else found.batch_size)
+    schedule = schedule_for(BATCH_SIZE if found is None else found.batch_size, steps=steps)
     if found is not None and not as_json:
         print(found.explain(), flush=True)
         print(schedule.explain(), flush=True)
@@ -278,6 +279,7 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
             as_json=args.json,
             slow_data=args.slow_data,
             fit=args.fit_batch,
+            steps=args.steps,
             run=run,
         )
     manager = _manager()

@@ -198,8 +198,9 @@ def test_ctrl_c_while_pytorch_imports_is_one_line(monkeypatch: pytest.MonkeyPatc
 
 
 RUN_INFO = "sys.argv[1:] = ['info']; raise SystemExit(_devicekit_cli.main())"
-RUN_DEMO = (  # python -m devicekit demo --epochs 50 --device cpu
-    "sys.argv[1:] = ['demo', '--epochs', '50', '--device', 'cpu']; "
+RUN_DEMO = (  # python -m devicekit demo --epochs 1000 --steps 2 --device cpu: short epochs,
+    # too many to end before Ctrl-C comes
+    "sys.argv[1:] = ['demo', '--epochs', '1000', '--steps', '2', '--device', 'cpu']; "
     "runpy.run_module('devicekit', run_name='__main__')"
 )
 
@@ -247,7 +248,7 @@ def test_ctrl_c_says_how_far_the_demo_got() -> None:
     ) as process:
         assert process.stdout is not None
         lines = [process.stdout.readline() for _ in range(3)]
-        assert lines[2].startswith("epoch 1/50"), lines  # an epoch is done
+        assert lines[2].startswith("epoch 1/1000"), lines  # an epoch is done
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, (stdout[-1500:], stderr[-3000:])
@@ -291,16 +292,17 @@ def test_each_command_s_help_says_what_it_does(
 
 
 def test_one_epoch_is_counted_in_the_singular(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu"]) == 0
+    assert _devicekit_cli.main(["demo", "--epochs", "1", "--steps", "2", "--device", "cpu"]) == 0
     assert "Trained 1 epoch on cpu" in capsys.readouterr().out
 
 
 def test_the_demo_says_whether_it_waited_for_data(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu", "--slow-data"]) == 0
+    argv = ["demo", "--epochs", "1", "--steps", "3", "--device", "cpu", "--slow-data"]
+    assert _devicekit_cli.main(argv) == 0
     out = capsys.readouterr().out
     share = re.search(r"epoch 1/1 .* waiting for data (\d+)%\n", out)
     assert share is not None, out
-    # Each batch takes 30 ms more to load: 80% of this epoch on a quiet 2-core machine,
+    # Each batch takes 30 ms more to load: 70-80% of this epoch on a quiet 2-core machine,
     # where a step takes 8 ms; a busy one still waits well over a tenth of it.
     assert int(share[1]) >= 10
     verdict = out.splitlines()[-1]
@@ -309,8 +311,10 @@ def test_the_demo_says_whether_it_waited_for_data(capsys: pytest.CaptureFixture[
 
 
 def test_the_demo_s_json_has_each_epoch_s_verdict(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu", "--json"]) == 0
+    argv = ["demo", "--epochs", "1", "--steps", "2", "--device", "cpu", "--json"]
+    assert _devicekit_cli.main(argv) == 0
     (epoch,) = json.loads(capsys.readouterr().out)["epochs"]
+    assert epoch["samples"] == 2 * 64  # --steps 2 at batch 64
     assert 0 <= epoch["wait_fraction"] <= 1
     assert epoch["verdict"].startswith("The loop waited for data ")
 
@@ -400,7 +404,7 @@ def test_the_demo_s_json_holds_the_fit(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(devicekit._demo, "FIT_LIMIT", 128)  # fewer, smaller tries
-    argv = ["demo", "--epochs", "1", "--device", "cpu", "--fit-batch", "--json"]
+    argv = ["demo", "--epochs", "1", "--steps", "2", "--device", "cpu", "--fit-batch", "--json"]
     assert _devicekit_cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["fit_batch"] == {
@@ -412,6 +416,19 @@ def test_the_demo_s_json_holds_the_fit(
         "reason": "the limit (128) fit",
         "learning_rate": pytest.approx(0.003 * 2**0.5),
         "warmup_steps": 4,
-        "samples": 45 * 128,
+        "samples": 2 * 128,  # --steps 2 in place of the rule's 45 steps of 128
     }
-    assert len(report["epochs"]) == 1
+    assert [epoch["samples"] for epoch in report["epochs"]] == [2 * 128]
+
+
+@pytest.mark.parametrize("option", ["--epochs", "--steps"])
+def test_the_demo_s_counts_are_whole_numbers_of_1_or_more(
+    option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _devicekit_cli.main(["demo", option, "0"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error == (
+        f"devicekit demo: error: argument {option}: expected a whole number of 1 or more, got '0'"
+    )
