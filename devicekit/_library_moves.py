@@ -19,13 +19,13 @@ from devicekit._errors import LeafError, TransferError
 from devicekit._kinds import READ, Leaf, leaf_how
 from devicekit._nodes import ATTRIBUTE, ITEM, SHOWN, Key, is_cache_layer, mapping_items
 
-__all__ = ["Call", "keep_skipped", "move_cache"]
+__all__ = ["CallView", "keep_skipped", "move_cache"]
 
 _Tensor = torch.Tensor
 
 
-class Call(Protocol):
-    """What a move needs of the to_device call it belongs to (``_transfer._Call``)."""
+class CallView(Protocol):
+    """What a move needs of the to_device call it belongs to (a :class:`devicekit._call.Call`)."""
 
     plan: Any  # its device, options, and how copies are told (non_blocking)
     memo: dict[Any, Any]  # what each object became, by key: an object moves once a call
@@ -38,7 +38,7 @@ class Call(Protocol):
     def non_blocking(self, tensor: torch.Tensor, device: torch.device) -> bool: ...
 
 
-def move_cache(cache: Any, call: Call, detail: object) -> Any:
+def move_cache(cache: Any, call: CallView, detail: object) -> Any:
     """Move a transformers cache in place, layer by layer, leaving no tensor behind.
 
     A layer that knows its device is told the new one and moves there in its own
@@ -87,7 +87,7 @@ _OUTLIVING: Final = object()
 """The memo's key for what a call replaced in place and keeps alive to its end."""
 
 
-def _in_layer(leaf: Any, call: Call) -> Any:
+def _in_layer(leaf: Any, call: CallView) -> Any:
     """A leaf of a cache layer, moved as it moves elsewhere; settings and helpers kept.
 
     A layer's other leaves (its quantizer, a class to build layers with) are no data:

@@ -19,7 +19,7 @@ import torch
 from devicekit import _tree
 from devicekit._errors import LeafError
 from devicekit._kinds import CAST, Leaf, decide
-from devicekit._library_moves import Call, keep_skipped, move_cache
+from devicekit._library_moves import CallView, keep_skipped, move_cache
 from devicekit._nodes import Node, state_on_host
 
 __all__ = ["MOVES", "keep"]
@@ -47,14 +47,14 @@ def keep(obj: Any, strict: bool, *, array: bool) -> Any:
     raise LeafError(msg)
 
 
-def _move_parameter(param: torch.nn.Parameter, call: Call, detail: object) -> Any:
+def _move_parameter(param: torch.nn.Parameter, call: CallView, detail: object) -> Any:
     # Parameter.to returns a plain tensor: wrapped again, as nn.Module.to does.
     with torch.no_grad():
         data = call.tensor(param, call.plan.device)
     return param if data is param else torch.nn.Parameter(data, param.requires_grad)
 
 
-def _in_place_only(obj: object, call: Call) -> None:
+def _in_place_only(obj: object, call: CallView) -> None:
     if call.plan.options.copy:
         kind = "the module" if isinstance(obj, torch.nn.Module) else "the optimizer"
         msg = (
@@ -64,7 +64,7 @@ def _in_place_only(obj: object, call: Call) -> None:
         raise LeafError(msg)
 
 
-def _move_module(module: torch.nn.Module, call: Call, detail: object) -> Any:
+def _move_module(module: torch.nn.Module, call: CallView, detail: object) -> Any:
     _in_place_only(module, call)
     options = call.plan.options
     asked: dict[str, Any] = {"dtype": options.dtype, "memory_format": options.memory_format}
@@ -72,7 +72,7 @@ def _move_module(module: torch.nn.Module, call: Call, detail: object) -> Any:
     return module.to(call.plan.device, non_blocking=call.plan.told, **asked)
 
 
-def _move_optimizer(optimizer: torch.optim.Optimizer, call: Call, detail: object) -> Any:
+def _move_optimizer(optimizer: torch.optim.Optimizer, call: CallView, detail: object) -> Any:
     """Move an optimizer's state, in place, within the call: one memo, one wait."""
     _in_place_only(optimizer, call)
     device = call.plan.device
@@ -121,7 +121,7 @@ def _to_parameter(leaf: Any, target: tuple[Any, ...]) -> Any:
     return call.tensor(leaf, device, dtype) if isinstance(leaf, _Tensor) else call.leaf(leaf)
 
 
-def _move_by_rule(obj: Any, call: Call, registered: tuple[type, Any]) -> Any:
+def _move_by_rule(obj: Any, call: CallView, registered: tuple[type, Any]) -> Any:
     # What the rule returns takes the object's place in the batch: an instance of the
     # class registered (a rule for Boxes may return a Boxes for a subclass's instance).
     cls, rule = registered
@@ -137,7 +137,7 @@ def _move_by_rule(obj: Any, call: Call, registered: tuple[type, Any]) -> Any:
     return _checked(result, obj, f"the rule registered for {cls.__name__}", expected=cls)
 
 
-def _move_by_to(obj: Any, call: Call, takes_non_blocking: bool) -> Any:
+def _move_by_to(obj: Any, call: CallView, takes_non_blocking: bool) -> Any:
     """Move an object with its own ``.to()``, on a copy; the options go to its contents.
 
     The copy keeps an in-place ``.to()`` (torch_geometric's) off the input; what a
@@ -166,7 +166,7 @@ def _move_by_to(obj: Any, call: Call, takes_non_blocking: bool) -> Any:
     return moved
 
 
-def _restyle(obj: Any, call: Call) -> Any:
+def _restyle(obj: Any, call: CallView) -> Any:
     if type(obj) is _Tensor:
         return call.tensor(obj, obj.device)
     return call.leaf(obj) if isinstance(obj, torch.Tensor | torch.nn.Module) else obj
@@ -191,7 +191,7 @@ def _checked(result: Any, obj: Any, how: str, *, expected: type) -> Any:
     return result
 
 
-MOVES: Final[dict[Leaf, Callable[[Any, Call, Any], Any]]] = {
+MOVES: Final[dict[Leaf, Callable[[Any, CallView, Any], Any]]] = {
     Leaf.PARAMETER: _move_parameter,
     Leaf.MODULE: _move_module,
     Leaf.OPTIMIZER: _move_optimizer,
