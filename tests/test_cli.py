@@ -37,8 +37,25 @@ def test_devicekit_alone_reports_versions_and_device() -> None:
     assert lines[1] == "device: cpu (DEVICEKIT_DEVICE asks for it)"
 
 
-def test_info_prints_a_table_the_selection_and_why() -> None:
-    lines = _run("info", DEVICEKIT_DEVICE="cpu").splitlines()
+def _main(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str, str]:
+    """The command run in this process (no second import of PyTorch): status, out, err.
+
+    What only a process of its own shows (its exit status, a closed stdout or pipe,
+    Ctrl-C) is tested with ``_run`` and ``_fails``.
+    """
+    monkeypatch.delenv("DEVICEKIT_DEBUG", raising=False)
+    status = _devicekit_cli.main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_info_prints_a_table_the_selection_and_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "cpu")
+    lines = _main(monkeypatch, capsys, "info")[1].splitlines()
     assert lines[0].split() == [
         "device", "backend", "name", "total", "free", "busy", "capability", "claimed", "by"
     ]  # fmt: skip
@@ -46,8 +63,11 @@ def test_info_prints_a_table_the_selection_and_why() -> None:
     assert "selected: cpu (DEVICEKIT_DEVICE asks for it)" in lines
 
 
-def test_info_json_is_machine_readable() -> None:
-    report = json.loads(_run("info", "--json", DEVICEKIT_DEVICE="cpu"))
+def test_info_json_is_machine_readable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "cpu")
+    report = json.loads(_main(monkeypatch, capsys, "info", "--json")[1])
     assert report["selected"] == "cpu"
     assert report["reason"] == "DEVICEKIT_DEVICE asks for it"
     assert report["devicekit"] == devicekit.__version__
@@ -67,8 +87,11 @@ def test_info_json_is_machine_readable() -> None:
     assert report["claims"] == {}
 
 
-def test_version_flag() -> None:
-    assert _run("--version").strip() == devicekit.__version__
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _devicekit_cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == devicekit.__version__
 
 
 def _fails(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
@@ -107,23 +130,33 @@ def _fails(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
     ],
 )
 def test_a_mistake_is_one_line_and_status_2(
-    args: tuple[str, ...], environ: dict[str, str], says: str
+    args: tuple[str, ...],
+    environ: dict[str, str],
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    result = _fails(*args, **environ)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith("devicekit: error: ")
-    assert says in result.stderr
+    # In this process; test_reference_docs runs such mistakes as a process of their own.
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    status, out, err = _main(monkeypatch, capsys, *args)
+    assert status == 2
+    assert out == ""
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("devicekit: error: ")
+    assert says in err
 
 
-def test_debug_shows_the_traceback() -> None:
-    by_flag = _fails("--debug", "demo", "--device", "cuda:7")
+def test_debug_shows_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The flag lets the error out of main (in this process), where Python prints its
+    # traceback and ends with status 1, as the environment variable shows in a process.
+    monkeypatch.delenv("DEVICEKIT_DEBUG", raising=False)
+    with pytest.raises(devicekit.DeviceUnavailableError, match=re.escape("got 'cuda:7'")):
+        _devicekit_cli.main(["--debug", "demo", "--device", "cuda:7"])
     by_environment = _fails("demo", "--device", "cuda:7", DEVICEKIT_DEBUG="1")
-    for result in (by_flag, by_environment):
-        assert result.returncode == 1
-        assert "Traceback (most recent call last)" in result.stderr
-        assert "DeviceUnavailableError" in result.stderr
+    assert by_environment.returncode == 1
+    assert "Traceback (most recent call last)" in by_environment.stderr
+    assert "DeviceUnavailableError" in by_environment.stderr
 
 
 def test_a_closed_pipe_ends_quietly() -> None:
