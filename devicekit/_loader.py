@@ -95,7 +95,8 @@ class DeviceDataLoader(Generic[B]):
     ``for batch in DeviceDataLoader(loader):`` yields what ``to_device(batch)`` would,
     in the same order, with the same containers. On an accelerator the next batches
     are pinned in a background thread and copied on a side stream while the current
-    step runs; on the CPU they move in line.
+    step runs; on the CPU they move in line. What the wrapper lacks (``dataset``,
+    ``sampler``, ``batch_size``, ``num_workers``, ...) is read from the wrapped loader.
 
     >>> import torch, devicekit as dk
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -197,14 +198,9 @@ class DeviceDataLoader(Generic[B]):
 
     @property
     def stats(self) -> LoaderStats:
-        """The latest epoch's figures, the running one's so far, else the last one's.
+        """The latest epoch's :class:`~devicekit.LoaderStats`, the running one's so far.
 
-        How long the loop waited for each batch and how long each step took, the share of
-        the epoch spent waiting, on an accelerator the copies' time and whether batches
-        were read ahead (``read_ahead``; ``reads_draw`` where reading draws random numbers
-        and every batch is read in the training thread), and a ``verdict``: input-bound
-        or compute-bound, and what to change. Before any epoch, an empty
-        :class:`~devicekit.LoaderStats` whose verdict says so.
+        Before any epoch, an empty one whose verdict says so.
         """
         if self._record is None:
             return LoaderStats(samples_rule=self._how_counted().rule)
@@ -224,28 +220,10 @@ class DeviceDataLoader(Generic[B]):
             raise TypeError(msg)
         return len(self.loader)  # type: ignore[arg-type]
 
-    @property
-    def dataset(self) -> Any:
-        """The wrapped loader's ``dataset``."""
-        return self._wrapped("dataset")
-
-    @property
-    def sampler(self) -> Any:
-        """The wrapped loader's ``sampler``."""
-        return self._wrapped("sampler")
-
-    @property
-    def batch_size(self) -> Any:
-        """The wrapped loader's ``batch_size``."""
-        return self._wrapped("batch_size")
-
     def __getattr__(self, name: str) -> Any:
-        # Everything else the wrapped loader has (num_workers, collate_fn, ...) reads through.
+        """The wrapped loader's attribute (``dataset``, ``sampler``, ``batch_size``, ...)."""
         if name.startswith("_") or name == "loader":
             raise AttributeError(name)
-        return self._wrapped(name)
-
-    def _wrapped(self, name: str) -> Any:
         try:
             return getattr(self.loader, name)
         except AttributeError:
@@ -411,9 +389,7 @@ class DeviceDataLoader(Generic[B]):
     def _end_live_epochs(self) -> None:
         """End the live epochs' feeds, which may be inside the one iterator iter() resets.
 
-        A DataLoader with persistent workers keeps one iterator and resets it on
-        ``iter()``: a feed inside its ``next()`` then would read from a reset iterator.
-        The live epochs end (they yield what they copied ahead, then stop).
+        They yield what they copied ahead, then stop (persistent workers: see the module).
         """
         feeds = list(self._feeds)
         for feed in feeds:

@@ -1,10 +1,8 @@
 """Copying ahead: the copies in flight, the seam they go through, and when to read ahead.
 
-Steps 2 and 3 of the pipeline that :mod:`devicekit._loader` draws, behind the seam it
+Steps 2 and 3 of the pipeline that :mod:`devicekit._loader` draws, over the seam it
 describes (:class:`Prefetcher`; :class:`StreamPrefetcher` on an accelerator's side
-stream), and the rule for when its first stage (:mod:`devicekit._feed`) may read ahead
-at all (:func:`ahead`). Control flow over the seam only: it runs the same with the
-tests' stand-in on a machine without an accelerator.
+stream), and when its first stage (:mod:`devicekit._feed`) may read ahead (:func:`ahead`).
 """
 
 from __future__ import annotations
@@ -193,11 +191,10 @@ def _prefetched(
 ) -> Iterator[Any]:
     """The pipeline: copies up to ``depth`` batches ahead, hands them over in order.
 
-    A batch whose copy has started is handed over as soon as it is asked for: later
-    batches are taken only where ``ready()`` has them already (a feed that reads ahead),
-    never waited for while one is in hand, so a source whose next batch is slow, or
-    depends on the step's result, holds nothing back. Where nothing is in flight, the
-    next batch is waited for. ``first``, where given, was read already.
+    Later batches are taken only where ``ready()`` has them already (a feed that reads
+    ahead), so a source whose next batch is slow, or depends on the step's result, holds
+    back no batch in hand; the next is waited for only where nothing is in flight.
+    ``first``, where given, was read already.
 
     An exception from the source or from starting a copy surfaces in its place, after
     every batch before it; one from ``finish`` (the transform) surfaces at once. Each
@@ -272,21 +269,15 @@ def ahead(
     The feed that reads ahead goes into ``feeds`` while it lives, and pins with the
     prefetcher where ``pins``; ``finish`` is the transform, ``record`` the epoch's figures.
     """
-    # Reads that draw from the global random generators (augmentation in a dataset
-    # read without workers, a sampler's shuffle, graph sampling) happen in this
-    # thread, between the loop's steps, as in a plain loop: a thread reading ahead
-    # would interleave its draws with the loop's by timing, and a seeded run would
-    # repeat neither the plain loop nor itself. So an epoch's first read is always
-    # made here, and its second where the first drew; where the second draws too,
-    # every read is made here, batch by batch as the loop asks (``reads_draw``, in the
-    # stats and their verdict). Otherwise the rest is read ahead (by the feed).
-    #
-    # That is the whole rule, and it cannot see further: a read's draws cannot be
-    # known before it is made, nor told apart from the loop's once a thread makes it
-    # beside them (the generators are the process's), and read k's draws follow step
-    # k-1's in a plain loop, so no read that might draw can be made ahead of it. A
-    # source that draws only from a later read on (augmentation switched on after a
-    # warm-up, every other batch) is read ahead, and the guide says so.
+    # Reads that draw from the global random generators (augmentation without workers,
+    # a sampler's shuffle, graph sampling) are made in this thread, between the loop's
+    # steps, as in a plain loop: a thread reading ahead would interleave its draws with
+    # the loop's by timing, and a seeded run would repeat neither. A read's draws cannot
+    # be known before it is made, nor told apart from the loop's once a thread makes it
+    # beside them (the generators are the process's), and read k's follow step k-1's: so
+    # the first read is made here, the second where the first drew, and every read where
+    # both drew (``reads_draw``); else the rest is read ahead. A source that draws only
+    # from a later read on (after a warm-up) is read ahead, and the guide says so.
     checks = _READS_CHECKED
     while True:
         before = random_state() if checks else None
