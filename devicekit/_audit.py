@@ -1,9 +1,9 @@
 """track_transfers: every cross-device copy inside a block, with the user's line that made it.
 
-A dispatch mode of PyTorch's sees each aten call. The
-three that move data between devices are recorded: ``_to_copy`` (``.to()``, ``.cpu()``,
-``.cuda()``), ``copy_`` between devices, and ``_local_scalar_dense`` on an accelerator
-(``.item()``, which also waits for the device). The stack is read only for those.
+A dispatch mode of PyTorch's sees each aten call. The three that move data between
+devices are recorded: ``_to_copy`` (``.to()``, ``.cpu()``, ``.cuda()``), ``copy_``
+between devices, and ``_local_scalar_dense`` on an accelerator (``.item()``, which also
+waits for the device). The stack is read only for those.
 """
 
 from __future__ import annotations
@@ -145,8 +145,7 @@ class _Recorder(_compat.DispatchMode):  # type: ignore[no-untyped-call]  # an un
                     f"but {event.where} copies {_units.nbytes(event.nbytes)} from "
                     f"{event.source} to {event.target} ({event.operation}). Inside a training "
                     "step such copies (.item(), .cpu(), printing a tensor) stall the device: "
-                    "move them out, or "
-                    "batch them."
+                    "move them out, or batch them."
                 )
                 raise TransferError(msg)
             self._log.events.append(event)

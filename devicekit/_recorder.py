@@ -222,28 +222,13 @@ def _per_sample(value: Any) -> bool:
     )
 
 
-def _entries(batch: Any, node: Node) -> list[tuple[Any, Any]]:
-    """The batch's children with the key or index each is read by (_NOWHERE: none).
-
-    Only an item is read again with a subscript: a dataclass's fields, a namedtuple's
-    attributes and an object's contents are not.
-    """
-    keys = node.keys(batch)
-    return [
-        (key.name if key.form == ITEM else _NOWHERE, child)
-        for key, child in zip(keys, node.children(batch), strict=True)
-    ]
-
-
 def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     """A batch's samples by the default rule, and where batches of its structure hold them.
 
-    From its tensors as the type table sees them (the READ view, which also looks inside
-    objects that move themselves), reading dimension ``dim`` of those that have it: the
-    largest size that two tensors of more than one element share, else the largest; or,
-    for the first dimension, the length of a list of per-sample tensors, where that is
-    larger. A one-element tensor beside a batch (a step count, a temperature) is left out
-    of the sharing, so that two of them never outvote the batch's tensors.
+    The rule is :attr:`LoaderStats.samples <devicekit.LoaderStats.samples>`'s, read along
+    dimension ``dim`` of the tensors as the type table sees them (the READ view, which
+    also looks inside objects that move themselves); a one-element tensor is left out of
+    the sharing, so that two of them never outvote the batch's tensors.
     Where: the batch's entry (a key or an index, :data:`_WHOLE` for the batch itself) and
     whether its length counts, else its dimension ``dim``; :data:`_NOWHERE` where the
     count comes from deeper, and each batch is then looked at whole.
@@ -271,7 +256,12 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     except TransferError:
         return None, _NOWHERE, False
     sequence = node is LIST or node is TUPLE
-    entries = _entries(batch, node)
+    # The children with the key or index each is read by again (_NOWHERE: none): only an
+    # item is, not a dataclass's fields, a namedtuple's attributes or an object's contents.
+    entries = [
+        (key.name if key.form == ITEM else _NOWHERE, child)
+        for key, child in zip(node.keys(batch), node.children(batch), strict=True)
+    ]
     # (a per-sample list's length, its entry)
     lengths = [(len(child), key) for key, child in entries if dim == 0 and _per_sample(child)]
     if sequence and dim == 0 and _per_sample(batch):

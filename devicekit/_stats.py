@@ -101,8 +101,7 @@ class LoaderStats:
     """One step per batch whose next batch was asked for, so an epoch left early lacks
     its last step; the latest 10,000."""
     copy_per_batch: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
-    """The copies whose time is known, in order, the latest 10,000; None
-    as ``copy_s``."""
+    """The copies whose time is known, in order, the latest 10,000; None as ``copy_s``."""
     finished: bool = False
     """Whether the epoch ran to its end; False while it runs, or when it was left early."""
     read_ahead: bool = False
