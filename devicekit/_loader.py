@@ -33,10 +33,8 @@ room holds the facade: what a loader is asked, and how each epoch starts and end
 On the CPU, the ``meta`` device and any device without streams, batches move in line:
 there is nothing to overlap.
 
-Every epoch is measured as it runs (:mod:`devicekit._recorder`): how long the training
-thread waits for each batch, how long its step takes, and on an accelerator how long
-each copy takes on the side stream, read from its events once they are done. While a
-``torch.profiler`` session runs, the waits, pins and copies are named ranges
+Every epoch is measured as it runs (:mod:`devicekit._recorder` says what and how). While
+a ``torch.profiler`` session runs, the waits, pins and copies are named ranges
 (``devicekit.wait``, ``devicekit.pin``, ``devicekit.copy``); otherwise nothing is recorded.
 
 Any number of epochs of one loader may be live at once, as with ``DataLoader``: each

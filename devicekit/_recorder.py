@@ -39,26 +39,6 @@ _FOLD_AT: Final = 2 * PER_BATCH_KEPT
 class EpochRecorder:
     """The figures of one epoch as it runs; the training thread alone writes them."""
 
-    __slots__ = (
-        "copies",
-        "count",
-        "dim",
-        "earlier",
-        "finished",
-        "first_wait",
-        "folded",
-        "holder",
-        "key",
-        "length",
-        "read_ahead",
-        "reads_draw",
-        "samples",
-        "setup",
-        "steps",
-        "timers",
-        "waits",
-    )
-
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
         self.waits: list[float] = []
