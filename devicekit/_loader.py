@@ -238,14 +238,11 @@ class DeviceDataLoader(Generic[B]):
             TypeError: None of those has ``set_epoch``.
         """
         batch_sampler = getattr(self.loader, "batch_sampler", None)
-        owners: list[Any] = [
-            self.loader,
-            getattr(self.loader, "sampler", None),
-            getattr(batch_sampler, "sampler", None),
-        ]
-        for owner in owners:
-            if owner is not None and callable(getattr(owner, "set_epoch", None)):
-                owner.set_epoch(epoch)
+        sampler = getattr(self.loader, "sampler", None)
+        for owner in (self.loader, sampler, getattr(batch_sampler, "sampler", None)):
+            set_epoch = getattr(owner, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
                 return
         msg = (
             f"Expected the wrapped {type(self.loader).__name__}, its sampler or its batch "

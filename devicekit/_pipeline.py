@@ -80,23 +80,16 @@ def random_state() -> tuple[Any, ...]:
     About 100 us (numpy's copy of its state is most of it): taken twice an epoch at most.
     """
     numpy = sys.modules.get("numpy")
-    legacy = None if numpy is None else numpy.random.get_state(legacy=False)
-    return torch.default_generator.get_state(), random.getstate(), legacy
+    at = None if numpy is None else numpy.random.get_state(legacy=False)
+    if at is not None:  # what a draw moves, comparable with ==
+        at = at["state"]["key"].tobytes(), at["state"]["pos"], at["has_gauss"]
+    return torch.default_generator.get_state(), random.getstate(), at
 
 
 def drew_since(before: tuple[Any, ...]) -> bool:
     """Whether anything drew from those generators since ``before`` was taken."""
     after = random_state()
-    if not torch.equal(before[0], after[0]) or before[1] != after[1]:
-        return True
-    numpy_before, numpy_after = before[2], after[2]
-    if numpy_before is None or numpy_after is None:
-        return numpy_before is not numpy_after
-    return bool(
-        numpy_before["state"]["pos"] != numpy_after["state"]["pos"]
-        or numpy_before["has_gauss"] != numpy_after["has_gauss"]
-        or (numpy_before["state"]["key"] != numpy_after["state"]["key"]).any()
-    )
+    return not torch.equal(before[0], after[0]) or before[1:] != after[1:]
 
 
 def _as_it_is(batch: Any) -> Any:
