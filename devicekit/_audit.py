@@ -85,10 +85,9 @@ class TransferLog:
             groups.setdefault((event.source, event.target), []).append(event)
         lines = [f"{self.count} transfer(s) between devices, {_units.nbytes(self.bytes)} in all:"]
         for (source, target), events in groups.items():
-            nbytes = sum(event.nbytes for event in events)
+            nbytes = _units.nbytes(TransferLog(events).bytes)
             lines.append(
-                f"  {source} -> {target}: {len(events)} ({_units.nbytes(nbytes)}), "
-                f"first at {events[0].where}"
+                f"  {source} -> {target}: {len(events)} ({nbytes}), first at {events[0].where}"
             )
         return "\n".join(lines)
 

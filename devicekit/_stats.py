@@ -176,18 +176,16 @@ def counting(samples: SampleCount) -> Counting | None:
 
 def dataloader_counting(loader: object) -> Counting:
     """The default rule's :class:`Counting` for ``loader``: by its batch_size where it can."""
-    batch_size = getattr(loader, "batch_size", None)
-    sampler = getattr(loader, "sampler", None)
-    if not isinstance(loader, torch.utils.data.DataLoader) or not isinstance(batch_size, int):
-        return Counting()
+    if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
+        return Counting()  # batch_size=None: the loader's batches are made by the dataset
     try:
-        length = len(sampler)  # type: ignore[arg-type]
+        length = len(loader.sampler)  # type: ignore[arg-type]
     except TypeError:  # an iterable dataset's: no length, so the last batch is unknown
         return Counting()
     return Counting(
-        per_batch=batch_size,
+        per_batch=loader.batch_size,
         epoch=None if loader.drop_last else length,
-        rule=f"the DataLoader's batch_size ({batch_size})",
+        rule=f"the DataLoader's batch_size ({loader.batch_size})",
     )
 
 
