@@ -28,15 +28,6 @@ NOT_READY: Final = object()
 _DONE: Final = object()
 
 
-class _Failure:
-    """An exception raised in the background thread, carried to the consumer unchanged."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 class BackgroundFeed:
     """Iterates ``batches`` in a daemon thread, ``prepare``-ing up to ``depth`` items ahead.
 
@@ -56,6 +47,7 @@ class BackgroundFeed:
         self._items: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._ended = False
+        self._error: BaseException | None = None  # the source's, raised after its items
         self._device = device
         # A daemon: a thread stuck in the source (a worker blocked on I/O) never holds
         # up the interpreter's exit.
@@ -85,8 +77,7 @@ class BackgroundFeed:
                 if not self._put(prepare(item)):
                     return
         except BaseException as error:  # every failure goes to the consumer
-            self._put(_Failure(error))
-            return
+            self._error = error
         self._put(_DONE)
 
     def __iter__(self) -> Iterator[Any]:
@@ -114,13 +105,13 @@ class BackgroundFeed:
 
     def _received(self, item: Any) -> Any:
         """A batch as taken from the thread; its end or its source's error, raised here."""
-        if item is _DONE:
-            self.close()
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self.close()
-            raise item.error
-        return item
+        if item is not _DONE:
+            return item
+        self.close()
+        error, self._error = self._error, None  # held by the raise alone, as a batch is
+        if error is not None:
+            raise error
+        raise StopIteration
 
     def close(self) -> None:
         """Tell the thread to stop and drop what it prepared; does not wait for it."""
