@@ -106,11 +106,9 @@ def _passed_through(kind: type[Exception]) -> type[Exception]:
 
     def init(self: Any, message: str) -> None:
         Exception.__init__(self, message)
-        self.error_type, self.message, self.case_name = (
-            exc.UserErrorType.INVALID_INPUT,
-            message,
-            None,
-        )
+        self.error_type = exc.UserErrorType.INVALID_INPUT
+        self.message = message
+        self.case_name = None
 
     if kind not in _passing:
         namespace = {"__init__": init, "__module__": kind.__module__}
@@ -166,18 +164,6 @@ def recomputed_attributes(module: Any) -> frozenset[str]:
     hooks = module._forward_pre_hooks  # private: where register_forward_pre_hook keeps them
     if not hooks:
         return frozenset()
-    pruning, named = _reparametrising_hooks()
-    found = set()
-    for hook in hooks.values():
-        if isinstance(hook, pruning):
-            found.add(getattr(hook, "_tensor_name", None))
-        elif isinstance(hook, named):
-            found.add(getattr(hook, "name", None))
-    return frozenset(name for name in found if isinstance(name, str))
-
-
-def _reparametrising_hooks() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """Prune's hook class, and those that keep the attribute's name in ``name``."""
 
     def loaded(where: str, name: str) -> tuple[type, ...]:
         kind = getattr(sys.modules.get(where), name, None)
@@ -186,7 +172,13 @@ def _reparametrising_hooks() -> tuple[tuple[type, ...], tuple[type, ...]]:
     pruning = loaded("torch.nn.utils.prune", "BasePruningMethod")
     named = loaded("torch.nn.utils.weight_norm", "WeightNorm")
     named += loaded("torch.nn.utils.spectral_norm", "SpectralNorm")
-    return pruning, named
+    found = set()
+    for hook in hooks.values():
+        if isinstance(hook, pruning):
+            found.add(getattr(hook, "_tensor_name", None))
+        elif isinstance(hook, named):
+            found.add(getattr(hook, "name", None))
+    return frozenset(name for name in found if isinstance(name, str))
 
 
 _OUT_OF_MEMORY_SAID = (
@@ -207,9 +199,8 @@ def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is a device running out of memory, or was raised because one did.
 
     ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU), or a RuntimeError whose message says a
-    device or one of its libraries could not allocate (``"CUDA out of memory"`` from
-    extensions and older code, cuBLAS's ``CUBLAS_STATUS_ALLOC_FAILED``, MPS's
-    ``"MPS backend out of memory"``). An error raised *from* one (``raise ... from
+    device or one of its libraries could not allocate (the words listed above). An error
+    raised *from* one (``raise ... from
     error``, its ``__cause__``, followed down the chain) is one too: a library that wraps
     the allocator's error says so. An error raised while one was being handled, without
     ``from`` (its ``__context__`` only), is not: it is another error, such as a
@@ -238,8 +229,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     >>> is_out_of_memory(MemoryError()), is_out_of_memory(RuntimeError("CUDA error: launch failed"))
     (False, False)
     """
-    import torch  # noqa: PLC0415 - loaded already: the error came from it
-
     seen: set[int] = set()
     each: BaseException | None = error
     # A chain that loops back, or runs past _CHAIN_MOST, ends the walk.
@@ -277,8 +266,6 @@ def ddp_forward_syncs(module: Any) -> DdpSync:
     ``no_sync()`` still broadcasts them, the later ones do not). Both attributes are
     undocumented, though unprefixed.
     """
-    import torch  # noqa: PLC0415 - loaded already: the module is a torch module
-
     gradients = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
     return DdpSync(gradients, bool(module.will_sync_module_buffers()))
 
@@ -308,7 +295,6 @@ def weights_only_build_refusal(pickled: bytes, allowing: Iterable[Any] = ()) -> 
     >>> weights_only_build_refusal(empty, [collections.defaultdict, list]) is None
     True
     """
-    import torch  # noqa: PLC0415 - loaded already: the pickle is torch.save's
     from torch import _weights_only_unpickler  # noqa: PLC0415 - private: read here
 
     loader: Any = _weights_only_unpickler  # partly untyped
@@ -369,15 +355,9 @@ def _type_family(name: str) -> str:
 def is_device_mismatch(error: BaseException) -> bool:
     """Whether ``error`` is PyTorch refusing an operation on tensors on different devices.
 
-    Recognised by PyTorch's words, which differ by where the check is made: most
-    operations (``"Expected all tensors to be on the same device"``), the reference
-    implementations that meta tensors run (``"Tensor on device meta is not on the
-    expected device cpu!"``), the RNNs (``"Input and hidden tensors are not at the same
-    device"``), cuDNN (``"Expected tensor for argument #1 'input' to have the same device
-    as tensor for argument #2 'weight'"``, or a convolution's ``"Input type
-    (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the same"``),
-    indexing, and MPS (``"Placeholder storage has not been allocated on MPS device!"``).
-    Only the error itself is read, not the errors it was raised from.
+    Recognised by PyTorch's words, which differ by where the check is made (each listed
+    above, with where it is said). Only the error itself is read, not the errors it was
+    raised from.
 
     >>> import torch
     >>> try:
@@ -411,10 +391,9 @@ def weights_only_refused_globals(pickled: bytes) -> list[str]:
     The load stops at the first global it refuses; this names each of them once, in the
     order the pickle first names it (a module before the modules it holds), as the load
     names them: ``module.Name``, Python 2's names mapped as the load maps them (pickle's
-    ``__builtin__.set`` is ``builtins.set``). The globals allowed are those the load
-    allows at the time of the call: PyTorch's, and those added with
-    ``torch.serialization.add_safe_globals``. Empty where the load refuses no global, or
-    where PyTorch's scan cannot read the pickle (:func:`weights_only_refusal` says why).
+    ``__builtin__.set`` is ``builtins.set``). Allowed and read as in
+    :func:`weights_only_refusal`, which says why where this is empty for a pickle
+    PyTorch's scan cannot read.
 
     >>> import collections, io, torch, zipfile
     >>> buffer = io.BytesIO()
