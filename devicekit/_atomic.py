@@ -57,10 +57,8 @@ def write_file(given: str, write: Write) -> None:
     """Write the file at the path ``given`` through ``write``: whole, or not at all.
 
     Raises:
-        OSError: The path is a directory or ends with a slash (which names one), is a
-            socket, is read-only or another user's file, in a folder that is missing or
-            not writable, or the disk is full: the message names the path, never the
-            temporary, and the file that was there is unchanged.
+        OSError: The refusals of the table above, and those of :func:`devicekit.save`'s
+            Raises: the message names the path, never the temporary.
     """
     _refuse_a_folder_name(given)
     target = os.path.realpath(given)  # a link's target is what gets replaced
@@ -161,11 +159,7 @@ def _not_theirs(shown_path: str, owner: int) -> PermissionError:
 
 
 def _folder_to_sync(folder: str) -> int | None:
-    """The folder, opened before anything is written, to flush the rename to disk; or None.
-
-    None where it cannot be opened (one this user may write and enter but not list, mode
-    0733, or no POSIX folders): the flush is durability only.
-    """
+    """The folder, opened before anything is written, to flush the rename; None if it can't be."""
     if not hasattr(os, "O_DIRECTORY"):
         return None
     try:
@@ -345,12 +339,10 @@ _ENDING_SIGNALS = tuple(
 
 @contextlib.contextmanager
 def _removed_on_any_exit(temporary: _Temporary) -> Iterator[None]:
-    """Remove ``temporary`` however the block is left, SIGTERM and SIGHUP included.
+    """Remove ``temporary`` however the block is left, SIGTERM and SIGHUP as the module says.
 
-    Where such a signal would end the process (its default action, in the main thread,
-    where Python runs handlers), it is caught for the block's length: the temporary is
-    removed, and the signal delivered again. A program's own handler (a preemption hook
-    that saves) is left alone.
+    Only a signal's default action is replaced (Python runs handlers in the main thread
+    alone): a program's own handler (a preemption hook that saves) is left alone.
     """
 
     def remove_and_end(signum: int, frame: object) -> None:
