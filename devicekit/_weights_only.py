@@ -148,17 +148,12 @@ def checked_pickle(*, checks: bool, passed: Callable[[], None]) -> Any:
 def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = None) -> str:
     """Why save refuses ``obj``: what a weights-only load would not build, where, and the fixes.
 
-    Every global refused is named at once, in the order the pickle names them, and every
-    value that holds them at the top (a module, not the modules in it), so that one
-    change makes the save pass. The ways out: save what is refused as data (a
-    ``state_dict()``, a dict), or save it whole with ``weights_only=False``. Allowing
-    the classes named is advised too where that is the fix (a class of the program's,
-    a ``defaultdict``, never a module or an optimizer, which have a state_dict, nor a
-    function, which the load would call) and makes the load build ``pickled`` (the
-    pickle refused), tried without writing: a weights-only load builds no defaultdict
+    Every value that holds a refused global at the top is named (a module, not the
+    modules in it), so that one change makes the save pass. Allowing the classes named
+    (built-in ones the pickle names included: the load refuses any global not allowed)
+    is advised only where no module, optimizer or function is refused and a trial build
+    of ``pickled`` with them allowed passes: a weights-only load builds no defaultdict
     that holds items, allowed or not (an optimizer's state, once it has stepped).
-    Built-in classes the pickle names (``dict``, a defaultdict's factory) are advised
-    too: the load refuses them, as it does any global not allowed.
     """
     names = _refused_names(refusal, pickled)
     try:
@@ -294,13 +289,11 @@ def _saved_whole(obj: object) -> str:
 def load_refusal(text: str, name: str, source: str | IO[bytes], start: int | None) -> str | None:
     """The words for a weights-only refusal: what the file holds, and the ways to load it.
 
-    Every global the load refuses is named, read from the checkpoint's pickle (a scan:
-    nothing of the file is built or called), where PyTorch names the first; the file is
-    read from ``start`` (a stream's position before the load). Loading it whole is
-    advised for a file you trust; allowing its classes too, where each is a class of the
-    program's own (not a function, which the load would call, nor a module or an
-    optimizer, whose state_dict is the way to save them as weights, nor a class of
-    Python's or PyTorch's, such as a defaultdict, which allowing may not build).
+    Every global refused is named from a scan of the pickle read from ``start`` (a
+    stream's position before the load), where PyTorch names the first. Allowing them is
+    advised only where each is :func:`_of_the_program`: a function would be called, a
+    module or optimizer has its state_dict, and a class of Python's or PyTorch's (a
+    defaultdict) may not build even allowed.
     """
     said = weights_only_said(text)
     if said.blocked:
@@ -369,10 +362,7 @@ def _refused_even_if_allowed(pickled: bytes, names: list[str]) -> str | None:
 
 
 def _refused_names(said: str, pickled: bytes | None) -> list[str]:
-    """The globals refused: read from ``pickled``, first written first; else as ``said`` names them.
-
-    ``said`` is a weights-only refusal's text (torch.load's, or the check's).
-    """
+    """The globals refused: from ``pickled`` in order, else as the refusal ``said`` names them."""
     found = weights_only_refused_globals(pickled) if pickled else []
     return found or weights_only_said(said).names
 
@@ -427,12 +417,10 @@ def _refused_in(root: Any, names: frozenset[str]) -> list[tuple[str, Any]]:
     """Where in ``root`` the values pickled as one of the global ``names`` are, outermost only.
 
     Each such value once (the first path to it), and none inside another: a module's
-    own modules go with it. A search on the error path only, through devicekit's one
-    walk (:func:`devicekit._tree.walk`), in the order pickle writes (an object before
-    what it holds): containers as to_device takes them apart, and the attributes of the
-    leaves pickle saves by their ``__dict__`` (``argparse.Namespace``, a class allowed
-    with add_safe_globals), each object once. Containers and attribute hops count
-    together against the depth rule of every walk.
+    own modules go with it. Walked by :func:`devicekit._tree.walk` in the order pickle
+    writes: containers as to_device takes them apart, and the attributes of the leaves
+    pickle saves by their ``__dict__`` (``argparse.Namespace``), each object once, all
+    hops counted against the depth rule of every walk.
 
     Raises:
         TransferError: The data nests deeper than MAX_DEPTH, or a container holds itself.
