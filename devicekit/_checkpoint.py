@@ -51,12 +51,11 @@ _ZIP_TAIL = _ZIP_END_SIZE + 0xFFFF
 def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], *, weights_only: bool = True) -> None:
     """``torch.save``, atomically: a save that dies half-way leaves the last one intact.
 
-    To a path, the checkpoint is written to a temporary file beside it, flushed to disk,
-    then renamed over the target, so a full disk, a preemption or Ctrl-C leaves either
-    the previous file or the new one, never a torn one, and no temporary. It writes on
-    the process that calls it, whatever its rank: under torchrun, save on rank 0 with
-    ``if rank == 0:``, or on every rank to a path of its own (a shard). Tensors are
-    saved as they are, on their devices: :func:`load` maps them.
+    To a path, through a temporary file beside it, flushed and renamed over the target:
+    a full disk, a preemption or Ctrl-C leaves the previous file or the new one, never a
+    torn one, and no temporary. It writes on the process that calls it, whatever its
+    rank: under torchrun, save on rank 0 with ``if rank == 0:``, or on every rank to a
+    path of its own (a shard). Tensors are saved on their devices: :func:`load` maps them.
 
     >>> import io, torch, devicekit as dk
     >>> buffer = io.BytesIO()
@@ -218,8 +217,7 @@ def load(
     A checkpoint saved on ``cuda:3`` of another machine loads onto this process's
     device; under torchrun that is ``cuda:LOCAL_RANK``, so eight ranks do not all land
     on ``cuda:0``. ``weights_only=True`` refuses pickles that would run code, and reads
-    what :func:`save` writes: tensors, containers, plain Python values, numpy scalars
-    and arrays, ``argparse.Namespace`` and ``pathlib`` paths.
+    what :func:`save` writes (its ``obj`` says what that is).
 
     >>> import io, torch, devicekit as dk
     >>> buffer = io.BytesIO()
@@ -342,16 +340,11 @@ def _source(f: object, mmap: bool | None) -> tuple[str | IO[bytes], str]:
     if mmap:
         msg = f"Expected a path to map with mmap=True, got a file object ({name}): pass its path."
         raise ValueError(msg)
-    if _seekable(file):
-        return file, name
-    return io.BytesIO(file.read()), name
-
-
-def _seekable(stream: Any) -> bool:
     try:
-        return bool(stream.seekable()) and stream.tell() >= 0
+        seekable = bool(file.seekable()) and file.tell() >= 0
     except (AttributeError, OSError, ValueError):
-        return False
+        seekable = False
+    return (file if seekable else io.BytesIO(file.read())), name
 
 
 def _check_format(source: str | IO[bytes], name: str) -> None:
