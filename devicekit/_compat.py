@@ -21,7 +21,9 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 import torch
 
 # The base of track_transfers' recorder: the only way to see each aten call with its
-# arguments. Loaded by torch itself, so naming it here costs nothing at import.
+# arguments; and the weights-only load's module, whose scan and loop the checks below
+# reuse. Both loaded by torch itself, so naming them here costs nothing at import.
+from torch import _weights_only_unpickler
 from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 
 __all__ = [
@@ -68,13 +70,13 @@ def weights_only_refusal(pickled: bytes) -> str | None:
     return f"Unsupported global: GLOBAL {refused[0]} was not an allowed global{more}"
 
 
+_LOADER: Any = _weights_only_unpickler  # partly untyped
+
+
 def _refused_globals(pickled: bytes) -> set[str]:
     """The globals the pickle names that a weights-only load refuses now, by PyTorch's scan."""
-    from torch import _weights_only_unpickler  # noqa: PLC0415 - private: read here
-
-    loader: Any = _weights_only_unpickler  # partly untyped
-    named: set[str] = loader.get_globals_in_pkl(io.BytesIO(pickled))
-    return named.difference(loader._get_allowed_globals(), loader._get_user_allowed_globals())
+    named: set[str] = _LOADER.get_globals_in_pkl(io.BytesIO(pickled))
+    return named.difference(_LOADER._get_allowed_globals(), _LOADER._get_user_allowed_globals())
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -295,25 +297,22 @@ def weights_only_build_refusal(pickled: bytes, allowing: Iterable[Any] = ()) -> 
     >>> weights_only_build_refusal(empty, [collections.defaultdict, list]) is None
     True
     """
-    from torch import _weights_only_unpickler  # noqa: PLC0415 - private: read here
-
-    loader: Any = _weights_only_unpickler  # partly untyped
     added = {}
     for each in allowing:  # as add_safe_globals takes them: a global, or (global, its name)
         value, name = each if isinstance(each, tuple) else (each, None)
         added[name or f"{value.__module__}.{value.__qualname__}"] = value
 
     def user_allowed() -> dict[str, Any]:
-        return {**loader._get_user_allowed_globals(), **added}
+        return {**_LOADER._get_user_allowed_globals(), **added}
 
     # The load's loop, run with its own module's names but the allowlist above; its
     # list of sparse tensors to check after a load is a fresh one (meta tensors here).
     names = {
-        **vars(loader),
+        **vars(_LOADER),
         "_get_user_allowed_globals": user_allowed,
         "_sparse_tensors_to_validate": [],
     }
-    load = types.FunctionType(loader.Unpickler.load.__code__, names, "load")
+    load = types.FunctionType(_LOADER.Unpickler.load.__code__, names, "load")
 
     def meta_storage(saved_id: tuple[Any, ...]) -> Any:
         kind, numel = saved_id[1], saved_id[4]
@@ -322,7 +321,7 @@ def weights_only_build_refusal(pickled: bytes, allowing: Iterable[Any] = ()) -> 
         data = storages.UntypedStorage(numel * dtype.itemsize, device="meta")
         return storages.TypedStorage(wrap_storage=data, dtype=dtype, _internal=True)
 
-    unpickler = loader.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler = _LOADER.Unpickler(io.BytesIO(pickled), encoding="utf-8")
     unpickler.persistent_load = meta_storage
     try:
         load(unpickler)
@@ -404,9 +403,6 @@ def weights_only_refused_globals(pickled: bytes) -> list[str]:
     """
     import pickletools  # noqa: PLC0415 - on a refusal only
 
-    from torch import _weights_only_unpickler  # noqa: PLC0415 - private: read here
-
-    loader: Any = _weights_only_unpickler  # partly untyped
     try:
         refused = _refused_globals(pickled)
     except (pickle.UnpicklingError, EOFError):  # an operation the load does not know
@@ -416,7 +412,7 @@ def weights_only_refused_globals(pickled: bytes) -> list[str]:
         for operation, argument, _ in pickletools.genops(pickled):
             if operation.name == "GLOBAL":  # "module name", as the load reads it
                 lines = io.BytesIO(str(argument).replace(" ", "\n", 1).encode() + b"\n")
-                module, name = loader._read_global_instruction(lines.readline)
+                module, name = _LOADER._read_global_instruction(lines.readline)
                 if f"{module}.{name}" in refused:
                     ordered[f"{module}.{name}"] = None
     except Exception:  # the scan above read it: only the order would be lost
