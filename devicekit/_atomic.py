@@ -231,7 +231,12 @@ class _Temporary:
         # A new checkpoint gets 0o666 less the umask, as torch.save's open() gives it;
         # one that replaces a file starts private and then takes that file's mode and owner.
         mode = 0o666 if replaced is None else 0o600
-        descriptor = _unnamed(folder, mode)
+        descriptor: int | None = None
+        unnamed = getattr(os, "O_TMPFILE", 0)  # no name until whole, where Linux allows
+        if unnamed and os.path.isdir("/proc/self/fd"):  # named later through it (linkat)
+            # Not on this file system, or refused: the named way below says why.
+            with contextlib.suppress(OSError):
+                descriptor = os.open(folder, unnamed | os.O_WRONLY, mode)
         self.named = descriptor is None
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
         while descriptor is None:
@@ -283,18 +288,6 @@ class _Temporary:
         if self.named:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-
-
-def _unnamed(folder: str, mode: int) -> int | None:
-    """A file in ``folder`` with no name yet (``O_TMPFILE``), where Linux allows; else None."""
-    unnamed = getattr(os, "O_TMPFILE", 0)
-    # Named later through /proc (linkat), which must be there to be used.
-    if not unnamed or not os.path.isdir("/proc/self/fd"):
-        return None
-    try:
-        return os.open(folder, unnamed | os.O_WRONLY, mode)
-    except OSError:  # not on this file system (or refused: the named way says why)
-        return None
 
 
 def _temporary_name(folder: str, name: str) -> str:

@@ -161,7 +161,12 @@ def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = Non
         lost = ""
     except TransferError as err:  # a cycle, or depth past MAX_DEPTH: said with its path
         found, lost = [], f" Where it is could not be found: {err}"
-    whole = _saved_whole(obj)
+    whole = (
+        f" Or, to save it whole, write dk.save({_name_for(obj)}, path, weights_only=False) "
+        "and load it with dk.load(path, weights_only=False) where its classes can be "
+        "imported; only load such a file if you trust it, since unpickling it can execute "
+        "arbitrary code."
+    )
     if not found:
         refused = (
             f"to build {', '.join(names)} (building {'them' if len(names) > 1 else 'it'} "
@@ -274,16 +279,6 @@ def _name_for(obj: object) -> str:
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer"
     return "checkpoint" if isinstance(obj, Mapping) else "obj"
-
-
-def _saved_whole(obj: object) -> str:
-    """The other way out: the whole object written anyway, for a load that runs its code."""
-    name = _name_for(obj)
-    return (
-        f" Or, to save it whole, write dk.save({name}, path, weights_only=False) and load it "
-        "with dk.load(path, weights_only=False) where its classes can be imported; only load "
-        "such a file if you trust it, since unpickling it can execute arbitrary code."
-    )
 
 
 def load_refusal(text: str, name: str, source: str | IO[bytes], start: int | None) -> str | None:
