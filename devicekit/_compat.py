@@ -495,9 +495,8 @@ _UNREADABLE_SAID = ("PytorchStreamReader", "zip archive", "enforce fail", "file 
 def is_unreadable_archive(error: BaseException) -> bool:
     """Whether ``error`` is torch.load's reader saying the archive is no whole checkpoint.
 
-    PyTorch's zip reader raises RuntimeError in its own words: ``"PytorchStreamReader
-    failed reading zip archive"``, ``"... failed locating file data.pkl: file not
-    found"``, or a failed check (``"[enforce fail at inline_container.cc:...]"``).
+    PyTorch's zip reader raises RuntimeError in its own words (``"PytorchStreamReader
+    failed reading zip archive"``, a failed check: ``"[enforce fail at ...]"``).
     """
     return isinstance(error, RuntimeError) and any(
         words in str(error) for words in _UNREADABLE_SAID
