@@ -1,11 +1,9 @@
 """PyTorch's private names, version shims and message patterns that devicekit reads, in one place.
 
 No other module of devicekit names them. Each is a named function or type here, with a
-test in ``tests/test_compat.py`` that runs it against the installed PyTorch, so that an
-upgrade that moves one fails there, not in a user's checkpoint or training loop: an
-upgrade is this one file to read, which is why it holds more than the 500 lines of a
-room. Each has been in PyTorch since 2.5 at least (devicekit needs 2.6) unless its
-docstring says which versions differ.
+test in ``tests/test_compat.py`` run against the installed PyTorch, so that an upgrade
+that moves one fails there, not in a user's checkpoint: an upgrade is one file to read.
+Each is in PyTorch 2.6 and later unless its docstring says which versions differ.
 """
 
 from __future__ import annotations
@@ -52,13 +50,10 @@ __all__ = [
 def weights_only_refusal(pickled: bytes) -> str | None:
     """Why a weights-only load would refuse this pickle of ``torch.save``'s; None if it would not.
 
-    The pickle is read with PyTorch's own scan of what a weights-only load looks up,
-    which knows exactly the operations that load knows, and its globals are checked
-    against the ones the load allows: PyTorch's, and those added with
-    ``torch.serialization.add_safe_globals`` at the time of the call. Nothing is built,
-    so the check costs about a fifth of the save of a model's state (a full dry run of
-    the load, about twice the save). The refusal is worded as the load words it:
-    ``"Unsupported global: GLOBAL module.Name ..."``.
+    Read by PyTorch's own scan of what the load looks up; its globals checked against
+    those the load allows now (PyTorch's and ``add_safe_globals``'). Nothing is built:
+    about a fifth of the save of a model's state (a dry run of the load: twice the save).
+    Worded as the load words it: ``"Unsupported global: GLOBAL module.Name ..."``.
     """
     try:
         refused = sorted(_refused_globals(pickled))
@@ -99,10 +94,8 @@ _passing: dict[type[Exception], type[Exception]] = {}
 def _passed_through(kind: type[Exception]) -> type[Exception]:
     """``kind``, made an error torch.compile hands to the user as it is.
 
-    Raised while the compiler traces, an error is wrapped (an "internal error", or an
-    "observed exception" under ``fullgraph=True``) unless dynamo counts it as the
-    user's: a ``UserError``. This subclass of both keeps ``kind`` for ``except`` clauses
-    and its message first; dynamo adds where in the user's code it happened.
+    Dynamo wraps an error raised while it traces unless it is a ``UserError``; this
+    subclass of both keeps ``kind`` for ``except`` clauses and its message first.
     """
     from torch._dynamo import exc  # noqa: PLC0415 - loaded already: a region is tracing
 
@@ -147,15 +140,11 @@ def raise_past_the_compiler(kind: type[Exception], message: str) -> NoReturn:
 def recomputed_attributes(module: Any) -> frozenset[str]:
     """The plain attributes of ``module`` that PyTorch's own forward pre-hooks recompute.
 
-    ``torch.nn.utils.prune`` (one method, or a ``PruningContainer`` for several prunings
-    of one tensor, custom subclasses of ``BasePruningMethod`` included) and the older
-    ``weight_norm`` and ``spectral_norm`` keep the tensor they reparametrise as a plain
-    attribute, set before every forward from registered parameters and buffers
-    (``weight_orig`` and ``weight_mask``; ``weight_g`` and ``weight_v``; ``weight_orig``,
-    ``weight_u`` and ``weight_v``), which ``Module.to()`` moves. The hooks are known by
-    their classes, read from modules already imported: a module never imported installed
-    no hook. Prune keeps the attribute's name in a private field, the others in ``name``.
-    (``torch.nn.utils.parametrize`` needs nothing here: its tensor is a property.)
+    ``torch.nn.utils.prune`` (any ``BasePruningMethod``, containers included) and the
+    older ``weight_norm`` and ``spectral_norm`` set the tensor they reparametrise before
+    every forward from registered tensors, which ``Module.to()`` moves. Their hook classes
+    are read from modules already imported: one never imported installed no hook.
+    (``parametrize`` needs nothing here: its tensor is a property.)
 
     >>> import torch
     >>> from torch.nn.utils import prune
@@ -200,14 +189,10 @@ _CHAIN_MOST = 32
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is a device running out of memory, or was raised because one did.
 
-    ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU), or a RuntimeError whose message says a
-    device or one of its libraries could not allocate (the words listed above). An error
-    raised *from* one (``raise ... from
-    error``, its ``__cause__``, followed down the chain) is one too: a library that wraps
-    the allocator's error says so. An error raised while one was being handled, without
-    ``from`` (its ``__context__`` only), is not: it is another error, such as a
-    ``KeyError`` in an ``except`` block, and must reach the user. The host running out
-    (``MemoryError``, the CPU allocator's RuntimeError) is not a device's.
+    ``torch.OutOfMemoryError``, or a RuntimeError in the words listed above. An error
+    raised *from* one (its ``__cause__`` chain) is one too; one raised while one was
+    handled, without ``from``, is another error (a ``KeyError`` in an ``except`` block)
+    and must reach the user. The host running out (``MemoryError``) is not a device's.
 
     >>> import torch
     >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
@@ -261,12 +246,10 @@ class DdpSync(NamedTuple):
 def ddp_forward_syncs(module: Any) -> DdpSync:
     """What a forward of the DistributedDataParallel ``module`` begun now would synchronise.
 
-    Read as DDP's own forward decides it: gradients where autograd records and the
-    module is not under ``no_sync()`` (``require_backward_grad_sync``); buffers where
-    ``broadcast_buffers`` is on, the module has buffers and the last forward did
-    synchronise gradients (``will_sync_module_buffers()``: the first forward under
-    ``no_sync()`` still broadcasts them, the later ones do not). Both attributes are
-    undocumented, though unprefixed.
+    Read as DDP's forward decides it, from two undocumented though unprefixed names:
+    gradients where autograd records and ``require_backward_grad_sync`` (not under
+    ``no_sync()``); buffers as ``will_sync_module_buffers()`` says (the first forward
+    under ``no_sync()`` still broadcasts them, the later ones do not).
     """
     gradients = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
     return DdpSync(gradients, bool(module.will_sync_module_buffers()))
@@ -275,15 +258,11 @@ def ddp_forward_syncs(module: Any) -> DdpSync:
 def weights_only_build_refusal(pickled: bytes, allowing: Iterable[Any] = ()) -> str | None:
     """Why a weights-only load would stop building this pickle of torch.save's; None if not.
 
-    What :func:`weights_only_refusal` cannot see from the globals: the load builds only
-    some containers with items (a ``defaultdict`` holding items is refused even where
-    ``defaultdict`` is allowed: "Can only SETITEM for dict, ..."). The pickle is built by
-    the load's own loop, with the globals allowed now and ``allowing`` (globals, or
-    ``(global, name)`` pairs, as ``add_safe_globals`` takes them) added for this build
-    alone: the process's list is not touched, so another thread's load meanwhile allows
-    nothing more. Each tensor is built on the meta device (its shape, no data). Only the
-    load's refusals (``pickle.UnpicklingError``) are reported; an error raised by the
-    code of a class being built passes through.
+    What :func:`weights_only_refusal` cannot see: a ``defaultdict`` holding items is
+    refused even where allowed. Built by the load's own loop, tensors on meta, with
+    ``allowing`` (as ``add_safe_globals`` takes it) added for this build alone: another
+    thread's load meanwhile allows nothing more. Only the load's refusals
+    (``pickle.UnpicklingError``) are reported; a built class's own error passes through.
 
     >>> import collections, io, torch, zipfile
     >>> def pickled(obj):
@@ -387,12 +366,9 @@ def is_device_mismatch(error: BaseException) -> bool:
 def weights_only_refused_globals(pickled: bytes) -> list[str]:
     """Every global of this pickle of torch.save's that a weights-only load refuses, at once.
 
-    The load stops at the first global it refuses; this names each of them once, in the
-    order the pickle first names it (a module before the modules it holds), as the load
-    names them: ``module.Name``, Python 2's names mapped as the load maps them (pickle's
-    ``__builtin__.set`` is ``builtins.set``). Allowed and read as in
-    :func:`weights_only_refusal`, which says why where this is empty for a pickle
-    PyTorch's scan cannot read.
+    In the order the pickle first names them, as the load names them (``module.Name``,
+    ``__builtin__.set`` as ``builtins.set``). Allowed and read as in
+    :func:`weights_only_refusal`, which says why where this is empty.
 
     >>> import collections, io, torch, zipfile
     >>> buffer = io.BytesIO()
@@ -423,9 +399,8 @@ def weights_only_refused_globals(pickled: bytes) -> list[str]:
 def profiler_running() -> bool:
     """Whether a torch.profiler session is running, in any thread.
 
-    The session's flag (``torch.autograd.profiler._is_profiler_enabled``), not the
-    thread's (``torch.autograd._profiler_enabled``): a session that records every thread
-    (``profile_all_threads``) says False to the thread's flag in a thread of ours.
+    The session's flag, not the thread's (``torch.autograd._profiler_enabled``), which
+    says False in our threads to a session with ``profile_all_threads``.
 
     >>> import torch
     >>> profiler_running()
@@ -516,9 +491,8 @@ def registered_table(module: torch.nn.Module, name: str) -> dict[str, Any]:
 def current_accelerator() -> torch.device | None:
     """This PyTorch build's accelerator, as ``torch.accelerator`` names it, without starting it.
 
-    PyTorch 2.7 and later are asked not to start the device (``check_available=False``);
-    2.6 takes no such argument, and raises where no accelerator is available. None
-    where the build has none.
+    2.7 and later take ``check_available=False``; 2.6 does not, and raises where no
+    accelerator is available. None where the build has none.
     """
     current: Any = torch.accelerator.current_accelerator  # its 2.6 signature, untyped here
     try:
