@@ -53,9 +53,8 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], *, weights_only: bool 
 
     To a path, through a temporary file beside it, flushed and renamed over the target:
     a full disk, a preemption or Ctrl-C leaves the previous file or the new one, never a
-    torn one, and no temporary. It writes on the process that calls it, whatever its
-    rank: under torchrun, save on rank 0 with ``if rank == 0:``, or on every rank to a
-    path of its own (a shard). Tensors are saved on their devices: :func:`load` maps them.
+    torn one, nor a temporary. It writes on the process that calls it: under torchrun,
+    save on rank 0 (``if rank == 0:``) or to a path per rank. Tensors stay on their devices.
 
     >>> import io, torch, devicekit as dk
     >>> buffer = io.BytesIO()
@@ -160,15 +159,12 @@ def _torch_save(obj: Any, opening: Callable[[], IO[bytes]], where: str, *, check
 class _Gate:
     """What torch.save writes to: nothing reaches the file before the pickle passed the check.
 
-    torch.save's zip writer ends the archive on its way out even when the pickling raised
-    (674 bytes of an empty checkpoint), and an opened FIFO waits for a reader: so the file
-    is opened (``opening()``) once the pickle has passed, and torch.save then writes
-    straight to it: no copy made first, no second pickling. Into a BytesIO, best
-    of 30 on a busy 2-core machine: 800 small tensors 35-38 ms (torch.save alone 28-31
-    ms: the check is the rest), where pickling first to check took 56-58 ms; a 100 MiB
-    state 0.10 s, as torch.save, where a copy made first took 0.19-0.23 s. Bytes written
-    before the pickle passed (none, in the PyTorch of today) are held, and dropped if it
-    never does.
+    torch.save's zip writer ends the archive even when the pickling raised (674 bytes),
+    and an opened FIFO waits for a reader: so the file is opened once the pickle has
+    passed, and written straight: no copy, no second pickling. Into a BytesIO, best of 30
+    on a busy 2-core machine: 800 small tensors 35-38 ms (torch.save alone 28-31 ms),
+    pickling first to check 56-58 ms; a 100 MiB state 0.10 s, as torch.save, a copy made
+    first 0.19-0.23 s. Bytes written before it passed (none today) are held, or dropped.
     """
 
     def __init__(self, opening: Callable[[], IO[bytes]], *, checks: bool) -> None:
@@ -310,10 +306,9 @@ def _load_device(device: DeviceLike | None, map_location: object) -> torch.devic
 
 
 def _source(f: object, mmap: bool | None) -> tuple[str | IO[bytes], str]:
-    """What torch.load reads, and its name for messages: a path, or a seekable file object.
+    """What torch.load reads (a path or a seekable file object), and its name for messages.
 
-    A pipe, a FIFO or an unseekable stream is read once into memory here: torch.load
-    needs to seek, and opening a pipe twice loses what its writer wrote.
+    A FIFO or unseekable stream is read into memory once: torch.load seeks.
     """
     if isinstance(f, str | os.PathLike):
         path = _path_of(f, "load from")

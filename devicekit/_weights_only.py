@@ -5,13 +5,10 @@ tensors, containers and plain data, and refuses every other global a pickle name
 building it could run code the file chooses. Its invariant: :func:`~devicekit.save`
 writes nothing that the default load refuses, unless asked to (``weights_only=False``).
 So both allow the same plain data of training scripts beyond PyTorch's list while they
-run (:data:`allowing`: numpy scalars and arrays, ``argparse.Namespace``, ``pathlib``
-paths), and torch.save is given a pickler (:func:`checked_pickle`) that checks its pickle
-whole with PyTorch's own scan before a byte of it is written. A refusal, at save
-(:func:`save_refusal`) or at load (:func:`load_refusal`), names every global refused at
-once, and the ways out: at save, with the path of every outermost value holding one, a
-``state_dict()``, a plain dict, or the object saved whole for a load that runs its code;
-at load, the file loaded whole if trusted; at both, allowing a class of the program's.
+run (:data:`allowing`), and torch.save is given a pickler (:func:`checked_pickle`) that
+checks its pickle whole with PyTorch's own scan before a byte of it is written. A
+refusal, at save (:func:`save_refusal`) or at load (:func:`load_refusal`), names every
+global refused at once, and the ways out.
 """
 
 from __future__ import annotations
@@ -122,10 +119,9 @@ class Unloadable(Exception):  # noqa: N818 - carries the refusal out of torch.sa
 def checked_pickle(*, checks: bool, passed: Callable[[], None]) -> Any:
     """What torch.save takes as ``pickle_module``: a pickler that checks before it writes.
 
-    torch.save pickles the object whole into memory before it writes a record; the
-    pickle is checked then, as a weights-only load would read it, and :class:`Unloadable`
-    raised where the load would refuse it; ``passed()`` is called once it has passed
-    (at once where ``checks`` is False: a save written as it is).
+    torch.save pickles the object whole into memory before it writes a record: checked
+    then, :class:`Unloadable` raised where the load would refuse it; ``passed()`` called
+    once it has passed (at once where ``checks`` is False).
     """
 
     class Pickler(pickle.Pickler):
@@ -284,11 +280,9 @@ def _name_for(obj: object) -> str:
 def load_refusal(text: str, name: str, source: str | IO[bytes], start: int | None) -> str | None:
     """The words for a weights-only refusal: what the file holds, and the ways to load it.
 
-    Every global refused is named from a scan of the pickle read from ``start`` (a
-    stream's position before the load), where PyTorch names the first. Allowing them is
-    advised only where each is :func:`_of_the_program`: a function would be called, a
-    module or optimizer has its state_dict, and a class of Python's or PyTorch's (a
-    defaultdict) may not build even allowed.
+    Every global refused is named from the pickle read from ``start`` (a stream's
+    position before the load). Allowing them is advised only where each is
+    :func:`_of_the_program`: a class of Python's or PyTorch's may not build even allowed.
     """
     said = weights_only_said(text)
     if said.blocked:
@@ -411,11 +405,9 @@ def _is_refused(value: object, names: frozenset[str]) -> bool:
 def _refused_in(root: Any, names: frozenset[str]) -> list[tuple[str, Any]]:
     """Where in ``root`` the values pickled as one of the global ``names`` are, outermost only.
 
-    Each such value once (the first path to it), and none inside another: a module's
-    own modules go with it. Walked by :func:`devicekit._tree.walk` in the order pickle
-    writes: containers as to_device takes them apart, and the attributes of the leaves
-    pickle saves by their ``__dict__`` (``argparse.Namespace``), each object once, all
-    hops counted against the depth rule of every walk.
+    Each once (the first path to it), none inside another. Walked by
+    :func:`devicekit._tree.walk`, containers as to_device takes them apart, then the
+    ``__dict__`` pickle saves of the leaves (``argparse.Namespace``), each object once.
 
     Raises:
         TransferError: The data nests deeper than MAX_DEPTH, or a container holds itself.
