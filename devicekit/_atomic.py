@@ -93,13 +93,15 @@ def write_file(given: str, write: Write) -> None:
             )
             raise PermissionError(errno.EACCES, msg)
     folder = os.path.dirname(target) or "."
-    directory = _folder_to_sync(folder)
+    directory: int | None = None  # opened before anything is written, to flush the rename
+    if hasattr(os, "O_DIRECTORY"):
+        with contextlib.suppress(OSError):  # a missing folder: named by the temporary's open
+            directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         _replace(target, folder, found, shown_path, write)
         if directory is not None:
-            # The rename itself, on disk: durability only. The file is replaced by now,
-            # and some file systems refuse to flush a folder (EINVAL on FUSE and network
-            # mounts): a save that has succeeded does not report a failure.
+            # Durability only: the file is replaced by now, and some file systems refuse
+            # to flush a folder (EINVAL on FUSE and network mounts): no failure reported.
             with contextlib.suppress(OSError):
                 os.fsync(directory)
     finally:
@@ -110,8 +112,7 @@ def write_file(given: str, write: Write) -> None:
 def _refuse_a_folder_name(given: str) -> None:
     """Refuse a path that names a folder by its form (``"runs/"``) but no folder is there.
 
-    ``realpath`` drops the slash, which would make ``"runs/"`` a file named ``runs`` and
-    ``"ck.pt/"`` the file ``ck.pt``; torch.save refuses both, and so does this writer.
+    ``realpath`` drops the slash (``"ck.pt/"`` would be ``ck.pt``); torch.save refuses it.
     """
     if os.path.basename(given) not in ("", ".", "..") or not given:
         return
@@ -156,16 +157,6 @@ def _not_theirs(shown_path: str, owner: int) -> PermissionError:
         "first (or ask its owner to); it is unchanged."
     )
     return PermissionError(errno.EPERM, msg)
-
-
-def _folder_to_sync(folder: str) -> int | None:
-    """The folder, opened before anything is written, to flush the rename; None if it can't be."""
-    if not hasattr(os, "O_DIRECTORY"):
-        return None
-    try:
-        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:  # a missing folder is named when the temporary is made
-        return None
 
 
 def _replace(

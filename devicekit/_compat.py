@@ -218,7 +218,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     """
     seen: set[int] = set()
     each: BaseException | None = error
-    # A chain that loops back, or runs past _CHAIN_MOST, ends the walk.
     while each is not None and id(each) not in seen and len(seen) < _CHAIN_MOST:
         seen.add(id(each))
         if isinstance(each, torch.OutOfMemoryError):
@@ -333,9 +332,8 @@ def _type_family(name: str) -> str:
 def is_device_mismatch(error: BaseException) -> bool:
     """Whether ``error`` is PyTorch refusing an operation on tensors on different devices.
 
-    Recognised by PyTorch's words, which differ by where the check is made (each listed
-    above, with where it is said). Only the error itself is read, not the errors it was
-    raised from.
+    By PyTorch's words, listed above by where each check is made. Only the error itself
+    is read, not the errors it was raised from.
 
     >>> import torch
     >>> try:
@@ -470,8 +468,8 @@ _UNREADABLE_SAID = ("PytorchStreamReader", "zip archive", "enforce fail", "file 
 def is_unreadable_archive(error: BaseException) -> bool:
     """Whether ``error`` is torch.load's reader saying the archive is no whole checkpoint.
 
-    PyTorch's zip reader raises RuntimeError in its own words (``"PytorchStreamReader
-    failed reading zip archive"``, a failed check: ``"[enforce fail at ...]"``).
+    A RuntimeError in its zip reader's words (``"PytorchStreamReader failed reading zip
+    archive"``, or a failed check: ``"[enforce fail at ...]"``).
     """
     return isinstance(error, RuntimeError) and any(
         words in str(error) for words in _UNREADABLE_SAID
@@ -481,9 +479,8 @@ def is_unreadable_archive(error: BaseException) -> bool:
 def registered_table(module: torch.nn.Module, name: str) -> dict[str, Any]:
     """The table of ``module``'s own in which its parameter or buffer ``name`` is registered.
 
-    ``Module._parameters`` or ``Module._buffers``: looked up again, ``table.get(name)``
-    is the tensor registered now, one replaced since included (``Module.to`` replaces
-    some), for a dict lookup where listing the module's tensors costs microseconds.
+    ``Module._parameters`` or ``_buffers``: ``table.get(name)`` is the tensor registered
+    now (``Module.to`` replaces some), a dict lookup where listing them costs microseconds.
     """
     return module._parameters if name in module._parameters else module._buffers
 
