@@ -9,9 +9,9 @@ until it is whole, so a process killed while it writes (SIGKILL, or SIGTERM in a
 from a thread) leaves nothing behind, but for the moment between naming it and the
 rename. Elsewhere it is named from the start (``.NAME.XXXXXXXX.tmp``) and removed on
 every exit the process sees: an exception, Ctrl-C, and SIGTERM or SIGHUP in the main
-thread, which are then delivered again as they would have been. Flushing the folder
-(the rename, on disk) is durability only: a folder that cannot be opened for it (one
-this user may write but not list) does not fail a write that has replaced the file.
+thread, which are then delivered again as they would have been. Flushing the folder (the
+rename, on disk) is durability only: a folder this user may write but not list, or that
+refuses the flush, never fails a write.
 
 What a path names decides how it is written:
 

@@ -8,6 +8,7 @@ Each is in PyTorch 2.6 and later unless its docstring says which versions differ
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
@@ -88,9 +89,7 @@ def run_while_tracing(fn: F) -> F:
     return fn
 
 
-_passing: dict[type[Exception], type[Exception]] = {}
-
-
+@functools.cache
 def _passed_through(kind: type[Exception]) -> type[Exception]:
     """``kind``, made an error torch.compile hands to the user as it is.
 
@@ -105,10 +104,8 @@ def _passed_through(kind: type[Exception]) -> type[Exception]:
         self.message = message
         self.case_name = None
 
-    if kind not in _passing:
-        namespace = {"__init__": init, "__module__": kind.__module__}
-        _passing[kind] = type(kind.__name__, (kind, exc.UserError), namespace)
-    return _passing[kind]
+    namespace = {"__init__": init, "__module__": kind.__module__}
+    return type(kind.__name__, (kind, exc.UserError), namespace)
 
 
 @run_while_tracing
@@ -280,14 +277,11 @@ def weights_only_build_refusal(pickled: bytes, allowing: Iterable[Any] = ()) -> 
         value, name = each if isinstance(each, tuple) else (each, None)
         added[name or f"{value.__module__}.{value.__qualname__}"] = value
 
-    def user_allowed() -> dict[str, Any]:
-        return {**_LOADER._get_user_allowed_globals(), **added}
-
     # The load's loop, run with its own module's names but the allowlist above; its
     # list of sparse tensors to check after a load is a fresh one (meta tensors here).
     names = {
         **vars(_LOADER),
-        "_get_user_allowed_globals": user_allowed,
+        "_get_user_allowed_globals": lambda: {**_LOADER._get_user_allowed_globals(), **added},
         "_sparse_tensors_to_validate": [],
     }
     load = types.FunctionType(_LOADER.Unpickler.load.__code__, names, "load")
