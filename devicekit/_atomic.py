@@ -188,9 +188,8 @@ def _replace(
 class _Sink:
     """The temporary as the writer sees it, keeping the operating system's refusal of a write.
 
-    A writer may report a failed write in words of its own (PyTorch's zip writer: "enforce
-    fail ... unexpected pos"); the refusal kept here (a full disk, a quota) is what the
-    user is told instead.
+    The user is told that refusal (a full disk, a quota), not the writer's own words for it
+    (PyTorch's zip writer: "enforce fail ... unexpected pos").
     """
 
     def __init__(self, file: IO[bytes]) -> None:

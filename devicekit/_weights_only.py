@@ -53,9 +53,8 @@ __all__ = [
 def _safe_types() -> tuple[Any, ...]:
     """Plain data of training scripts that build without running a checkpoint's code.
 
-    numpy's scalars and arrays (``np.float64(loss)``, ``np.random.get_state()``) under
-    the module names numpy 2 and numpy 1 write, with the dtype classes their state
-    builds; ``argparse.Namespace`` (``args``) and ``pathlib`` paths in it.
+    numpy's scalars, arrays and dtypes under numpy 2's and numpy 1's module names
+    (``np.float64(loss)``, ``np.random.get_state()``); ``args`` and its ``pathlib`` paths.
     """
     allowed: list[Any] = [
         argparse.Namespace,
@@ -144,12 +143,10 @@ def checked_pickle(*, checks: bool, passed: Callable[[], None]) -> Any:
 def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = None) -> str:
     """Why save refuses ``obj``: what a weights-only load would not build, where, and the fixes.
 
-    Every value that holds a refused global at the top is named (a module, not the
-    modules in it), so that one change makes the save pass. Allowing the classes named
-    (built-in ones the pickle names included: the load refuses any global not allowed)
-    is advised only where no module, optimizer or function is refused and a trial build
-    of ``pickled`` with them allowed passes: a weights-only load builds no defaultdict
-    that holds items, allowed or not (an optimizer's state, once it has stepped).
+    Every outermost value holding a refused global is named, so one change makes the
+    save pass. Allowing the classes named (built-in ones included) is advised only where
+    no module, optimizer or function is refused and a trial build of ``pickled`` with them
+    allowed passes (no defaultdict holding items builds: an optimizer's stepped state).
     """
     names = _refused_names(refusal, pickled)
     try:
@@ -255,10 +252,7 @@ _FIXES: Final = {  # (for one value, for several)
 
 
 def _fix(kind: str, paths: list[str], obj: Any, *, alone: bool) -> str:
-    """The way out that keeps the checkpoint weights-only, for the values at ``paths``.
-
-    ``alone``: these are all the values refused, so "its" says which.
-    """
+    """The way out that keeps the checkpoint weights-only for ``paths`` (``alone``: all refused)."""
     one, several = _FIXES[kind]
     if not alone:
         return f"For {_listed(paths)}, {several if len(paths) > 1 else one}."
@@ -336,8 +330,8 @@ def _pickle_in(source: str | IO[bytes], start: int | None) -> bytes | None:
 def _refused_even_if_allowed(pickled: bytes, names: list[str]) -> str | None:
     """Why a weights-only load, the globals ``names`` allowed, still refuses ``pickled``.
 
-    None where it would build it, or where that cannot be told: a name that is no loaded
-    module's (pickle wrote it from one), an error raised by a class's own code.
+    None where it would, or that cannot be told (a name no loaded module holds, a class's
+    own error).
     """
     found = [_loaded(name) for name in names]
     if any(each is None for each in found):
