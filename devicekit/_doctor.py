@@ -80,11 +80,9 @@ def _family(machine: Machine, device_type: str) -> Family | None:
 
 
 def _refused(machine: Machine) -> list[Finding]:
-    """Where the manager refuses: the launcher's rank, or ``DEVICEKIT_DEVICE``, in its words.
+    """Where ``DeviceManager.from_env()`` (every call's default device) refuses, in its words.
 
-    ``DeviceManager.from_env()`` (every devicekit call's default device) chooses with the
-    default options, which refuse only these two; where that choice refuses, so does the
-    doctor.
+    Its default options refuse only the launcher's rank or ``DEVICEKIT_DEVICE``.
     """
     seen = Seen.of(machine.families, machine.environ, loaded=machine.loaded)
     outcome = choose(seen, Request())
@@ -194,23 +192,22 @@ def _rocm(machine: Machine) -> list[Finding]:
     environ = machine.environ
     applied = reversed(VISIBILITY_VARIABLES["cuda"])  # in ROCm's order, as the finding lists
     given = {name: environ[name] for name in applied if environ.get(name) is not None}
+    if len(set(given.values())) < 2:
+        return []
     cuda = _family(machine, "cuda")
-    found = []
-    if len(given) >= 2 and len(set(given.values())) > 1:
-        listed = ", ".join(f"{name}={shown(value)}" for name, value in given.items())
-        severity: Severity = "error" if cuda is not None and not cuda.devices else "warning"
-        found.append(
-            Finding(
-                severity,
-                "rocm-visibility-conflict",
-                f"{listed} disagree",
-                "on ROCm they apply one after the other: ROCR_VISIBLE_DEVICES first, then "
-                "HIP_VISIBLE_DEVICES (or CUDA_VISIBLE_DEVICES) numbers what is left, so the "
-                "second list can point past the first and leave fewer GPUs, or none",
-                "set one of them only (HIP_VISIBLE_DEVICES, or ROCR_VISIBLE_DEVICES in containers)",
-            )
+    listed = ", ".join(f"{name}={shown(value)}" for name, value in given.items())
+    severity: Severity = "error" if cuda is not None and not cuda.devices else "warning"
+    return [
+        Finding(
+            severity,
+            "rocm-visibility-conflict",
+            f"{listed} disagree",
+            "on ROCm they apply one after the other: ROCR_VISIBLE_DEVICES first, then "
+            "HIP_VISIBLE_DEVICES (or CUDA_VISIBLE_DEVICES) numbers what is left, so the "
+            "second list can point past the first and leave fewer GPUs, or none",
+            "set one of them only (HIP_VISIBLE_DEVICES, or ROCR_VISIBLE_DEVICES in containers)",
         )
-    return found
+    ]
 
 
 def _order(machine: Machine) -> list[Finding]:

@@ -194,21 +194,17 @@ class DeviceManager:
                 f"of preference, got {prefer!r}."
             )
             raise ValueError(msg)
-        self._prefer = tuple(prefer)
-        self._min_free = None if min_free_memory is None else parse_bytes(min_free_memory)
-        self._max_busy = _share(max_utilization)
+        min_free = None if min_free_memory is None else parse_bytes(min_free_memory)
+        max_busy = _share(max_utilization)
         self._wait = None if wait is None else parse_seconds(wait)
         if claim is not True and claim is not False:
             msg = f"Expected claim to be True or False, got {shown(claim)}."  # type: ignore[unreachable]
             raise TypeError(msg)
         self._claiming = claim
-        self._fallback = fallback
         self._claim: _claims.Claim | None = None
         self._claim_name: str | None = None  # what names the claim, to take it again
         self._claim_shared = False  # its device named: this process's claim is shared
-        self._request = Request(
-            device, policy, self._prefer, self._min_free, self._max_busy, fallback
-        )
+        self._request = Request(device, policy, tuple(prefer), min_free, max_busy, fallback)
         self._device, self._reason = self._settle()
 
     @classmethod
@@ -385,10 +381,9 @@ class DeviceManager:
             return True
         info = next((info for info in self._seen.devices if info.device == chosen.device), None)
         name = str(chosen.device) if info is None else _claim_key(info)
-        # Named (device=, DEVICEKIT_DEVICE, the rank's: made current), the device may be one
-        # this process claims, and the claim is shared; chosen among others, it may not be.
-        request, seen = self._request, self._seen
-        named = request.device is not None or bool(seen.devicekit_device) or chosen.current
+        # A device named is shared with this process's other claims, as _Choice.named says.
+        seen = self._seen
+        named = self._request.device is not None or bool(seen.devicekit_device) or chosen.current
         claim = _claims.take(name, share=named)
         if claim is None:
             return False

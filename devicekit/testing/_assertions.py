@@ -183,11 +183,8 @@ def _compare_leaves(got: Any, want: Any, where: str, *, values: bool) -> None:
     how, _ = leaf_how(type(want))
     if how is Leaf.TENSOR or how is Leaf.PARAMETER:
         _compare_tensors(got, want, where, values=values)
-    elif how is Leaf.ARRAY:
-        if not _equal_arrays(got, want):
-            msg = f"{where}: expected {_shown(want)}, got {_shown(got)}."
-            raise AssertionError(msg)
-    elif got is not want and not _equal(got, want):
+        return
+    if not (_equal_arrays(got, want) if how is Leaf.ARRAY else got is want or _equal(got, want)):
         msg = f"{where}: expected {_shown(want)}, got {_shown(got)}."
         raise AssertionError(msg)
 
