@@ -241,20 +241,26 @@ RUN_DEMO = (  # python -m devicekit demo --epochs 1000 --steps 2 --device cpu: s
 # Ctrl-C as from a terminal: a CI job run in the background (``&``) starts its children
 # with SIGINT ignored, which Python then leaves ignored, so the signal would do nothing.
 CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+SAY_UP = "print('up', flush=True); "
 
 
 def test_ctrl_c_soon_after_start_has_no_traceback() -> None:
     with subprocess.Popen(
-        [sys.executable, "-c", f"{CTRL_C}import _devicekit_cli, sys; {RUN_INFO}"],
+        [sys.executable, "-c", f"{CTRL_C}import _devicekit_cli, sys; {SAY_UP}{RUN_INFO}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     ) as process:
-        time.sleep(0.3)  # Python is up; PyTorch takes a second or more to import
+        # A fixed sleep from the start flaked under load: the signal came before Python
+        # had set its handler. "up" comes once it has, milliseconds before the guard that
+        # PyTorch's import (a second or more of CPU) runs under.
+        assert process.stdout is not None
+        assert process.stdout.readline() == "up\n"
+        time.sleep(0.2)
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=120)
     if stdout:  # a machine fast enough to finish first: nothing was interrupted
-        pytest.skip("devicekit info finished within 0.3 s")
+        pytest.skip("devicekit info finished within 0.2 s of Python being up")
     assert (process.returncode, stderr) == (130, "\ndevicekit: interrupted.\n")
 
 

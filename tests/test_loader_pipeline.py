@@ -442,12 +442,15 @@ print("stuck", flush=True)
 @pytest.mark.parametrize("ending", ["pass", "del epoch"], ids=["epoch-live", "epoch-left"])
 def test_the_interpreter_exits_while_a_source_is_stuck(ending: str) -> None:
     script = _EXITS_WITH_A_STUCK_SOURCE.format(ending=ending)
+    # The child imports PyTorch, which under load took longer than the watchdog: the
+    # run's own timeout bounds it instead (a hang still fails, by killing the child).
+    signal.setitimer(signal.ITIMER_REAL, 0)
     result = subprocess.run(
         [sys.executable, "-c", script],
         check=False,
         capture_output=True,
         text=True,
-        timeout=WATCHDOG_S - 1,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "stuck\n"
