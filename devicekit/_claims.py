@@ -111,15 +111,6 @@ def _file_name(key: str) -> str:
     return f"{_UNSAFE.sub('_', key)}.lock"
 
 
-def _check_platform() -> None:
-    if sys.platform == "win32":
-        msg = (
-            "Cannot claim a GPU on Windows: claims are file locks (fcntl.flock), which Linux "
-            "and macOS have. Leave claim=False there."
-        )
-        raise OSError(errno.ENOSYS, msg)
-
-
 class Holder(NamedTuple):
     """Who claims a GPU, as far as this process can tell; ``str()`` says it in words.
 
@@ -325,7 +316,12 @@ def take(key: str, *, share: bool = True) -> Claim | None:
     among GPUs, which wants one of its own). Where the claim file is another user's that
     this user may not open, the GPU is theirs: None.
     """
-    _check_platform()
+    if sys.platform == "win32":
+        msg = (
+            "Cannot claim a GPU on Windows: claims are file locks (fcntl.flock), which Linux "
+            "and macOS have. Leave claim=False there."
+        )
+        raise OSError(errno.ENOSYS, msg)
     with _lock:
         if (held := _taken.get(key)) is not None:
             if not share:
@@ -423,10 +419,8 @@ def _after_fork_in_parent() -> None:
 def _forget_after_fork() -> None:
     """In a forked child: close its copies of the parent's locks, which unlocks nothing.
 
-    A lock belongs to the open file that both processes share after a fork; closing the
-    child's descriptor leaves the parent's claim whole, and the child holding none means
-    the claim ends with the parent, ``kill -9`` included, not with its last worker. The
-    module's lock is made anew: the parent's copy is the forking thread's.
+    A lock belongs to the open file both processes share: closing the child's copy leaves
+    the parent's claim whole, so the claim ends with the parent, not with its last worker.
     """
     global _lock  # noqa: PLW0603 - the child's own lock, in place of the parent's
     for claim in _taken.values():
