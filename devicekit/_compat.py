@@ -8,7 +8,6 @@ Each is in PyTorch 2.6 and later unless its docstring says which versions differ
 
 from __future__ import annotations
 
-import functools
 import io
 import pickle
 import re
@@ -89,7 +88,9 @@ def run_while_tracing(fn: F) -> F:
     return fn
 
 
-@functools.cache
+_passing: dict[type[Exception], type[Exception]] = {}
+
+
 def _passed_through(kind: type[Exception]) -> type[Exception]:
     """``kind``, made an error torch.compile hands to the user as it is.
 
@@ -104,8 +105,10 @@ def _passed_through(kind: type[Exception]) -> type[Exception]:
         self.message = message
         self.case_name = None
 
-    namespace = {"__init__": init, "__module__": kind.__module__}
-    return type(kind.__name__, (kind, exc.UserError), namespace)
+    if kind not in _passing:
+        namespace = {"__init__": init, "__module__": kind.__module__}
+        _passing[kind] = type(kind.__name__, (kind, exc.UserError), namespace)
+    return _passing[kind]
 
 
 @run_while_tracing
