@@ -55,11 +55,18 @@ class GuardHandle:
     >>> import torch, devicekit as dk
     >>> model = torch.nn.Linear(2, 2)
     >>> handle = dk.guard(model)
-    >>> len(model._forward_pre_hooks)
-    1
+    >>> def run():  # an input on another device than the model's
+    ...     try:
+    ...         model(torch.ones(1, 2, device="meta"))
+    ...     except dk.DeviceMismatchError:
+    ...         return "guarded"
+    ...     except RuntimeError:
+    ...         return "PyTorch's own error"
+    >>> run()
+    'guarded'
     >>> handle.remove()
-    >>> len(model._forward_pre_hooks)
-    0
+    >>> run()
+    "PyTorch's own error"
     """
 
     def __init__(

@@ -103,10 +103,7 @@ MEMORY: dict[str, Callable[[torch.device], DeviceMemory]] = {}
 
 
 def _memory_of(device: torch.device) -> DeviceMemory:
-    made = MEMORY.get(device.type)
-    if made is not None:
-        return made(device)
-    return _Readings(device)
+    return MEMORY.get(device.type, _Readings)(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,10 +408,7 @@ class _Search:
         raise DeviceKitError(msg)
 
     def narrow(self, fits: int, failed: int) -> tuple[int, int]:
-        """Between a size that fits and a larger one that failed, to within a tenth.
-
-        Returns (the largest size that fit, the smallest that failed).
-        """
+        """From a size that fits and a larger one that failed to within a tenth: (fits, failed)."""
         while failed - fits > max(1, int(fits * _NEAR)):
             middle = (fits + failed) // 2
             if self.fits(middle):

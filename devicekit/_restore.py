@@ -34,27 +34,27 @@ _HOST: Final = torch.device("cpu")
 def restorable(restore: object) -> tuple[object, ...]:
     """The entries of ``restore=``, each one a module or has a state to save and load."""
     if isinstance(restore, nn.Module) or _stateful(restore):
-        if isinstance(restore, nn.Module):
-            _refuse_uninitialised(restore, "restore")
-        return (restore,)
-    if not isinstance(restore, tuple | list):
+        named = [("restore", restore)]
+    elif isinstance(restore, tuple | list):
+        named = [(f"restore[{index}]", entry) for index, entry in enumerate(restore)]
+    else:
         msg = (
             "Expected restore to be a module, an optimizer, an object with state_dict() "
             "and load_state_dict(), or a tuple of them such as restore=(model, optimizer), "
             f"got {type(restore).__name__}."
         )
         raise TypeError(msg)
-    for index, entry in enumerate(restore):
-        if not isinstance(entry, nn.Module) and not _stateful(entry):
+    for name, entry in named:
+        if isinstance(entry, nn.Module):
+            _refuse_uninitialised(entry, name)
+        elif not _stateful(entry):
             msg = (
-                f"Expected restore[{index}] to be a module, an optimizer or an object with "
+                f"Expected {name} to be a module, an optimizer or an object with "
                 f"state_dict() and load_state_dict(), got {type(entry).__name__}: "
                 "fit_batch could not put it back after the search."
             )
             raise TypeError(msg)
-        if isinstance(entry, nn.Module):
-            _refuse_uninitialised(entry, f"restore[{index}]")
-    return tuple(restore)
+    return tuple(entry for _, entry in named)
 
 
 _UNINITIALISED: Final = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
