@@ -393,7 +393,9 @@ class DeviceManager:
     def _adopt(self, chosen: Chosen) -> tuple[torch.device, str]:
         """Act on the choice: the rank's device made current, the fallback warned of once."""
         self._skipped = chosen.skipped
-        if chosen.current:  # before NCCL's first call, as torch.cuda.set_device would be
+        # Before NCCL's first call, so that every rank works on its own GPU rather than all
+        # of them on cuda:0 (PyTorch warns that a barrier would "guess" otherwise).
+        if chosen.current:
             backend, _ = next(
                 (backend, family)
                 for backend, family in zip(self._backends, self._seen.families, strict=True)

@@ -364,11 +364,7 @@ class _Choice:
         return self.of_rank(found[rank], local, f"{local.said} ({local.started_by}) selects it")
 
     def of_rank(self, info: DeviceInfo, local: LocalRank, reason: str) -> Outcome:
-        """The device of ``rank``, to be made the process's current device.
-
-        Before NCCL's first call, so that every rank works on its own GPU rather than
-        all of them on ``cuda:0`` (PyTorch warns that a barrier would "guess" otherwise).
-        """
+        """The rank's device, to be made the process's current device (as ``Chosen.current``)."""
         if not self.qualifies(info):
             return self.unusable(f"{local.said} selects {info.device}, but {self.skipped[-1]}")
         return self.chosen(info.device, reason)._replace(current=True)
