@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _claims, _file_locks, _manager, _nvml, _transfer, _units
+from devicekit import _call, _claims, _file_locks, _manager, _nvml, _transfer, _units
 from devicekit._backends import CpuBackend
 from devicekit.cli import _info_json, _info_table
 
@@ -1297,7 +1297,7 @@ def test_copies_to_and_from_mps_are_blocking(non_blocking: bool | str) -> None:
     mps = torch.device("mps")
     plan = _transfer._Plan(mps, _transfer.Options(non_blocking=non_blocking))  # type: ignore[arg-type]
     assert plan.told is False  # what objects moving themselves are told
-    call = _transfer._Call(plan, [])
+    call = _call.Call(plan, [])
     assert call.non_blocking(torch.zeros(2), mps) is False
 
 
