@@ -1303,6 +1303,6 @@ def test_copies_to_and_from_mps_are_blocking(non_blocking: bool | str) -> None:
 
 def test_copies_from_mps_block_under_auto() -> None:
     from_mps = SimpleNamespace(device=torch.device("mps"), is_cpu=False, is_meta=False)
-    to_host = _transfer._Call(_transfer._Plan(CPU, _transfer.Options()), [])
+    to_host = _call.Call(_transfer._Plan(CPU, _transfer.Options()), [])
     assert to_host.non_blocking(from_mps, CPU) is False  # type: ignore[arg-type]
     assert to_host.waits is None  # nothing to wait for at the end
