@@ -94,10 +94,10 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
     Raises:
         TransferError: The data nests deeper than :data:`MAX_DEPTH`, or holds a cycle.
     """
-    # Decisions by type, each read at ``view``: (move, cast, read, leaf, detail).
+    # Rows by type, each read at ``view``: (move, cast, read, decision).
     nodes: dict[type, Any]
     learn: Callable[[type], Any]
-    nodes, learn = (_kinds._decisions, _kinds.decide) if skip is None else _kinds.skipping(skip)
+    nodes, learn = (_kinds._decisions, _kinds.row) if skip is None else _kinds.skipping(skip)
     node = _entry(type(tree), nodes, learn, view)
     if node is None or node is INERT:
         return _tuple_new(Flat, ([tree], [], [] if node is INERT else [0]))
@@ -242,10 +242,10 @@ def map_flat(
         # table reads the container as plain: a rule registered for Sequence or Mapping
         # takes lists and dicts too.
         nodes = _kinds._decisions
-        node = _entry(kind, nodes, _kinds.decide, MOVE)
+        node = _entry(kind, nodes, _kinds.row, MOVE)
         values = tree.values() if kind is dict else tree
         plain = node is DICT if kind is dict else node is (LIST if kind is list else TUPLE)
-        if plain and _one_kind(values, nodes, _kinds.decide, MOVE) is None:
+        if plain and _one_kind(values, nodes, _kinds.row, MOVE) is None:
             try:
                 moved = move_all([*values], range(len(values)), state)
             except Exception as err:
@@ -307,10 +307,10 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
         TransferError: As :func:`map_flat`, paths starting at ``root``. Without a root (a
             walk inside a leaf the caller names) errors pass through as they are.
     """
-    # Decisions by type, each read at ``view``: (move, cast, read, leaf, detail).
+    # Rows by type, each read at ``view``: (move, cast, read, decision).
     nodes: dict[type, Any]
     learn: Callable[[type], Any]
-    nodes, learn = (_kinds._decisions, _kinds.decide) if skip is None else _kinds.skipping(skip)
+    nodes, learn = (_kinds._decisions, _kinds.row) if skip is None else _kinds.skipping(skip)
     kind = type(tree)
     try:  # inline, not a helper: a call costs a twentieth of a small batch's walk
         node = _entry(kind, nodes, learn, view)
