@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections.abc
 import importlib.util
+import math
 import re
 import sys
 import time
@@ -172,7 +173,11 @@ def test_the_tiny_steps_benchmark_reports_every_variant(capsys: pytest.CaptureFi
         assert tables.count(f"  {name} ") == (1 if name == "plain loop" else 2), name
     # Like with like: each variant trains the same model on the same batches.
     assert len({row.loss for row in rows}) == 1, rows
-    assert all(row.alone_us > 0 for row in rows if row.name not in ("plain loop", "guard(model)"))
+    # Timed directly, a call costs something; the loader's rows and the sum are differences
+    # from the plain loop, which a quick run on a busy machine can take below 0.
+    timed = ("to_device(batch, device)", "with manager:", "current_device() per step")
+    assert all(row.alone_us > 0 for row in rows if row.name in timed)
+    assert all(math.isfinite(row.alone_us) for row in rows if row.name != "plain loop")
 
 
 PIECES = {
