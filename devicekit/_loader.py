@@ -240,9 +240,9 @@ class DeviceDataLoader(Generic[B]):
         batch_sampler = getattr(self.loader, "batch_sampler", None)
         sampler = getattr(self.loader, "sampler", None)
         for owner in (self.loader, sampler, getattr(batch_sampler, "sampler", None)):
-            set_epoch = getattr(owner, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
+            tell = getattr(owner, "set_epoch", None)  # the owner's method, not this one
+            if callable(tell):
+                tell(epoch)
                 return
         msg = (
             f"Expected the wrapped {type(self.loader).__name__}, its sampler or its batch "
