@@ -30,7 +30,9 @@ from devicekit._backends import (
     describe,
 )
 from devicekit._devices import HOST_TYPES, DeviceLike, has_backend, shown
+from devicekit._doctor import Finding, Machine, why_cpu
 from devicekit._errors import DeviceUnavailableError
+from devicekit._hardware import Build, probe
 from devicekit._selection import Chosen, Fallback, Policy, Refused, Request, Seen, Wait, choose
 from devicekit._units import duration, parse_bytes, parse_seconds
 from devicekit._warnings import warn
@@ -143,8 +145,11 @@ class DeviceManager:
             so two managers (a notebook cell run twice, two threads) claim two GPUs;
             to keep one, :meth:`close` the first, use ``with manager:``, or name the
             device: managers that name the same GPU share this process's claim on it.
-        fallback: With no usable accelerator, ``"cpu"`` uses the CPU and warns once;
-            ``"error"`` raises :class:`~devicekit.DeviceUnavailableError`.
+        fallback: With no usable accelerator, ``"cpu"`` uses the CPU; ``"error"`` raises
+            :class:`~devicekit.DeviceUnavailableError`. Falling back warns once per
+            process (a RuntimeWarning) where the machine has an accelerator: one seen
+            and passed over, or one PyTorch cannot use, with the cause and the fix
+            ``devicekit doctor`` gives. A machine with none has only its CPU: no warning.
         backends: The device families to look at; None for the built-in ones. Tests
             pass fakes here.
 
@@ -205,6 +210,7 @@ class DeviceManager:
         self._claim_name: str | None = None  # what names the claim, to take it again
         self._claim_shared = False  # its device named: this process's claim is shared
         self._request = Request(device, policy, tuple(prefer), min_free, max_busy, fallback)
+        self._causes: tuple[Finding, ...] = ()  # why an accelerator here is not usable
         self._device, self._reason = self._settle()
 
     @classmethod
@@ -250,6 +256,20 @@ class DeviceManager:
         return self._device
 
     @property
+    def device_id(self) -> torch.device | None:
+        """The device to pass as ``init_process_group(device_id=...)``; None for the CPU.
+
+        PyTorch binds a process group to an accelerator given there (NCCL connects at
+        once), and refuses the CPU, so a script that may fall back passes this instead
+        of :attr:`device`.
+
+        >>> import devicekit as dk
+        >>> print(dk.DeviceManager("cpu").device_id)
+        None
+        """
+        return None if self._device.type in HOST_TYPES else self._device
+
+    @property
     def devices(self) -> tuple[DeviceInfo, ...]:
         """Every device found, by family in the order of ``backends``."""
         return self._seen.devices
@@ -279,6 +299,7 @@ class DeviceManager:
         lines += [f"Skipped {skipped}." for skipped in self._skipped]
         if self._claim is not None:
             lines.append(f"Claimed with {self._claim.path}, until close() or the process ends.")
+        lines += [f"Cause: {cause.sentence()}" for cause in self._causes]
         lines.append("Devices seen:")
         lines += [f"  {describe(info)}" for info in self.devices]
         lines += [f"  no {name}: {note}" for name, note in self.notes().items()]
@@ -404,14 +425,34 @@ class DeviceManager:
             make_current = getattr(backend, "make_current", None)
             if make_current is not None:  # a family of one device (MPS) has nothing to set
                 make_current(chosen.device)
-        if chosen.fell_back is not None and _fallback_warned.first():
-            # One sentence: explain() has the rest, what was seen and passed over.
-            warn(
-                f"devicekit uses the CPU: {chosen.fell_back}; see DeviceManager().explain().",
-                RuntimeWarning,
-            )
+        if chosen.fell_back is not None:
+            self._warn_of_fallback(chosen.fell_back)
         reason = chosen.reason + ("; claimed for this process" if self._claim is not None else "")
         return chosen.device, reason
+
+    def _warn_of_fallback(self, why: str) -> None:
+        """Say, once a process, why the CPU: where the machine has an accelerator, it is news.
+
+        Its causes are the doctor's findings, in its words: a CPU-only PyTorch beside an
+        NVIDIA driver, a container without its GPUs. A machine without any accelerator has
+        nothing to say: its CPU was the only choice.
+        """
+        machine = Machine(
+            os.environ,
+            self._seen.families,
+            loaded=has_backend,
+            hardware=probe(),
+            build=Build.of_torch(),
+        )
+        self._causes = tuple(why_cpu(machine))
+        passed_over = any(info.device.type not in HOST_TYPES for info in self._seen.devices)
+        if not (self._causes or passed_over) or not _fallback_warned.first():
+            return
+        causes = "".join(f" Cause: {cause.sentence()}" for cause in self._causes)
+        # One sentence, and the causes: explain() has the rest, what was seen and passed over.
+        warn(
+            f"devicekit uses the CPU: {why}; see DeviceManager().explain().{causes}", RuntimeWarning
+        )
 
 
 @functools.cache

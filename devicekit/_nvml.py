@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from devicekit._launch import parse_visible_devices
 
-__all__ = ["NvmlGpu", "read_nvml", "unforked", "visible_gpus"]
+__all__ = ["NvmlGpu", "read_driver", "read_nvml", "unforked", "visible_gpus"]
 
 _T = TypeVar("_T")
 
@@ -200,6 +200,32 @@ def _read(pynvml: Any) -> list[NvmlGpu] | None:
     finally:
         pynvml.nvmlShutdown()
     return gpus
+
+
+def read_driver() -> tuple[str, tuple[int, int]] | None:
+    """The NVIDIA driver's version and the newest CUDA it runs: ``("570.86.15", (12, 8))``.
+
+    None where NVML cannot be read. Creates no CUDA context, and no fork happens while it
+    reads.
+    """
+    return unforked(lambda: _read_driver(_binding()))
+
+
+def _read_driver(pynvml: Any) -> tuple[str, tuple[int, int]] | None:
+    if pynvml is None:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        version = _text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = int(pynvml.nvmlSystemGetCudaDriverVersion())  # 12080 for CUDA 12.8
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+    return version, (cuda // 1000, cuda % 1000 // 10)
 
 
 def _cuda_order(gpus: Sequence[NvmlGpu], device_order: str) -> list[NvmlGpu]:

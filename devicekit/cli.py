@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import devicekit
-from devicekit import _bench
+from devicekit import _bench, _doctor_report
 from devicekit._backends import who_uses
 from devicekit._claims import Holder
 from devicekit._demo import BATCH_SIZE, fit_demo_batch, schedule_for, train
@@ -254,14 +254,15 @@ def _drop_output() -> None:
 
 
 def _doctor(*, as_json: bool) -> int:
-    """The doctor's findings, a line each; status 1 where one would break a run."""
-    findings = diagnose(look())
+    """The doctor's findings, a line each, then what it saw; status 1 where one breaks a run."""
+    machine = look()
+    findings = diagnose(machine)
     if as_json:
-        print(json.dumps([dataclasses.asdict(finding) for finding in findings], indent=2))
-    elif findings:
-        print("\n".join(finding.line() for finding in findings))
+        print(_doctor_report.as_json(findings, machine))
     else:
-        print("No problem found: nothing in this environment puts a rank on the wrong GPU.")
+        print("\n".join(finding.line() for finding in findings) or "No problem found.")
+        print("\nSeen:")
+        print("\n".join(f"  {line}" for line in _doctor_report.lines(machine)))
     return 1 if any(finding.severity == "error" for finding in findings) else 0
 
 

@@ -10,19 +10,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _doctor
+from devicekit import _doctor, _hardware
 from devicekit._backends import CpuBackend, CudaBackend, DeviceInfo, Family
 from devicekit._devices import has_backend
-from devicekit._doctor import Finding, Machine, diagnose, look
+from devicekit._doctor import Finding, Machine, diagnose, look, why_cpu
+from devicekit._doctor_report import VARIABLES
+from devicekit._hardware import Build, Hardware, probe
 from devicekit._launch import LAUNCHERS, VISIBILITY_VARIABLES
 from devicekit._nvml import NvmlGpu
 
@@ -47,6 +51,16 @@ def on(*families: Family, **machine: Any) -> Machine:
     return Machine(environ, (*families, CPU_FAMILY), **machine)
 
 
+ROCM_BUILD = Build("2.13.0+rocm6.4", hip="6.4.43482")
+CUDA_BUILD = Build("2.13.0+cu128", cuda="12.8")
+XPU_BUILD = Build("2.13.0+xpu", xpu=True)
+MAC_BUILD = Build("2.13.0", mps=True)
+NVIDIA = Hardware(nvidia_driver="570.86.15", nvidia_files=2, nvidia_smi=True, driver_cuda=(12, 8))
+WITHOUT_FILES = Hardware(nvidia_driver="570.86.15")  # the host's driver, seen from a container
+AMD = Hardware(amd_driver=True, kfd=True)
+INTEL = Hardware(intel_gpus=1)
+MAC = Hardware(system="Darwin", arch="arm64", macos=(15, 1))
+NO_MPS = gpus(device_type="mps", note="MPS is built in but not available on this machine")
 H100 = "NVIDIA H100 80GB HBM3"
 TWO = gpus(H100, H100)
 FOUR = gpus(H100, H100, H100, H100)
@@ -177,7 +191,7 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         on(
             gpus("AMD Instinct MI300X"),
             environ={"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "HIP_VISIBLE_DEVICES": "1"},
-            rocm=True,
+            build=ROCM_BUILD,
         ),
         [],
     ),
@@ -187,9 +201,19 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         [],
     ),
     (
-        "a rank on a machine without GPUs trains on its CPU",
-        on(NONE, environ={"LOCAL_RANK": "3"}),
+        "two ranks on a machine without GPUs train on its CPU",
+        on(NONE, environ={"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}),
+        [("warning", "ranks-on-cpu")],
+    ),
+    (
+        "ranks meant for the CPU say so",
+        on(NONE, environ={"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "DEVICEKIT_DEVICE": "cpu"}),
         [],
+    ),
+    (
+        "ranks on the CPU beside NVIDIA GPUs that a CPU-only PyTorch cannot use",
+        on(NONE, environ={"LOCAL_RANK": "0"}, hardware=NVIDIA),
+        [("error", "build-without-cuda"), ("warning", "ranks-on-cpu")],
     ),
     (
         "each rank its own Intel GPU",
@@ -245,7 +269,11 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
     ),
     (
         "ROCm: ROCR and HIP disagree and leave no GPU",
-        on(gpus(), environ={"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "2"}, rocm=True),
+        on(
+            gpus(),
+            environ={"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "2"},
+            build=ROCM_BUILD,
+        ),
         [("error", "rocm-visibility-conflict")],
     ),
     (
@@ -253,7 +281,7 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         on(
             gpus("AMD Instinct MI300X"),
             environ={"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "1"},
-            rocm=True,
+            build=ROCM_BUILD,
         ),
         [("warning", "rocm-visibility-conflict")],
     ),
@@ -262,7 +290,7 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         on(
             gpus("AMD Instinct MI300X"),
             environ={"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "0"},
-            rocm=True,
+            build=ROCM_BUILD,
         ),
         [],
     ),
@@ -276,6 +304,107 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         "ZE_AFFINITY_MASK listing no device",
         on(NO_XPU, environ={"ZE_AFFINITY_MASK": "5"}),
         [("error", "affinity-mask-hides-all")],
+    ),
+    # Why no accelerator is usable.
+    (
+        "a CPU-only PyTorch beside an NVIDIA driver",
+        on(NONE, hardware=NVIDIA),
+        [("error", "build-without-cuda")],
+    ),
+    (
+        "a CPU-only PyTorch where nvidia-smi alone shows a GPU (Windows)",
+        on(NONE, hardware=Hardware(nvidia_smi=True)),
+        [("error", "build-without-cuda")],
+    ),
+    ("a CUDA PyTorch with its NVIDIA GPUs", on(TWO, hardware=NVIDIA, build=CUDA_BUILD), []),
+    (
+        "a ROCm PyTorch on NVIDIA GPUs",
+        on(gpus(), hardware=NVIDIA, build=ROCM_BUILD),
+        [("error", "build-without-cuda")],
+    ),
+    (
+        "a CUDA PyTorch on AMD GPUs",
+        on(gpus(note="NVML could not be read"), hardware=AMD, build=CUDA_BUILD),
+        [("warning", "build-without-rocm")],
+    ),
+    (
+        "a ROCm PyTorch with its AMD GPUs",
+        on(gpus("AMD Instinct MI300X"), hardware=AMD, build=ROCM_BUILD),
+        [],
+    ),
+    (
+        "a CPU-only PyTorch beside an Intel GPU",
+        on(NONE, NO_XPU, hardware=INTEL),
+        [("warning", "build-without-xpu")],
+    ),
+    (
+        "an Intel display GPU beside NVIDIA GPUs",
+        on(TWO, hardware=NVIDIA._replace(intel_gpus=1), build=CUDA_BUILD),
+        [],
+    ),
+    (
+        "a container started without its NVIDIA GPUs",
+        on(gpus(note="NVML could not be read"), hardware=WITHOUT_FILES, build=CUDA_BUILD),
+        [("error", "container-without-gpus")],
+    ),
+    (
+        "a container without GPUs and a CPU-only PyTorch",
+        on(NONE, hardware=WITHOUT_FILES),
+        [("error", "build-without-cuda"), ("error", "container-without-gpus")],
+    ),
+    (
+        "a container started without /dev/kfd",
+        on(gpus(), hardware=Hardware(amd_driver=True), build=ROCM_BUILD),
+        [("warning", "container-without-gpus")],
+    ),
+    (
+        "a driver too old for the build's CUDA",
+        on(
+            TWO,
+            hardware=NVIDIA._replace(nvidia_driver="470.256.02", driver_cuda=(11, 4)),
+            build=CUDA_BUILD,
+        ),
+        [("error", "driver-too-old")],
+    ),
+    (
+        "a driver one CUDA minor release behind the build",
+        on(
+            TWO,
+            hardware=NVIDIA._replace(nvidia_driver="535.104.05", driver_cuda=(12, 2)),
+            build=CUDA_BUILD,
+        ),
+        [("warning", "driver-too-old")],
+    ),
+    (
+        "a driver whose CUDA NVML cannot tell",
+        on(TWO, hardware=NVIDIA._replace(driver_cuda=None), build=CUDA_BUILD),
+        [],
+    ),
+    (
+        "an XPU PyTorch whose Intel GPU has no compute runtime",
+        on(NO_XPU, hardware=INTEL, build=XPU_BUILD),
+        [("warning", "xpu-unavailable")],
+    ),
+    ("an XPU PyTorch with its Intel GPUs", on(XPUS, hardware=INTEL, build=XPU_BUILD), []),
+    (
+        "a PyTorch without MPS in an x86_64 Python on a Mac",
+        on(gpus(device_type="mps"), hardware=MAC._replace(arch="x86_64"), build=Build("2.2.2")),
+        [("warning", "build-without-mps")],
+    ),
+    (
+        "a macOS too old for MPS",
+        on(NO_MPS, hardware=MAC._replace(macos=(13, 6)), build=MAC_BUILD),
+        [("error", "macos-too-old")],
+    ),
+    (
+        "MPS in a macOS virtual machine",
+        on(NO_MPS, hardware=MAC, build=MAC_BUILD),
+        [("warning", "mps-unavailable")],
+    ),
+    (
+        "a Mac with MPS",
+        on(gpus("Apple GPU (MPS)", device_type="mps"), hardware=MAC, build=MAC_BUILD),
+        [],
     ),
     # Numbering.
     ("two GPU models numbered by speed", on(MIXED, environ={}), [("warning", "device-order")]),
@@ -359,9 +488,19 @@ def test_each_mistake_is_found_and_nothing_else(
         )
 
 
-def test_there_are_at_least_thirty_cases() -> None:
-    assert len(CASES) >= 30
+def test_there_are_at_least_forty_cases_and_each_finding_has_one() -> None:
+    assert len(CASES) >= 40
     assert {code for _, _, found in CASES for _, code in found} == {
+        "build-without-cuda",
+        "build-without-rocm",
+        "build-without-xpu",
+        "build-without-mps",
+        "container-without-gpus",
+        "driver-too-old",
+        "xpu-unavailable",
+        "macos-too-old",
+        "mps-unavailable",
+        "ranks-on-cpu",
         "local-rank-not-a-number",
         "more-ranks-than-devices",
         "visible-devices-hide-all",
@@ -416,11 +555,7 @@ def test_look_takes_the_process_s_environment_and_backends(monkeypatch: pytest.M
 
 
 def _doctor_command(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in ("LOCAL_RANK", "DEVICEKIT_DEVICE", "DEVICEKIT_CLAIM_DIR")
-    }
+    env = {key: value for key, value in os.environ.items() if key not in VARIABLES}
     return subprocess.run(
         [sys.executable, "-m", "devicekit", "doctor", *args],
         capture_output=True,
@@ -438,18 +573,45 @@ def test_the_command_exits_1_naming_what_breaks_a_run_and_0_otherwise(tmp_path: 
     assert "Fix: let torchrun set it" in broken.stdout
     clean = _doctor_command(DEVICEKIT_CLAIM_DIR=str(tmp_path))
     assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert clean.stdout.strip() == (
-        "No problem found: nothing in this environment puts a rank on the wrong GPU."
-    )
+    machine = look()
+    expected = [finding.line() for finding in diagnose(machine)] or ["No problem found."]
+    findings, seen = clean.stdout.split("\n\nSeen:\n")
+    assert findings.splitlines() == expected
+    # What it saw: Python, this PyTorch and its build, the drivers, each family.
+    build = Build.of_torch()
+    lines = [line.strip() for line in seen.splitlines()]
+    assert lines[0].startswith(f"Python {platform.python_version()} on ")
+    assert lines[0].endswith(f"; PyTorch {torch.__version__}, built for {build.described}")
+    assert lines[1].startswith("Drivers: NVIDIA ")
+    for family in machine.families:
+        assert any(line.startswith(family.name) for line in lines[2:]), (family, lines)
+    assert lines[-1] == "Variables: DEVICEKIT_CLAIM_DIR=" + str(tmp_path)
 
 
-def test_the_command_s_json_is_one_object_per_finding(tmp_path: Any) -> None:
+def test_the_command_s_json_is_its_findings_and_what_it_saw(tmp_path: Any) -> None:
     result = _doctor_command("--json", DEVICEKIT_DEVICE="cuda:7", DEVICEKIT_CLAIM_DIR=str(tmp_path))
-    findings = json.loads(result.stdout)
+    report = json.loads(result.stdout)
     assert result.returncode == 1
-    assert [Finding(**each) for each in findings] == diagnose(
-        _doctor.Machine({"DEVICEKIT_DEVICE": "cuda:7"}, look().families)
+    assert set(report) == {"findings", "environment"}
+    assert [Finding(**each) for each in report["findings"]] == diagnose(
+        _doctor.Machine(
+            {"DEVICEKIT_DEVICE": "cuda:7"},
+            look().families,
+            hardware=probe(),
+            build=Build.of_torch(),
+        )
     )
+    environment = report["environment"]
+    assert environment["python"] == platform.python_version()
+    assert environment["torch"]["version"] == torch.__version__
+    assert environment["torch"]["cuda"] == torch.version.cuda
+    assert environment["torch"]["built_for"] == Build.of_torch().described
+    assert environment["drivers"]["nvidia_driver"] == probe().nvidia_driver
+    assert environment["devices"]["cpu"] == ["cpu"]
+    assert environment["variables"] == {
+        "DEVICEKIT_DEVICE": "cuda:7",
+        "DEVICEKIT_CLAIM_DIR": str(tmp_path),
+    }
 
 
 # The doctor and the manager: one set of rules.
@@ -596,7 +758,7 @@ def test_hip_visible_devices_gives_a_rank_its_gpu_for_the_doctor_and_the_manager
 ) -> None:
     # The second of two ranks, each given its own AMD GPU: it sees one, cuda:0.
     environ = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "HIP_VISIBLE_DEVICES": "1"}
-    machine = on(gpus("AMD Instinct MI300X"), environ=environ, rocm=True)
+    machine = on(gpus("AMD Instinct MI300X"), environ=environ, build=ROCM_BUILD)
     _in_environment(monkeypatch, environ)
     manager = dk.DeviceManager.from_env(backends=[Listed(family) for family in machine.families])
     assert manager.device == torch.device("cuda", 0)
@@ -623,7 +785,10 @@ def test_a_repeated_gpu_in_cuda_visible_devices_hides_every_gpu_for_both(
         look(backends), environ=environ, cuda_started=True, cuda_count=len(seen_by_cuda)
     )
     findings = diagnose(machine)
-    assert [f.code for f in findings if f.code != "claim-directory"] == ["visible-devices-hide-all"]
+    assert [f.code for f in findings if f.code != "claim-directory"] == [
+        "visible-devices-hide-all",
+        "ranks-on-cpu",
+    ]
     assert findings[0].what == "CUDA_VISIBLE_DEVICES='0,0' hides every GPU"
 
 
@@ -658,3 +823,95 @@ def test_the_doctor_refuses_devicekit_device_exactly_where_the_manager_does_in_i
     _in_environment(monkeypatch, environ)
     refused = _manager_refuses(machine.families)
     assert found == ([] if refused is None else [str(refused).removesuffix(".")])
+
+
+# What lies beneath PyTorch, read from files.
+
+
+def _lay_out(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_probe_reads_the_drivers_and_device_files_under_a_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_hardware, "read_driver", lambda: ("570.86.15", (12, 8)))
+    smi = _lay_out(tmp_path / "bin", {"nvidia-smi": "#!/bin/sh\n"})
+    (smi / "nvidia-smi").chmod(0o755)
+    server = _lay_out(
+        tmp_path / "server",
+        {
+            "proc/driver/nvidia/version": "NVRM version: NVIDIA UNIX x86_64 Kernel Module  "
+            "535.104.05  Sat Aug 19 01:15:15 UTC 2023\nGCC version:  gcc 12\n",
+            "dev/nvidia0": "",
+            "dev/nvidia1": "",
+            "dev/nvidiactl": "",  # not a GPU
+            "dev/nvidia-uvm": "",  # not a GPU
+            "sys/class/drm/renderD128/device/vendor": "0x8086\n",  # the board's Intel graphics
+            "sys/class/drm/renderD129/device/vendor": "0x10de\n",  # an NVIDIA GPU's node
+        },
+    )
+    hardware = probe(server, path=str(smi))
+    assert hardware.nvidia_driver == "535.104.05"  # the kernel module's, over NVML's
+    assert (hardware.nvidia_files, hardware.nvidia_smi, hardware.driver_cuda) == (2, True, (12, 8))
+    assert (hardware.amd, hardware.intel_gpus) == (False, 1)
+    # A container started without its GPUs: the host's driver in /proc, no device file.
+    monkeypatch.setattr(_hardware, "read_driver", lambda: None)  # NVML cannot start there
+    container = _lay_out(
+        tmp_path / "container",
+        {"proc/driver/nvidia/version": "NVRM version: something else\n"},
+    )
+    hardware = probe(container, path=str(tmp_path / "nowhere"))
+    assert (hardware.nvidia_driver, hardware.nvidia_files, hardware.nvidia_smi) == ("", 0, False)
+    assert [f.code for f in why_cpu(Machine({}, hardware=hardware))] == [
+        "build-without-cuda",
+        "container-without-gpus",
+    ]
+    amd = _lay_out(tmp_path / "amd", {"dev/kfd": "", "sys/module/amdgpu/version": ""})
+    hardware = probe(amd, path=str(tmp_path / "nowhere"))
+    assert (hardware.amd_driver, hardware.kfd, hardware.nvidia) == (True, True, False)
+    # Nothing at all: no driver is asked (NVML is not started where no NVIDIA driver is).
+    monkeypatch.setattr(_hardware, "read_driver", lambda: pytest.fail("NVML read"))
+    assert (
+        probe(tmp_path / "empty", path=str(tmp_path / "nowhere"))._replace(
+            system="", arch="", macos=None
+        )
+        == Hardware()
+    )
+
+
+def test_the_fix_names_the_pip_line_of_the_build_the_driver_runs() -> None:
+    driver = NVIDIA._replace(driver_cuda=(12, 9))
+    (finding,) = why_cpu(Machine({}, hardware=driver, build=Build("2.13.0+cpu")))
+    assert finding.what == (
+        "this PyTorch (2.13.0+cpu) is built for the CPU only, and this machine has an NVIDIA "
+        "GPU (driver 570.86.15)"
+    )
+    assert finding.fix == (
+        "install PyTorch's CUDA build: pip install torch==2.13.0 --index-url "
+        "https://download.pytorch.org/whl/cu128"
+    )
+    old = NVIDIA._replace(nvidia_driver="470.256.02", driver_cuda=(11, 4))
+    (finding,) = why_cpu(Machine({}, hardware=old, build=CUDA_BUILD))
+    assert finding.what == (
+        "this PyTorch is built for CUDA 12.8, and the NVIDIA driver (470.256.02) runs CUDA "
+        "11.4 at most"
+    )
+    assert finding.fix == "update the NVIDIA driver to one that runs CUDA 12.8"  # none runs 11.4
+    behind = NVIDIA._replace(driver_cuda=(12, 6))
+    (finding,) = why_cpu(Machine({}, hardware=behind, build=CUDA_BUILD))
+    assert finding.fix == (
+        "update the NVIDIA driver to one that runs CUDA 12.8, or install a build it runs: "
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
+    )
+    (finding,) = why_cpu(on(NO_MPS, hardware=MAC._replace(macos=(13, 6)), build=MAC_BUILD))
+    assert finding.what == "macOS 13.6 is older than the 14.0 this PyTorch's MPS needs"
+
+
+def test_no_accelerator_at_all_is_no_finding() -> None:
+    # This machine's own CPU-only PyTorch with no GPU beneath it: the CPU is the only choice.
+    assert why_cpu(on(NONE, NO_XPU, hardware=Hardware(system="Linux", arch="x86_64"))) == []

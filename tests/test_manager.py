@@ -12,6 +12,8 @@ import torch
 
 import devicekit as dk
 from devicekit import _claims, _launch, _manager, _units
+from devicekit._doctor import Machine, why_cpu
+from devicekit._hardware import Build, Hardware
 
 from .fakes import FakeGpus, machine
 from .helpers import CPU, META, cuda
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
 FALLBACK_WARNING = (
     "devicekit uses the CPU: no cuda, xpu or mps device is usable; see DeviceManager().explain()."
 )
+NO_HARDWARE = Hardware()
+NVIDIA = Hardware(nvidia_driver="570.86.15", nvidia_files=1, driver_cuda=(12, 8))
+CPU_ONLY = Build("2.13.0+cpu")
 EXPECTED_A_DEVICE = "Expected a device such as 'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
 
 
@@ -33,6 +38,8 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     visibility = [name for names in _launch.VISIBILITY_VARIABLES.values() for name in names]
     for name in (*launchers, *slurm, *visibility, "DEVICEKIT_DEVICE", "DEVICEKIT_CLAIM_DIR"):
         monkeypatch.delenv(name, raising=False)
+    # The machine beneath PyTorch is each test's to say: none, unless a test gives one.
+    monkeypatch.setattr(_manager, "probe", lambda: NO_HARDWARE)
     _manager._fallback_warned.clear()
     yield
     _manager._fallback_warned.clear()
@@ -100,15 +107,37 @@ def test_cuda_in_prefer_matches_rocm_gpus() -> None:
 # Fallback.
 
 
-def test_no_gpu_falls_back_to_the_cpu_and_warns_once() -> None:
-    msg = FALLBACK_WARNING
-    with pytest.warns(RuntimeWarning, match=f"^{re.escape(msg)}$") as record:
-        manager = dk.DeviceManager(backends=machine(note="this PyTorch build has no CUDA support"))
+def test_a_machine_without_accelerators_uses_its_cpu_without_a_warning() -> None:
+    # filterwarnings=error: any warning fails the test.
+    manager = dk.DeviceManager(backends=machine(note="this PyTorch build has no CUDA support"))
+    assert manager.device == CPU
+    assert manager.device_id is None
+    assert manager.reason == "no cuda, xpu or mps device is usable, so the CPU is the fallback"
+    assert (
+        manager.explain()
+        .splitlines()[0]
+        .endswith(": no cuda, xpu or mps device is usable, so the CPU is the fallback.")
+    )
+    assert "  no cuda: this PyTorch build has no CUDA support" in manager.explain()
+
+
+def test_an_accelerator_present_but_unusable_is_warned_of_once_with_the_doctor_s_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_manager, "probe", lambda: NVIDIA)
+    monkeypatch.setattr(Build, "of_torch", lambda: CPU_ONLY)
+    backends = machine(note="this PyTorch build has no CUDA support")
+    (cause,) = why_cpu(Machine({}, hardware=NVIDIA, build=CPU_ONLY))
+    assert cause.code == "build-without-cuda"
+    expected = f"{FALLBACK_WARNING} Cause: {cause.sentence()}"
+    assert "pip install torch==" in expected
+    with pytest.warns(RuntimeWarning, match=f"^{re.escape(expected)}$") as record:
+        manager = dk.DeviceManager(backends=backends)
     assert record[0].filename == __file__  # the user's line, not devicekit's
     assert manager.device == CPU
-    assert manager.reason == "no cuda, xpu or mps device is usable, so the CPU is the fallback"
-    again = dk.DeviceManager(backends=machine())  # no second warning: filterwarnings=error
-    assert again.device == CPU
+    assert f"Cause: {cause.sentence()}" in manager.explain().splitlines()
+    again = dk.DeviceManager(backends=backends)  # no second warning: filterwarnings=error
+    assert f"Cause: {cause.sentence()}" in again.explain().splitlines()
 
 
 def test_full_gpus_fall_back_too_and_say_why_for_each() -> None:
@@ -215,6 +244,8 @@ def test_the_fallback_warning_points_at_the_user_s_line_from_to_device(
     from devicekit import _manager  # noqa: PLC0415 - the process default is what is tested
 
     monkeypatch.setattr(_manager, "builtin_backends", machine)
+    monkeypatch.setattr(_manager, "probe", lambda: NVIDIA)  # a GPU this PyTorch cannot use
+    monkeypatch.setattr(Build, "of_torch", lambda: CPU_ONLY)
     _manager._process_default.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="devicekit uses the CPU") as record:
