@@ -58,13 +58,14 @@ def environment(machine: Machine) -> dict[str, Any]:
 
 
 def lines(machine: Machine) -> list[str]:
-    r"""What was seen, in a few lines.
+    """What was seen, in a few lines.
 
     >>> from devicekit._backends import Family
     >>> from devicekit._hardware import Build
     >>> machine = Machine({"LOCAL_RANK": "1"}, (Family("cuda", "cuda", (), "no driver"),),
     ...                   build=Build("2.13.0+cu128", cuda="12.8"))
-    >>> print("\\n".join(lines(machine)[1:]))
+    >>> for line in lines(machine)[1:]:
+    ...     print(line)
     Drivers: NVIDIA none; AMD none; Intel GPUs none
     cuda: none (no driver)
     Variables: LOCAL_RANK=1
