@@ -209,7 +209,7 @@ def _without(severity: Severity, support: str, gpu: str, build: Build, wheel: st
 
 def _install(build: Build, wheel: str) -> str:
     """The pip line for this PyTorch's release in another build (pytorch.org lists them)."""
-    return f"pip install torch=={build.release} --index-url {_WHEELS}{wheel}"
+    return f"`pip install torch=={build.release} --index-url {_WHEELS}{wheel}`"
 
 
 def _cuda_wheel(driver_cuda: tuple[int, int] | None) -> str | None:
@@ -237,9 +237,9 @@ def _device_files(machine: Machine) -> list[Finding]:
                 "device file",
                 "a container started without GPUs sees the host's driver and no GPU, so CUDA "
                 "finds none and every run trains on the CPU",
-                "start the container with its GPUs: docker run --gpus all (with the NVIDIA "
+                "start the container with its GPUs: `docker run --gpus all` (with the NVIDIA "
                 "Container Toolkit), or ask for nvidia.com/gpu in a Kubernetes pod; outside a "
-                "container, run nvidia-smi once as root to make the device files",
+                "container, run `nvidia-smi` once as root to make the device files",
             )
         )
     if hardware.amd_driver and not hardware.kfd:
@@ -250,7 +250,7 @@ def _device_files(machine: Machine) -> list[Finding]:
                 "the AMD GPU driver (amdgpu) is loaded, but this process sees no /dev/kfd",
                 "ROCm reaches AMD GPUs through /dev/kfd: without it PyTorch sees none, as in a "
                 "container started without them",
-                "start the container with --device=/dev/kfd --device=/dev/dri --group-add video",
+                "start the container with `--device=/dev/kfd --device=/dev/dri --group-add video`",
             )
         )
     return found
@@ -295,7 +295,7 @@ def _driver(machine: Machine) -> list[Finding]:
                 "Zero), and only GPUs it supports (Arc, Data Center GPU Max, Core Ultra "
                 "graphics)",
                 "install Intel's GPU driver with its compute runtime, then check with "
-                "python -c 'import torch; print(torch.xpu.is_available())'",
+                "`python -c 'import torch; print(torch.xpu.is_available())'`",
             )
         )
     return found
@@ -330,7 +330,7 @@ def _apple(machine: Machine) -> list[Finding]:
                 "this Python runs as x86_64 (under Rosetta, or on an Intel Mac, whose GPUs "
                 "PyTorch no longer supports): install an arm64 Python, then PyTorch"
                 if intel_python
-                else f"pip install torch=={build.release} (PyPI's macOS builds have MPS)",
+                else f"`pip install torch=={build.release}` (PyPI's macOS builds have MPS)",
             )
         ]
     release = ".".join(map(str, hardware.macos or ()))
@@ -353,8 +353,8 @@ def _apple(machine: Machine) -> list[Finding]:
             "MPS is built in, but Metal gives this process no GPU",
             "a virtual machine (as most hosted CI runs) or a session without GPU access has "
             "none to give, so every run trains on the CPU",
-            "run on the Mac itself, where python -c 'import torch; "
-            "print(torch.backends.mps.is_available())' says True",
+            "run on the Mac itself, where `python -c 'import torch; "
+            "print(torch.backends.mps.is_available())'` says True",
         )
     ]
 

@@ -14,6 +14,7 @@ sys.path.insert(0, str(HERE))
 
 import _inventories  # lives beside this file, found through the path above
 import _waiting  # likewise
+import _doctor_findings  # likewise
 
 import devicekit
 
@@ -115,8 +116,9 @@ def _no_protocol_signature(  # noqa: PLR0917  # the event passes these seven pos
 
 
 def _measure_waiting(app: Any) -> None:
-    """guide/waiting-for-data's figure and figures, from a run on this machine (~3 s)."""
+    """guide/waiting-for-data's figure (a run on this machine, ~3 s), guide/why-cpu's findings."""
     _waiting.write(HERE / "_generated")
+    _doctor_findings.write(HERE / "_generated")
 
 
 def setup(app: Any) -> None:

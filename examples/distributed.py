@@ -28,10 +28,13 @@ def main() -> None:
     # cuda:LOCAL_RANK under torchrun, made the process's current device: "cuda" means it
     manager = dk.DeviceManager.from_env()
     backend = "nccl" if manager.device.type == "cuda" else "gloo"
+    # device_id binds the group to the rank's GPU; None on the CPU, which PyTorch refuses.
     if "RANK" in os.environ:  # torchrun's rendezvous, from the variables it sets
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, device_id=manager.device_id)
     else:  # plain python: a group of one, kept in this process
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, device_id=manager.device_id
+        )
     rank = dist.get_rank()
     # flush: each rank's output is a pipe under torchrun, written in blocks otherwise
     print(f"rank {rank}: {manager.device} ({manager.reason})", flush=True)

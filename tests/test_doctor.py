@@ -892,8 +892,8 @@ def test_the_fix_names_the_pip_line_of_the_build_the_driver_runs() -> None:
         "GPU (driver 570.86.15)"
     )
     assert finding.fix == (
-        "install PyTorch's CUDA build: pip install torch==2.13.0 --index-url "
-        "https://download.pytorch.org/whl/cu128"
+        "install PyTorch's CUDA build: `pip install torch==2.13.0 --index-url "
+        "https://download.pytorch.org/whl/cu128`"
     )
     old = NVIDIA._replace(nvidia_driver="470.256.02", driver_cuda=(11, 4))
     (finding,) = why_cpu(Machine({}, hardware=old, build=CUDA_BUILD))
@@ -906,7 +906,7 @@ def test_the_fix_names_the_pip_line_of_the_build_the_driver_runs() -> None:
     (finding,) = why_cpu(Machine({}, hardware=behind, build=CUDA_BUILD))
     assert finding.fix == (
         "update the NVIDIA driver to one that runs CUDA 12.8, or install a build it runs: "
-        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
+        "`pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126`"
     )
     (finding,) = why_cpu(on(NO_MPS, hardware=MAC._replace(macos=(13, 6)), build=MAC_BUILD))
     assert finding.what == "macOS 13.6 is older than the 14.0 this PyTorch's MPS needs"
