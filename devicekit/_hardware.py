@@ -116,7 +116,10 @@ def probe(root: Path = Path("/"), path: str | None = None) -> Hardware:
     """
     version_file = root / "proc/driver/nvidia/version"
     nvidia_driver = _module_version(version_file) if version_file.exists() else None
-    nvidia_files = _count(root / "dev", re.compile(r"nvidia\d+"))
+    # Device files come with the driver: /dev is listed only where /proc shows it (listing
+    # its hundred-odd entries on every machine doubled the CPU fallback's DeviceManager()).
+    listed = nvidia_driver is not None or not (root / "proc").is_dir()
+    nvidia_files = _count(root / "dev", re.compile(r"nvidia\d+")) if listed else 0
     smi = shutil.which("nvidia-smi", path=path) is not None
     driver = read_driver() if nvidia_driver is not None or nvidia_files or smi else None
     if driver is not None and not nvidia_driver:
