@@ -56,6 +56,8 @@ CUDA_BUILD = Build("2.13.0+cu128", cuda="12.8")
 XPU_BUILD = Build("2.13.0+xpu", xpu=True)
 MAC_BUILD = Build("2.13.0", mps=True)
 NVIDIA = Hardware(nvidia_driver="570.86.15", nvidia_files=2, nvidia_smi=True, driver_cuda=(12, 8))
+OLD_DRIVER = NVIDIA._replace(nvidia_driver="470.256.02", driver_cuda=(11, 4))  # CUDA 11 at most
+BEHIND_DRIVER = NVIDIA._replace(nvidia_driver="535.104.05", driver_cuda=(12, 2))
 WITHOUT_FILES = Hardware(nvidia_driver="570.86.15")  # the host's driver, seen from a container
 AMD = Hardware(amd_driver=True, kfd=True)
 INTEL = Hardware(intel_gpus=1)
@@ -359,20 +361,12 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
     ),
     (
         "a driver too old for the build's CUDA",
-        on(
-            TWO,
-            hardware=NVIDIA._replace(nvidia_driver="470.256.02", driver_cuda=(11, 4)),
-            build=CUDA_BUILD,
-        ),
+        on(TWO, hardware=OLD_DRIVER, build=CUDA_BUILD),
         [("error", "driver-too-old")],
     ),
     (
         "a driver one CUDA minor release behind the build",
-        on(
-            TWO,
-            hardware=NVIDIA._replace(nvidia_driver="535.104.05", driver_cuda=(12, 2)),
-            build=CUDA_BUILD,
-        ),
+        on(TWO, hardware=BEHIND_DRIVER, build=CUDA_BUILD),
         [("warning", "driver-too-old")],
     ),
     (
@@ -895,8 +889,7 @@ def test_the_fix_names_the_pip_line_of_the_build_the_driver_runs() -> None:
         "install PyTorch's CUDA build: `pip install torch==2.13.0 --index-url "
         "https://download.pytorch.org/whl/cu128`"
     )
-    old = NVIDIA._replace(nvidia_driver="470.256.02", driver_cuda=(11, 4))
-    (finding,) = why_cpu(Machine({}, hardware=old, build=CUDA_BUILD))
+    (finding,) = why_cpu(Machine({}, hardware=OLD_DRIVER, build=CUDA_BUILD))
     assert finding.what == (
         "this PyTorch is built for CUDA 12.8, and the NVIDIA driver (470.256.02) runs CUDA "
         "11.4 at most"
