@@ -77,8 +77,8 @@ def fallback_warning() -> str:
     """What ``DeviceManager()`` warns on the first situation's machine, as Python shows it."""
     machine = next(iter(SITUATIONS.values()))
     with (
-        mock.patch.object(_manager, "probe", lambda: machine.hardware),
-        mock.patch.object(Build, "of_torch", lambda: machine.build),
+        mock.patch.object(_manager, "probe", return_value=machine.hardware),
+        mock.patch.object(Build, "of_torch", return_value=machine.build),
         mock.patch.object(_manager, "_fallback_warned", _manager._Once()),
         warnings.catch_warnings(record=True) as said,
     ):
@@ -89,7 +89,7 @@ def fallback_warning() -> str:
 
 
 def write(folder: Path) -> None:
-    """Write ``doctor-findings.rst`` (the doctor's lines per situation), ``fallback-warning.txt``."""
+    """Write ``doctor-findings.rst`` (the doctor's lines), ``fallback-warning.txt``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "fallback-warning.txt").write_text(fallback_warning() + "\n", encoding="utf-8")
     parts = []

@@ -12,9 +12,9 @@ from typing import Any
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-import _inventories  # lives beside this file, found through the path above
+import _doctor_findings  # lives beside this file, found through the path above
+import _inventories  # likewise
 import _waiting  # likewise
-import _doctor_findings  # likewise
 
 import devicekit
 
