@@ -26,6 +26,7 @@ from devicekit._transfer import to_device
 if typing.TYPE_CHECKING:
     from devicekit._audit import TransferEvent, TransferLog, track_transfers
     from devicekit._checkpoint import load, save
+    from devicekit._materialize import materialize
     from devicekit._memory import BatchFit, fit_batch
 
 __version__ = "0.1.0"
@@ -53,6 +54,7 @@ __all__ = [
     "fit_batch",
     "guard",
     "load",
+    "materialize",
     "register_transfer",
     "save",
     "to_device",
@@ -70,6 +72,7 @@ _ON_FIRST_USE = {
     "save": "_checkpoint",
     "BatchFit": "_memory",
     "fit_batch": "_memory",
+    "materialize": "_materialize",
 }
 
 

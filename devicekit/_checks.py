@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ __all__ = [
     "find_devices",
     "find_unmoved",
     "input_names",
+    "meta_fix",
     "tensor_paths",
     "tensors_of",
 ]
@@ -161,6 +162,21 @@ def describe_devices(found: dict[torch.device, list[str]]) -> str:
     return "; ".join(parts)
 
 
+def meta_fix(devices: Iterable[torch.device]) -> str:
+    """The fix for tensors on the meta device, after a message naming them; else "".
+
+    >>> meta_fix([torch.device("meta")])[:40]
+    ' Tensors on meta have shapes but no data'
+    """
+    if all(device.type != "meta" for device in devices):
+        return ""
+    return (
+        " Tensors on meta have shapes but no data: give a model built there storage and "
+        "initialise it with devicekit.materialize(model, device), which names whatever no "
+        "initialiser writes."
+    )
+
+
 def _root_name(data: Any, index: int, count: int) -> str:
     if isinstance(data, torch.nn.Module | torch.optim.Optimizer):
         return type(data).__name__
@@ -222,7 +238,7 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
         msg = f"Expected every tensor on one device, but found {len(found)}: "
     else:
         msg = f"Expected every tensor on {expected}, but found {len(found)} device(s): "
-    raise DeviceMismatchError(msg + describe_devices(found) + ".", found)
+    raise DeviceMismatchError(msg + describe_devices(found) + "." + meta_fix(found), found)
 
 
 @functools.cache

@@ -28,6 +28,7 @@ __all__ = [
     "DdpSync",
     "DispatchMode",
     "WeightsOnlySaid",
+    "apply_to_own_tensors",
     "current_accelerator",
     "ddp_forward_syncs",
     "independent_pieces",
@@ -497,3 +498,15 @@ def current_accelerator() -> torch.device | None:
         except RuntimeError:
             found = None
     return None if found is None else torch.device(found)
+
+
+def apply_to_own_tensors(
+    module: torch.nn.Module, change: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Replace a module's own parameters and buffers by ``change(tensor)``, as ``to_empty`` does.
+
+    ``Module._apply``, not recursing: the path ``Module.to`` and ``to_empty`` take, which
+    FSDP2's modules extend to keep their sharded parameters' references right; a plain
+    ``setattr`` would leave those pointing at the old tensors.
+    """
+    module._apply(change, recurse=False)  # type: ignore[no-untyped-call]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from devicekit import _compat
-from devicekit._checks import describe_devices, input_names, tensor_paths, tensors_of
+from devicekit._checks import describe_devices, input_names, meta_fix, tensor_paths, tensors_of
 from devicekit._devices import shown
 from devicekit._errors import DeviceMismatchError
 from devicekit._forward_error import made_inside
@@ -192,10 +192,13 @@ def _check_inputs(
     params = [name for name, t in tensors_of(module, own=own) if t.device == home]
     (device, paths), *_ = where.items()
     seen = describe_devices({home: [f"the parameters of {label}"], **where})
+    fix = meta_fix([home]) or (
+        f" Move the inputs with devicekit.to_device(..., {str(home)!r}), or the module to the "
+        "inputs' device."
+    )
     msg = (
         f"{paths[0]} is on {device} but the parameters of {label} (e.g. "
-        f"{', '.join(params[:2])}) are on {home}. Devices seen: {seen}. Move the inputs with "
-        f"devicekit.to_device(..., {str(home)!r}), or the module to the inputs' device."
+        f"{', '.join(params[:2])}) are on {home}. Devices seen: {seen}.{fix}"
     )
     raise DeviceMismatchError(msg, {home: [f"{label}.{name}" for name in params], **where})
 

@@ -11,6 +11,7 @@ these rules have their moves in :mod:`devicekit._library_moves`.
 from __future__ import annotations
 
 import copy as copy_module
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -66,10 +67,28 @@ def _in_place_only(obj: object, call: CallView) -> None:
 
 def _move_module(module: torch.nn.Module, call: CallView, detail: object) -> Any:
     _in_place_only(module, call)
+    if call.plan.device.type != "meta":
+        _refuse_meta(module, call.plan.device)
     options = call.plan.options
     asked: dict[str, Any] = {"dtype": options.dtype, "memory_format": options.memory_format}
     asked = {name: value for name, value in asked.items() if value is not None}
     return module.to(call.plan.device, non_blocking=call.plan.told, **asked)
+
+
+def _refuse_meta(module: torch.nn.Module, device: torch.device) -> None:
+    """Refuse a module holding meta tensors before ``.to()`` moves half of it and fails."""
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    meta = [name for name, tensor in tensors if tensor.is_meta]
+    if not meta:
+        return
+    named = ", ".join(meta[:5]) + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
+    msg = (
+        f"Cannot move {{path}} to {device}: {len(meta)} of its tensors are on the meta "
+        f"device, which has shapes but no data ({named}). Give them storage and "
+        f"initialise them with dk.materialize(module, {str(device)!r}), which names "
+        "whatever no initialiser writes."
+    )
+    raise LeafError(msg)
 
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, call: CallView, detail: object) -> Any:

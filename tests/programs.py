@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 
 def run_program(
@@ -42,3 +44,23 @@ def run_program(
         msg = f"{' '.join(command)} ran past {timeout} s; what it printed:\n{stderr[-3000:]}"
         raise AssertionError(msg) from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+# Starts each rank as a child and exits with the worst status; run through run_program, so
+# a rank that hangs fails the test with the others.
+_RANKS = (
+    "import subprocess, sys\n"
+    "children = [subprocess.Popen([sys.executable, *sys.argv[1:3], str(rank), *sys.argv[3:]])"
+    " for rank in range(2)]\n"
+    "sys.exit(max(child.wait() for child in children))\n"
+)
+
+
+def run_two_ranks(
+    script: Path, folder: Path, *arguments: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script folder RANK arguments...`` as ranks 0 and 1, with this checkout's devicekit."""
+    here = str(Path(__file__).parent.parent)  # this checkout's devicekit, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-c", _RANKS, str(script), str(folder), *arguments]
+    return run_program(command, timeout=timeout, env=env)

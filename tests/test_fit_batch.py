@@ -14,10 +14,8 @@ import gc
 import inspect
 import json
 import math
-import os
 import random
 import re
-import sys
 import textwrap
 import weakref
 from collections.abc import Iterator
@@ -33,7 +31,7 @@ import devicekit as dk
 from devicekit import _compat, _demo, _memory, _restore
 
 from .helpers import CPU
-from .programs import run_program
+from .programs import run_two_ranks
 
 MiB = 2**20
 
@@ -1060,17 +1058,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
     script = folder / "ranks.py"
     script.write_text(RANKS_SCRIPT)
     scenarios = json.dumps({name: list(specs) for name, specs in SCENARIOS.items()})
-    code = (
-        "import subprocess, sys\n"
-        "children = [subprocess.Popen([sys.executable, *sys.argv[1:3], str(rank), sys.argv[3]])"
-        " for rank in range(2)]\n"
-        "sys.exit(max(child.wait() for child in children))\n"
-    )
-    here = str(Path(__file__).parent.parent)  # this checkout's devicekit, installed or not
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    result = run_program(
-        [sys.executable, "-c", code, str(script), str(folder), scenarios], timeout=120, env=env
-    )
+    result = run_two_ranks(script, folder, scenarios, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
     return {name: [ranks[0][name], ranks[1][name]] for name in SCENARIOS}
