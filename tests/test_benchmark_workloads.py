@@ -153,6 +153,22 @@ def test_the_checks_benchmark_times_what_it_names() -> None:
     assert dk.find_devices(batch) == {torch.device("cpu"): ["['x']"]}  # the ints are no tensors
 
 
+materialize_bench = _load_benchmark("bench_materialize")
+
+
+def test_the_materialize_benchmark_does_the_same_work_both_ways() -> None:
+    model = materialize_bench.meta_model(blocks=500)
+    assert sum(1 for _ in model.modules()) == 1001
+    small = [materialize_bench.meta_model(blocks=3) for _ in range(2)]
+    materialize_bench.by_hand(small[0], torch.device("cpu"))
+    materialize_bench.materialized(small[1], torch.device("cpu"))
+    for each in small:  # both give storage and run the modules' own initialisers
+        assert not any(tensor.is_meta for tensor in each.state_dict().values())
+        assert torch.equal(each[1].weight.detach(), torch.ones(64))  # LayerNorm's reset
+    found = materialize_bench.measure(torch.device("cpu"), rounds=1, blocks=3)
+    assert found["ratio"] == found["materialize ms"] / found["by hand ms"]
+
+
 # The loop of tiny steps (benchmarks/bench_tiny_steps.py), and what was cut from
 # devicekit's share of each of its steps.
 
