@@ -390,3 +390,24 @@ def test_the_compiler_runs_marked_functions_and_passes_their_errors_to_the_user(
     assert str(raised.value).startswith("Expected no call in one graph.")
     broken = torch.compile(checked, fullgraph=False, backend="eager")
     assert torch.equal(broken(torch.ones(1)), torch.full((1,), 2.0))
+
+
+def test_applying_a_change_to_a_module_s_own_tensors_is_module_apply_s() -> None:
+    # What Module.to and to_empty do to each module: its own parameters and buffers only,
+    # a parameter's requires_grad kept; a submodule's left for its own call.
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    model.register_buffer("scale", torch.ones(2))
+    model[0].weight.requires_grad_(False)
+    seen: list[tuple[int, ...]] = []
+
+    def doubled(tensor: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(tensor.shape))
+        return tensor * 2
+
+    _compat.apply_to_own_tensors(model, doubled)
+    assert seen == [(2,)]  # the Sequential's own buffer, not its child's
+    assert torch.equal(model.scale, torch.full((2,), 2.0))
+    _compat.apply_to_own_tensors(model[0], doubled)
+    assert torch.equal(model[0].running_var, torch.full((2,), 2.0))
+    assert isinstance(model[0].weight, nn.Parameter)
+    assert not model[0].weight.requires_grad
