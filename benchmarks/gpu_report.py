@@ -71,6 +71,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_materialize import by_hand, meta_model
 from bench_to_device import mixed_batch, per_tensor_loop
 
 import devicekit as dk
@@ -82,13 +83,14 @@ Mover = Callable[[Any, torch.device], Any]
 BUDGET_S: dict[str, float] = {
     # seconds per section, 590 in all: the tests' two subprocesses have 130 and 60
     "tests": 200,
-    "transfers": 45,
+    "transfers": 35,
     "packing": 30,
     "bandwidth": 30,
     "overlap": 55,
     "loops": 110,
-    "compiled": 60,
-    "fit": 60,
+    "compiled": 50,
+    "fit": 50,
+    "materialize": 30,
 }
 TEST_RUNS_S = (130, 60)
 
@@ -972,6 +974,83 @@ def header(setting: Setting) -> list[str]:
     ]
 
 
+def _materialize_once(
+    how: Callable[[nn.Module, torch.device], None], sharded: bool, setting: Setting
+) -> tuple[float, float | None]:
+    """Seconds and peak MiB of one way of giving a fresh meta model storage."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    blocks, width = (4, 16) if setting.smoke else (500, 1024)
+    device = torch.device("cpu") if setting.smoke else setting.device  # the smoke's is meta
+    model = meta_model(blocks, width)
+    if sharded:
+        mesh = init_device_mesh(device.type, (1,))
+        for layer in model:  # each Linear a unit (each LayerNorm rides with the root's)
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    setting.sync()
+    if setting.gpu:
+        torch.cuda.reset_peak_memory_stats(setting.device)
+    start = time.perf_counter()
+    how(model, device)
+    setting.sync()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(setting.device) / 2**20 if setting.gpu else None
+    del model
+    if setting.gpu:
+        torch.cuda.empty_cache()
+    return seconds, peak
+
+
+def materialize(setting: Setting) -> list[str]:
+    """dk.materialize against to_empty + reset_parameters, plain and under FSDP2 on one rank.
+
+    The model: 1,000 modules (Linear and LayerNorm pairs, 1024 wide: 2 GiB of float32),
+    built on meta anew for each timing. The sharded rows call fully_shard on each Linear
+    and the root over a one-rank mesh (a process group of one), as torchtitan's flow does
+    with its blocks. Three rounds each, medians.
+    """
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        backend = "nccl" if setting.gpu else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rows = []
+    try:
+        for sharded in (False, True):
+            hand, ours, hand_peak, ours_peak = [], [], [], []
+            for _ in range(1 if setting.smoke else 3):
+                seconds, peak = _materialize_once(by_hand, sharded, setting)
+                hand.append(seconds)
+                hand_peak.append(peak)
+                seconds, peak = _materialize_once(dk.materialize, sharded, setting)
+                ours.append(seconds)
+                ours_peak.append(peak)
+            hand_ms, ours_ms = statistics.median(hand) * 1e3, statistics.median(ours) * 1e3
+            peaks = (
+                "-"
+                if hand_peak[0] is None or ours_peak[0] is None
+                else f"{max(hand_peak):.0f} / {max(ours_peak):.0f}"  # type: ignore[type-var]
+            )
+            rows.append(
+                [
+                    "FSDP2, one-rank mesh" if sharded else "plain",
+                    f"{hand_ms:.1f}",
+                    f"{ours_ms:.1f}",
+                    f"{ours_ms / hand_ms:.2f}x (target <= 1.2x)",
+                    peaks,
+                ]
+            )
+    finally:
+        if started:
+            dist.destroy_process_group()
+    header = ["model", "by hand ms", "materialize ms", "ratio", "peak MiB (hand / ours)"]
+    return ["## materialize (1,000 modules built on meta)", "", *table(header, rows), ""]
+
+
 SECTIONS: dict[str, Callable[[Setting], list[str]]] = {
     "tests": cuda_tests,
     "transfers": transfers,
@@ -981,6 +1060,7 @@ SECTIONS: dict[str, Callable[[Setting], list[str]]] = {
     "loops": training_loops,
     "compiled": compiled,
     "fit": fit,
+    "materialize": materialize,
 }
 
 

@@ -67,6 +67,7 @@ SECTION_TITLES = (
     "## Loader overlap",
     "## Real training loops",
     "## fit_batch",
+    "## materialize",
 )
 
 
