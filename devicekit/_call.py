@@ -16,7 +16,7 @@ from typing import Any, Final, Protocol, TypeAlias
 import torch
 
 from devicekit import _packing
-from devicekit._devices import HOST_TYPES
+from devicekit._devices import HOST_TYPES, mesh_of
 from devicekit._errors import LeafError
 from devicekit._kinds import Leaf, leaf_how
 from devicekit._moves import MOVES, keep
@@ -226,6 +226,8 @@ class Call:
         if how is Leaf.KEPT or how is None:
             return obj
         if how is Leaf.TENSOR:
+            if detail:
+                _stays_on_its_mesh(obj, self.plan.device)
             return self.tensor(obj, self.plan.device)
         if how is Leaf.OTHER or how is Leaf.ARRAY:
             return keep(obj, self.plan.options.strict, array=how is Leaf.ARRAY)
@@ -287,3 +289,22 @@ def _pack(tensors: list[torch.Tensor], call: Call) -> dict[int, torch.Tensor]:
     return _packing.pack(
         tensors, plan.device, non_blocking=not blocking, dtype=plan.options.dtype, pin=plan.pins
     )
+
+
+def _stays_on_its_mesh(tensor: torch.Tensor, device: torch.device) -> None:
+    """Refuse a DTensor to a device type other than its mesh's (meta, shapes only, is fine).
+
+    PyTorch moves its shard and keeps the mesh: a cuda shard on a cpu mesh, which every
+    collective then fails on, far from the move.
+    """
+    mesh_type = getattr(tensor, "device_mesh").device_type  # noqa: B009 - a DTensor's
+    if device.type in (mesh_type, "meta"):
+        return
+    msg = (
+        f"Cannot move {{path}} to {device}: it is a DTensor ({mesh_of(tensor)}), whose shards "
+        f"live on its mesh's {mesh_type} devices; moved, it would hold a {device.type} shard "
+        f"on a {mesh_type} mesh, which collectives cannot use. Distribute it on a "
+        f"{device.type} mesh (init_device_mesh({device.type!r}, ...)), or move "
+        "tensor.full_tensor() for one plain tensor."
+    )
+    raise LeafError(msg)

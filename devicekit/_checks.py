@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from devicekit import _tree
-from devicekit._devices import DeviceLike, resolve_device, shown
+from devicekit._devices import DeviceLike, mesh_of, resolve_device, shown
 from devicekit._errors import DeviceMismatchError
 from devicekit._kinds import READ
 from devicekit._unmoved import strays
@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 PATHS_SHOWN = 3
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 """How many paths a message lists per device before it only counts the rest."""
 
 
@@ -225,7 +226,11 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
     for index, item in enumerate(data):
         root = _root_name(item, index, len(data))
         for path, tensor in tensor_paths(item, root):
-            found.setdefault(tensor.device, []).append(path)
+            # A DTensor is named with its placements and mesh; plain ones skip the lookup.
+            placed = None if type(tensor) in _PLAIN else mesh_of(tensor)
+            found.setdefault(tensor.device, []).append(
+                path if placed is None else f"{path} ({placed})"
+            )
     if not found:
         arguments = "1 argument" if len(data) == 1 else f"{len(data)} arguments"
         msg = f"Expected tensors to check, but found none in {arguments}."

@@ -22,6 +22,7 @@ __all__ = [
     "accelerator_type",
     "available_devices",
     "has_backend",
+    "mesh_of",
     "no_backend",
     "parse_device",
     "resolve_device",
@@ -103,6 +104,16 @@ def available_devices() -> list[str]:
 
 def _choices() -> str:
     return ", ".join(repr(name) for name in available_devices())
+
+
+def mesh_of(tensor: torch.Tensor) -> str | None:
+    """Where a DTensor lives: ``[Shard(dim=0)] on a 2-rank cpu mesh``; None for other tensors."""
+    mesh = getattr(tensor, "device_mesh", None)
+    placements = getattr(tensor, "placements", None)
+    if mesh is None or placements is None:
+        return None
+    ranks = mesh.size()
+    return f"[{', '.join(map(repr, placements))}] on a {ranks}-rank {mesh.device_type} mesh"
 
 
 def shown(value: object, limit: int = 60) -> str:

@@ -129,7 +129,9 @@ def _decide(cls: type) -> Decision:
         return Decision(LEAF, LEAF, contents_node(cls), Leaf.RULE, rule)
     if issubclass(cls, torch.Tensor):
         parameter = issubclass(cls, torch.nn.Parameter)
-        return Decision(LEAF, LEAF, LEAF, Leaf.PARAMETER if parameter else Leaf.TENSOR)
+        # detail: whether it lives on a device mesh (a DTensor), whose device type it keeps.
+        meshed = hasattr(cls, "device_mesh")
+        return Decision(LEAF, LEAF, LEAF, Leaf.PARAMETER if parameter else Leaf.TENSOR, meshed)
     if issubclass(cls, torch.nn.Module):
         return Decision(LEAF, LEAF, MODULE_CONTENTS, Leaf.MODULE)
     if issubclass(cls, torch.optim.Optimizer):

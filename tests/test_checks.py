@@ -414,14 +414,14 @@ def test_guard_names_the_states_a_forward_made_on_the_host() -> None:
 
 
 def test_an_input_on_the_wrong_device_keeps_its_advice_in_the_same_model() -> None:
-    model = Sequence().double().to(META)
+    model = Sequence().double()
     msg = (
-        "input is on cpu but the parameters of Sequence (e.g. lstm1.weight_ih, lstm1.weight_hh) "
-        "are on meta. Devices seen: meta has the parameters of Sequence; cpu has input. Move "
-        "the inputs with devicekit.to_device(..., 'meta'), or the module to the inputs' device."
+        "input is on meta but the parameters of Sequence (e.g. lstm1.weight_ih, lstm1.weight_hh) "
+        "are on cpu. Devices seen: cpu has the parameters of Sequence; meta has input. Move "
+        "the inputs with devicekit.to_device(..., 'cpu'), or the module to the inputs' device."
     )
     with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(model):
-        model(torch.zeros(2, 3, dtype=torch.double))
+        model(torch.zeros(2, 3, dtype=torch.double, device=META))
     assert info.value.__cause__ is None  # raised before the forward ran
 
 

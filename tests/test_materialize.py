@@ -18,7 +18,7 @@ from torch import nn
 
 import devicekit as dk
 
-from .programs import run_two_ranks
+from .programs import run_program, run_two_ranks
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -280,6 +280,11 @@ FSDP_SCRIPT = textwrap.dedent(
     weight = model[1][0].weight
     found["placements"] = [repr(p) for p in weight.placements]
     found["local rows"] = weight.to_local().shape[0]
+    try:
+        dk.check_same_device(model, torch.ones(1, device="meta"))
+    except dk.DeviceMismatchError as error:
+        found["mismatch"] = str(error)
+    found["to meta"] = type(dk.to_device(weight, "meta")).__name__  # shapes only: allowed
 
     # A sharded parameter that no initialiser writes: both ranks refuse, neither hangs.
     class Scaled(nn.Linear):
@@ -326,6 +331,11 @@ def test_fsdp2_shards_built_on_meta_are_materialized_on_each_rank(tmp_path: Path
         assert mine["grads finite"]
         assert mine["loss"] == pytest.approx(mine["unsharded loss"], rel=1e-5)
         assert mine["placements"] == ["Shard(dim=0)"]
+        assert mine["mismatch"].startswith(
+            "Expected every tensor on one device, but found 2: cpu has "
+            "FSDPSequential.0.weight ([Shard(dim=0)] on a 2-rank cpu mesh), "
+        )
+        assert mine["to meta"] == "DTensor"
         assert mine["local rows"] == 8
         assert mine["refused"] is not None
         assert "\n  0.gain\n  1.gain\n" in mine["refused"]
@@ -333,3 +343,33 @@ def test_fsdp2_shards_built_on_meta_are_materialized_on_each_rank(tmp_path: Path
         assert mine["then"] == 14  # the group is still in step
     assert found[0]["loss"] == found[1]["loss"]
     assert found[0]["refused"] == found[1]["refused"]
+
+
+DTENSOR_TO_CUDA = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    import devicekit as dk
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    on_cpu = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+    try:
+        dk.to_device({"w": on_cpu}, "cuda:0")
+    except dk.TransferError as error:
+        print(error)
+    """
+)
+
+
+@pytest.mark.cuda
+def test_a_dtensor_is_refused_a_device_type_other_than_its_mesh_s(tmp_path: Path) -> None:
+    script = tmp_path / "to_cuda.py"
+    script.write_text(DTENSOR_TO_CUDA)
+    result = run_program([sys.executable, str(script)], timeout=120)
+    assert result.stdout.strip() == (
+        "Cannot move data['w'] to cuda:0: it is a DTensor ([Shard(dim=0)] on a 1-rank cpu "
+        "mesh), whose shards live on its mesh's cpu devices; moved, it would hold a cuda "
+        "shard on a cpu mesh, which collectives cannot use. Distribute it on a cuda mesh "
+        "(init_device_mesh('cuda', ...)), or move tensor.full_tensor() for one plain tensor."
+    ), result.stderr[-3000:]
