@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 
 import devicekit as dk
-from devicekit import _manager
+from devicekit import _hardware, _manager
 from devicekit._backends import CpuBackend, DeviceInfo, Family
 from devicekit._doctor import Machine, diagnose
 from devicekit._hardware import Build, Hardware
@@ -77,7 +77,7 @@ def fallback_warning() -> str:
     """What ``DeviceManager()`` warns on the first situation's machine, as Python shows it."""
     machine = next(iter(SITUATIONS.values()))
     with (
-        mock.patch.object(_manager, "probe", return_value=machine.hardware),
+        mock.patch.object(_hardware, "probe", return_value=machine.hardware),
         mock.patch.object(Build, "of_torch", return_value=machine.build),
         mock.patch.object(_manager, "_fallback_warned", _manager._Once()),
         warnings.catch_warnings(record=True) as said,

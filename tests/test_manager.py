@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _claims, _launch, _manager, _units
+from devicekit import _claims, _hardware, _launch, _manager, _units
 from devicekit._doctor import Machine, why_cpu
 from devicekit._hardware import Build, Hardware
 
@@ -39,7 +39,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in (*launchers, *slurm, *visibility, "DEVICEKIT_DEVICE", "DEVICEKIT_CLAIM_DIR"):
         monkeypatch.delenv(name, raising=False)
     # The machine beneath PyTorch is each test's to say: none, unless a test gives one.
-    monkeypatch.setattr(_manager, "probe", lambda: NO_HARDWARE)
+    monkeypatch.setattr(_hardware, "probe", lambda: NO_HARDWARE)
     _manager._fallback_warned.clear()
     yield
     _manager._fallback_warned.clear()
@@ -124,7 +124,7 @@ def test_a_machine_without_accelerators_uses_its_cpu_without_a_warning() -> None
 def test_an_accelerator_present_but_unusable_is_warned_of_once_with_the_doctor_s_cause(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_manager, "probe", lambda: NVIDIA)
+    monkeypatch.setattr(_hardware, "probe", lambda: NVIDIA)
     monkeypatch.setattr(Build, "of_torch", lambda: CPU_ONLY)
     backends = machine(note="this PyTorch build has no CUDA support")
     (cause,) = why_cpu(Machine({}, hardware=NVIDIA, build=CPU_ONLY))
@@ -244,7 +244,7 @@ def test_the_fallback_warning_points_at_the_user_s_line_from_to_device(
     from devicekit import _manager  # noqa: PLC0415 - the process default is what is tested
 
     monkeypatch.setattr(_manager, "builtin_backends", machine)
-    monkeypatch.setattr(_manager, "probe", lambda: NVIDIA)  # a GPU this PyTorch cannot use
+    monkeypatch.setattr(_hardware, "probe", lambda: NVIDIA)  # a GPU this PyTorch cannot use
     monkeypatch.setattr(Build, "of_torch", lambda: CPU_ONLY)
     _manager._process_default.cache_clear()
     try:
