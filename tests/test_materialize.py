@@ -203,6 +203,13 @@ def test_a_transformers_model_built_on_meta_from_its_config() -> None:
     )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
+    # Without the model's own initialiser: RMSNorm has no reset_parameters, and nothing
+    # computes the rotary frequencies again.
+    with pytest.raises(dk.DeviceKitError) as caught:
+        dk.materialize(model, "cpu")
+    for path in ("model.norm.weight", "model.layers.1.input_layernorm.weight", "inv_freq"):
+        assert path in str(caught.value)
+    assert "model.embed_tokens.weight" not in str(caught.value)  # Embedding's own reset
     # The model's own initialiser, as from_pretrained applies it; what it leaves (the
     # rotary frequencies computed in __init__, where it does) is named, then given.
     try:
