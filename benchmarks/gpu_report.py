@@ -1004,7 +1004,7 @@ def _materialize_once(
     return seconds, peak
 
 
-def materialize(setting: Setting) -> list[str]:
+def meta_models(setting: Setting) -> list[str]:
     """dk.materialize against to_empty + reset_parameters, plain and under FSDP2 on one rank.
 
     The model: 1,000 modules (Linear and LayerNorm pairs, 1024 wide: 2 GiB of float32),
@@ -1060,7 +1060,7 @@ SECTIONS: dict[str, Callable[[Setting], list[str]]] = {
     "loops": training_loops,
     "compiled": compiled,
     "fit": fit,
-    "materialize": materialize,
+    "materialize": meta_models,
 }
 
 
