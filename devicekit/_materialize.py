@@ -107,14 +107,18 @@ def materialize(
             # its own _apply, so every module of the unit must hold its new tensors by then.
             apply_to_own_tensors(submodule, storage.give)
     _tie_again(slots)
-    with torch.no_grad():
-        holders = {id(submodule) for submodule, _, _, _ in slots}
-        for _, submodule in _post_order(module):
-            if id(submodule) in holders:
-                _reset(submodule)
-        if init is not None:
+    try:
+        with torch.no_grad():
+            holders = {id(submodule) for submodule, _, _, _ in slots}
             for _, submodule in _post_order(module):
-                init(submodule)
+                if id(submodule) in holders:
+                    _reset(submodule)
+            if init is not None:
+                for _, submodule in _post_order(module):
+                    init(submodule)
+    except BaseException:  # an initialiser failed: the model as it was, then its error
+        _put_back(module, slots)
+        raise
     unwritten = _unwritten(slots)
     if unwritten:
         _put_back(module, slots)
@@ -225,7 +229,25 @@ def _unwritten(slots: list[Slot]) -> dict[str, tuple[int, int]]:
         checked.add(id(meta))
         counts.append((path, tensor, _count_sentinel(_local(tensor))))
     _agree(counts)
-    return {path: (int(count), tensor.numel()) for path, tensor, count in counts if int(count)}
+    numbers = _numbers([count for _, _, count in counts])
+    return {
+        path: (number, tensor.numel())
+        for (path, tensor, _), number in zip(counts, numbers, strict=True)
+        if number
+    }
+
+
+def _numbers(counts: list[torch.Tensor]) -> list[int]:
+    """The counts as Python ints: one copy to the host per device, not one wait per tensor."""
+    by_device: dict[torch.device, list[int]] = {}
+    for position, count in enumerate(counts):
+        by_device.setdefault(count.device, []).append(position)
+    numbers = [0] * len(counts)
+    for positions in by_device.values():
+        stacked = torch.stack([counts[position] for position in positions]).tolist()
+        for position, number in zip(positions, stacked, strict=True):
+            numbers[position] = int(number)
+    return numbers
 
 
 def _reset(module: torch.nn.Module) -> None:

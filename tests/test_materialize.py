@@ -145,6 +145,20 @@ def test_init_runs_after_every_reset_on_each_submodule_children_first() -> None:
     assert torch.equal(model[1][0].weight.detach(), torch.full((2, 2), 0.5))  # init wins
 
 
+def test_an_initialiser_that_fails_leaves_the_model_on_meta_with_its_error() -> None:
+    model = on_meta()
+
+    def broken(module: nn.Module) -> None:
+        if isinstance(module, Rotary):
+            raise KeyError("the user's own mistake")
+
+    with pytest.raises(KeyError, match="the user's own mistake"):
+        dk.materialize(model, "cpu", init=broken)
+    assert all(t.is_meta for t in model.state_dict().values())
+    assert model.head.weight is model.embed.weight
+    dk.materialize(model, "cpu", init=init_what_no_reset_writes)
+
+
 def test_wrong_arguments_are_refused_before_anything_changes() -> None:
     model = on_meta()
     with pytest.raises(TypeError, match=r"^Expected a torch.nn.Module to materialize, got dict"):
