@@ -213,7 +213,14 @@ def _check_strays(
     stray, device = elsewhere[0]
     params = [name for name, t in tensors_of(module, own=own) if t.device == home]
     named = [f"{label}.{each.path}" for each, _ in elsewhere]
-    more = f" (and {len(named) - 1} more: {', '.join(named[1:4])})" if len(named) > 1 else ""
+    others = named[1:]
+    listed = ", ".join(others[:3])
+    more = (  # "and 5 more: a, b, c" read as if five were listed
+        f" (and {len(others)} more: {listed})"
+        if len(others) <= 3
+        else f" (and {len(others)} more, among them {listed})"
+    )
+    more = more if others else ""
     msg = (
         f"{label}.{stray.path} is on {device} but the parameters of {label} (e.g. "
         f"{', '.join(params[:2])}) are on {home}{more}. {stray.fix()}."

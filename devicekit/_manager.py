@@ -126,8 +126,8 @@ class DeviceManager:
         prefer: Families in order of preference; the first with a usable device wins.
             ``"cuda"`` also matches ROCm GPUs, which PyTorch addresses as ``cuda``.
         policy: ``"auto"`` (a launcher's local rank when set, else the lowest-numbered
-            device with about the most free memory), ``"most-free-memory"``, or
-            ``"local-rank"``.
+            device whose free memory is within 5% of the most free),
+            ``"most-free-memory"`` (the most free, exactly), or ``"local-rank"``.
         min_free_memory: Skip accelerators with less free memory than this: bytes, or a
             size such as ``"8GiB"``. Devices whose free memory is unknown are kept.
         max_utilization: Skip accelerators busier than this share of the time (0-1, as

@@ -795,3 +795,13 @@ def test_parse_bytes_fails_at_once_on_a_long_run_of_spaces() -> None:
     with pytest.raises(ValueError, match="Expected min_free_memory"):
         _units.parse_bytes("1" + " " * 200_000 + "!")
     assert _units.parse_bytes(" 8 GiB ") == 8 * 2**30
+
+
+def test_the_default_choice_is_the_first_gpu_within_5_percent_of_the_most_free_memory() -> None:
+    # As the docstring, the selection guide and the README say: equal GPUs whose free
+    # memory differs by a little give the first, and "most-free-memory" is exact.
+    assert "within 5% of the most free" in " ".join((dk.DeviceManager.__doc__ or "").split())
+    assert dk.DeviceManager(backends=machine(76.0, 79.0)).device == cuda(0)  # 76 >= 0.95 * 79
+    assert dk.DeviceManager(backends=machine(74.0, 79.0)).device == cuda(1)  # 74 < 75.05
+    exact = dk.DeviceManager(policy="most-free-memory", backends=machine(76.0, 79.0))
+    assert exact.device == cuda(1)

@@ -6,6 +6,10 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
+
+import pytest
+import torch
 
 import devicekit as dk
 
@@ -35,6 +39,28 @@ def test_errors_derive_from_one_base_and_say_they_are_devicekit_s() -> None:
         assert error.__module__ == "devicekit"
         assert error.__doc__
     assert issubclass(dk.DeviceKitError, RuntimeError)
+
+
+def test_the_error_rule_as_the_api_page_states_it(tmp_path: Path) -> None:
+    # Device problems are DeviceKitErrors; wrong arguments and files are Python's own.
+    with pytest.raises(dk.DeviceUnavailableError):
+        dk.to_device(torch.ones(1), "gpu")
+    with pytest.raises(dk.DeviceMismatchError):
+        dk.check_same_device(torch.ones(1), torch.ones(1, device="meta"))
+    with pytest.raises(ValueError, match=r"^Expected policy to be one of"):
+        dk.DeviceManager(policy="fastest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^Cannot save to"):
+        dk.save(torch.nn.Linear(1, 1), tmp_path / "model.pt")
+    with pytest.raises(FileNotFoundError):
+        dk.save({"step": 1}, tmp_path / "missing" / "state.pt")
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    with pytest.raises(ValueError, match=r"^Expected a file written by torch\.save"):
+        dk.load(tmp_path / "junk.pt")
+    for error in (ValueError, FileNotFoundError):
+        assert not issubclass(error, dk.DeviceKitError)
+    page = (Path(__file__).parent.parent / "docs" / "api.rst").read_text()
+    assert "A device problem (" in page
+    assert "an argument of the wrong\ntype is a :class:`TypeError`" in page
 
 
 def test_importing_devicekit_creates_no_cuda_context() -> None:

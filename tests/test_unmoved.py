@@ -400,7 +400,8 @@ def test_a_list_thousands_deep_is_walked_as_a_shallow_one(depth: int) -> None:
             model(x)
         assert str(info.value).startswith(
             f"Deep.deep[0] is on cpu but the parameters of Deep (e.g. lin.weight, lin.bias) "
-            f"are on meta (and {depth - 1} more: Deep.deep[1][0], Deep.deep[1][1][0]"
+            f"are on meta (and {depth - 1} more{':' if depth - 1 <= 3 else ', among them'} "
+            "Deep.deep[1][0], Deep.deep[1][1][0]"
         )
         model.deep = dk.to_device(model.deep, META)  # fixed in place: read again, not walked
         assert model(x).is_meta
