@@ -192,9 +192,9 @@ def _check_inputs(
     params = [name for name, t in tensors_of(module, own=own) if t.device == home]
     (device, paths), *_ = where.items()
     seen = describe_devices({home: [f"the parameters of {label}"], **where})
-    fix = meta_fix([home]) or (
+    fix = (
         f" Move the inputs with devicekit.to_device(..., {str(home)!r}), or the module to the "
-        "inputs' device."
+        "inputs' device." + meta_fix([home])
     )
     msg = (
         f"{paths[0]} is on {device} but the parameters of {label} (e.g. "

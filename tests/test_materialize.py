@@ -200,7 +200,7 @@ def test_the_checks_and_guard_name_materialize_for_meta_parameters() -> None:
     message = str(caught.value)
     assert "are on meta" in message
     assert "devicekit.materialize(model, device)" in message
-    assert "Move the inputs" not in message  # to meta would not help
+    assert "Move the inputs with devicekit.to_device(..., 'meta')" in message
 
 
 def test_a_transformers_model_built_on_meta_from_its_config() -> None:
