@@ -170,3 +170,28 @@ def test_the_sections_that_need_optional_packages_are_found() -> None:
     assert {"transformers", "torch_geometric"} <= set.union(*needs.values())
     assert needs["migration/accelerate.rst#1"] == {"accelerate"}
     assert needs["migration/fabric.rst#3"] == {"lightning_fabric"}
+
+
+# The pages a user reads to get started and to do a task (not the contributors' pages).
+USER_PAGES = sorted(
+    [
+        DOCS / "quickstart.rst",
+        DOCS / "install.rst",
+        DOCS / "faq.rst",
+        *(DOCS / "guide").glob("*.rst"),
+        *(DOCS / "migration").glob("*.rst"),
+    ]
+)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda page: str(page.relative_to(DOCS)))
+def test_a_user_page_has_a_title_a_first_paragraph_and_no_private_name(page: Path) -> None:
+    lines = page.read_text(encoding="utf-8").splitlines()
+    title, underline = lines[0], lines[1]
+    assert title.strip()
+    assert set(underline) == {"="}
+    assert len(underline) >= len(title)
+    first = lines[3] if lines[2] == "" else ""
+    assert first.strip()
+    assert not first.startswith((".. ", "   ", ">>>"))  # prose, before any block
+    assert "devicekit._" not in page.read_text(encoding="utf-8")
