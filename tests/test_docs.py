@@ -182,10 +182,25 @@ USER_PAGES = sorted(
         *(DOCS / "migration").glob("*.rst"),
     ]
 )
+# The pages read from top to bottom: the user pages, the landing page, the background
+# (which may name devicekit's internals) and the contributors' page. Not the references
+# (API, command line, variables, glossary) or the changelog, which are looked things up in.
+READ_PAGES = sorted(
+    [
+        *USER_PAGES,
+        DOCS / "index.rst",
+        DOCS / "contributing.rst",
+        *(path for path in (DOCS / "background").glob("*.rst") if path.stem != "glossary"),
+    ]
+)
 
 
-@pytest.mark.parametrize("page", USER_PAGES, ids=lambda page: str(page.relative_to(DOCS)))
-def test_a_user_page_has_a_title_a_first_paragraph_and_no_private_name(page: Path) -> None:
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(DOCS))
+
+
+@pytest.mark.parametrize("page", READ_PAGES, ids=_page_id)
+def test_a_page_has_a_title_and_a_first_paragraph_of_prose(page: Path) -> None:
     lines = page.read_text(encoding="utf-8").splitlines()
     title, underline = lines[0], lines[1]
     assert title.strip()
@@ -194,4 +209,97 @@ def test_a_user_page_has_a_title_a_first_paragraph_and_no_private_name(page: Pat
     first = lines[3] if lines[2] == "" else ""
     assert first.strip()
     assert not first.startswith((".. ", "   ", ">>>"))  # prose, before any block
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=_page_id)
+def test_a_user_page_names_no_private_name(page: Path) -> None:
+    # devicekit's internals are explained on the background pages, never in a guide.
     assert "devicekit._" not in page.read_text(encoding="utf-8")
+
+
+_ADMONITION = re.compile(r"\.\. (note|warning|tip|seealso)::")
+_UNDERLINE = re.compile(r"([=\-~^])\1+")
+
+
+def prose(text: str) -> list[str]:
+    """The paragraphs and list items of a page's prose: no titles, code or directives.
+
+    A directive's body (code, tables, pictures, toctrees) is left out, an admonition's is
+    prose; inline code and a role count as one word, a link as its text.
+    """
+    lines: list[str] = []
+    skipped_from: int | None = None  # the indentation of the block being left out
+    for line in text.splitlines():
+        indent, stripped = len(line) - len(line.lstrip()), line.strip()
+        if skipped_from is not None and (not stripped or indent > skipped_from):
+            continue
+        if skipped_from is not None:
+            lines.append("")  # what follows a block starts a paragraph
+        skipped_from = None
+        if _UNDERLINE.fullmatch(stripped):
+            lines.pop()  # the title above it
+        elif stripped.startswith("..") and not _ADMONITION.match(stripped):
+            skipped_from = indent
+        else:
+            if stripped.endswith("::"):
+                skipped_from = indent  # a literal block follows
+            item = re.match(r"(- |\* |#\. )", stripped)
+            if item:  # a list item reads as a paragraph of its own
+                lines.append("")
+                stripped = stripped[item.end() :]
+            lines.append(_ADMONITION.sub("", stripped).rstrip(":"))
+    text = " ".join(line or "\n" for line in lines)
+    text = re.sub(r"``[^`]+``|:\w+:`[^`<]*<[^`]*>`|`[^`<]+<[^`]*>`_+", "code", text)
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return [paragraph.strip() for paragraph in text.split("\n") if paragraph.strip()]
+
+
+def sentences(paragraphs: list[str]) -> list[list[str]]:
+    """Each sentence as its words; a colon or a semicolon ends one as a full stop does."""
+    return [
+        sentence.split()
+        for paragraph in paragraphs
+        for sentence in re.split(r"(?<=[.?!:;])\s+", paragraph)
+        if sentence.strip()
+    ]
+
+
+def test_prose_leaves_code_titles_and_directives_out() -> None:
+    page = textwrap.dedent(
+        """\
+        Title
+        =====
+
+        One ``to_device(x)`` call, see :doc:`the guide <guide/loader>`: done.
+
+        .. doctest::
+
+           >>> import torch
+
+        - An item::
+
+             literal
+
+        .. note:: Read this.
+        """
+    )
+    assert prose(page) == ["One code call, see code: done.", "An item", "Read this."]
+    assert sentences(prose(page)) == [["One", "code", "call,", "see", "code:"], ["done."]] + [
+        ["An", "item"],
+        ["Read", "this."],
+    ]
+
+
+# About 1,000 words of prose a page (code not counted): a page read in one sitting.
+MOST_WORDS = 1_000
+# No sentence over 40 words: the longest a reader follows without going back.
+LONGEST_SENTENCE = 40
+
+
+@pytest.mark.parametrize("page", READ_PAGES, ids=_page_id)
+def test_a_page_is_read_in_one_sitting(page: Path) -> None:
+    paragraphs = prose(page.read_text(encoding="utf-8"))
+    words = sum(len(paragraph.split()) for paragraph in paragraphs)
+    assert words <= MOST_WORDS, f"{_page_id(page)} has {words} words of prose"
+    long = [" ".join(words) for words in sentences(paragraphs) if len(words) > LONGEST_SENTENCE]
+    assert long == [], f"{_page_id(page)} has sentences over {LONGEST_SENTENCE} words"

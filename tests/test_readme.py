@@ -119,8 +119,12 @@ def test_every_install_in_the_readme_names_the_torch_version() -> None:
             assert "torch==2.13.0" in line, line
 
 
-def test_the_quick_start_page_gives_the_readme_s_two_lines() -> None:
+def test_the_docs_give_the_readme_s_two_lines_where_each_belongs() -> None:
+    # The demo's line starts a user's quick start; the tests' line, a contributor's page.
     (block,) = re.findall(r"```console\n(.*?)```", _quick_start(), re.DOTALL)
-    page = (DOCS / "quickstart.rst").read_text()
-    for line in block.splitlines():
-        assert f"   $ {line}\n" in page
+    demo, tests = block.splitlines()
+    quick_start = (DOCS / "quickstart.rst").read_text()
+    contributing = (DOCS / "contributing.rst").read_text()
+    assert f"   $ {demo}\n" in quick_start
+    assert f"   $ {tests}\n" in contributing
+    assert "pytest" not in quick_start
