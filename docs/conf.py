@@ -14,6 +14,7 @@ sys.path.insert(0, str(HERE))
 
 import _doctor_findings  # lives beside this file, found through the path above
 import _inventories  # likewise
+import _pictures  # likewise
 import _waiting  # likewise
 
 import devicekit
@@ -116,8 +117,12 @@ def _no_protocol_signature(  # noqa: PLR0917  # the event passes these seven pos
 
 
 def _measure_waiting(app: Any) -> None:
-    """guide/waiting-for-data's figure (a run on this machine, ~3 s), guide/why-cpu's findings."""
+    """guide/waiting-for-data's figure (a run on this machine, ~3 s), guide/why-cpu's findings.
+
+    Also the loader's two drawn pictures: its timeline and the verdict's bands.
+    """
     _waiting.write(HERE / "_generated")
+    _pictures.write(HERE / "_generated")
     _doctor_findings.write(HERE / "_generated")
 
 
