@@ -30,8 +30,9 @@ def main() -> None:
         print(f"training on {manager.device}: {manager.reason}")
         model = dk.to_device(nn.Linear(2, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        device_loader = dk.DeviceDataLoader(loader)  # wrapped once, iterated every epoch
         for epoch in range(args.epochs):
-            for features, target in dk.DeviceDataLoader(loader):  # batches arrive on the device
+            for features, target in device_loader:  # batches arrive on the device
                 loss = nn.functional.mse_loss(model(features), target)
                 optimizer.zero_grad()
                 loss.backward()
