@@ -239,9 +239,14 @@ def load(
     Raises:
         TypeError: ``weights_only`` is not True or False: anything else could be read as
             permission to run the pickle's code; ``f`` was opened in text mode, or is
-            bytes or a file descriptor; ``device`` and ``map_location`` disagree.
+            bytes or a file descriptor; ``device`` and ``map_location`` disagree;
+            ``map_location`` is a dict or a function; a device is of the wrong type.
         ValueError: The file is empty, not one written by ``torch.save``, cut short or
             damaged, or a device; or ``mmap=True`` for what is no regular file.
+        OSError: The path is missing (:class:`FileNotFoundError`), a directory
+            (:class:`IsADirectoryError`), or cannot be read.
+        DeviceUnavailableError: ``device`` or ``map_location`` does not parse or is not
+            on this machine.
         pickle.UnpicklingError: The checkpoint holds an object a weights-only load does
             not build; the message names it and how to allow it.
         TransferError: The checkpoint holds tensors on the meta device (a shape and no

@@ -210,7 +210,9 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
         DeviceMismatchError: The tensors are on more than one device, or not on
             ``device``. Its ``devices`` attribute maps every device to its paths.
         ValueError: ``data`` holds no tensor at all.
-        TypeError: A device was passed among the data instead of as ``device=``.
+        TypeError: A device was passed among the data instead of as ``device=``, or
+            ``device`` is of the wrong type.
+        DeviceUnavailableError: ``device`` does not parse or is not on this machine.
         TransferError: As :func:`find_devices`.
     """
     expected = None if device is None else resolve_device(device)

@@ -63,6 +63,11 @@ def current_device() -> torch.device:
 
     Returns:
         The device.
+
+    Raises:
+        DeviceUnavailableError: Outside ``with manager:``, ``DEVICEKIT_DEVICE`` names no
+            device of this machine.
+        ValueError: Outside ``with manager:``, the launcher's local rank is no whole number.
     """
     active = _active.get()
     if active:

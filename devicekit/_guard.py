@@ -67,6 +67,10 @@ class GuardHandle:
     >>> handle.remove()
     >>> run()
     "PyTorch's own error"
+
+    Raises:
+        DeviceMismatchError: Leaving a ``with`` block on PyTorch's error for mixed devices
+            that the forward made, in its place (its ``__cause__``).
     """
 
     def __init__(

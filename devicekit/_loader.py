@@ -141,9 +141,14 @@ class DeviceDataLoader(Generic[B]):
             not True, False or "auto", or ``samples`` is an int below 1 or a string
             other than ``"dim=N"``.
         TypeError: ``loader`` is neither iterable nor a function, ``transform`` is
-            not a function, or ``samples`` is none of an int, a string or a function;
-            while iterating, a ``samples`` function returned something other than an
-            int (ValueError: a negative one).
+            not a function, ``samples`` is none of an int, a string or a function, or
+            ``device`` is of the wrong type. While iterating: a ``samples`` function
+            returned something other than an int (ValueError: a negative one), or a
+            wrapped iterator, used up or left early, is asked for another epoch.
+        DeviceUnavailableError: ``device`` does not parse or is not on this machine.
+        TransferError: While iterating, a batch cannot move (see :func:`~devicekit.to_device`).
+        RuntimeError: A new epoch of a DataLoader with persistent workers, where a live
+            epoch has waited 30 s for its next batch.
     """
 
     def __init__(
@@ -212,7 +217,11 @@ class DeviceDataLoader(Generic[B]):
     # What the wrapped loader knows.
 
     def __len__(self) -> int:
-        """The wrapped loader's length; a TypeError where it has none."""
+        """The wrapped loader's length.
+
+        Raises:
+            TypeError: The wrapped loader has no ``len()``.
+        """
         if not hasattr(self.loader, "__len__"):
             msg = f"The wrapped {type(self.loader).__name__} has no len()."
             raise TypeError(msg)

@@ -155,8 +155,11 @@ class DeviceManager:
             pass fakes here.
 
     Raises:
-        DeviceUnavailableError: ``device`` does not parse or is not on this machine, or
-            nothing usable was found with ``fallback="error"``.
+        DeviceUnavailableError: ``device`` (or ``DEVICEKIT_DEVICE``) does not parse or is
+            not on this machine, or nothing usable was found with ``fallback="error"``;
+            or, entering ``with manager:`` again, another claimed the GPU it gave back.
+        TypeError: ``device`` is no string, torch.device or index; ``claim`` is not True
+            or False; or a backend lacks the :class:`~devicekit.Backend` protocol.
         ValueError: An option has a value outside those listed above, or the launcher's
             local rank, where it is used, is no whole number.
         OSError: ``claim=True`` where the claim directory cannot be made or used
@@ -242,9 +245,12 @@ class DeviceManager:
             The manager.
 
         Raises:
-            DeviceUnavailableError: ``DEVICEKIT_DEVICE`` names no device of this machine.
+            DeviceUnavailableError: ``DEVICEKIT_DEVICE`` names no device of this machine;
+                or as the constructor, for ``options``.
             ValueError: The launcher's local rank, where it is used, is not a whole number
-                of 0 or more.
+                of 0 or more; or an option's value, as the constructor.
+            TypeError: As the constructor, for ``options``.
+            OSError: As the constructor, with ``claim=True``.
         """
         if _launch.devicekit_device():
             # The variable overrides a program's default, as environment settings do.

@@ -74,7 +74,8 @@ def materialize(
             message names each by its path and the fix; the module's meta tensors are
             put back, so a retry with ``init=`` starts from the same model. Boolean
             tensors have no sentinel and are not checked.
-        TypeError: ``module`` is not a module, or ``init`` is not callable.
+        TypeError: ``module`` is not a module, ``init`` is not callable, or ``device``
+            is of the wrong type.
         ValueError: ``device`` is the meta device.
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
     """

@@ -247,7 +247,8 @@ def fit_batch(
         ValueError: An option is out of range.
         TypeError: ``step`` is not callable, or ``restore`` holds something that
             cannot be put back (a module whose parameters are not initialised yet: a lazy
-            module before its first forward).
+            module before its first forward); or ``device`` is of the wrong type.
+        DeviceUnavailableError: ``device`` does not parse or is not on this machine.
     """
     ranks = Ranks()
     options: dict[str, int | float | None] = {

@@ -262,7 +262,8 @@ def to_device(
             such as ``data['x'][2]``.
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
         ValueError: An option has a value outside those above.
-        TypeError: ``copy``, ``strict`` or ``skip_keys`` has a value of the wrong type.
+        TypeError: ``device``, ``copy``, ``strict`` or ``skip_keys`` has a value of the
+            wrong type.
     """
     options = (
         _DEFAULTS  # identity, not truth: copy="False" is a mistake, not True

@@ -33,6 +33,10 @@ def assert_on_device(data: Any, device: DeviceLike, /) -> None:
 
     Raises:
         AssertionError: Naming each tensor elsewhere and its device.
+        DeviceUnavailableError: ``device`` does not parse or is not on this machine.
+        TypeError: ``device`` is no string, torch.device or index.
+        TransferError: ``data`` holds a cycle or nests too deep, as in
+            :func:`~devicekit.find_devices`.
     """
     expected = resolve_device(device)
     found = find_devices(data)
@@ -59,6 +63,8 @@ def assert_same_structure(actual: Any, expected: Any, /) -> None:
 
     Raises:
         AssertionError: Naming the first path where they differ.
+        TransferError: Either holds a cycle or nests too deep, as in
+            :func:`~devicekit.to_device`.
     """
     _compare(actual, expected, values=False)
 
@@ -76,6 +82,8 @@ def assert_batches_equal(actual: Any, expected: Any, /) -> None:
 
     Raises:
         AssertionError: Naming the first path where they differ, and how.
+        TransferError: Either holds a cycle or nests too deep, as in
+            :func:`~devicekit.to_device`.
     """
     _compare(actual, expected, values=True)
 
