@@ -3,9 +3,9 @@
 Run ``python benchmarks/bench_to_device.py`` (``--quick`` for a smoke run). Peers that
 are not installed are skipped; ``pip install -e ".[bench]"`` installs them all.
 
-Targets (docs/performance.rst): with nothing to move (target == current device)
-<= 1.2x the handwritten comprehension; for a real move (cpu -> meta, and cpu -> cuda
-where a GPU exists) <= 1.3x; faster than every peer on every workload. On a GPU,
+Targets (docs/background/performance.rst): with nothing to move (target == current
+device) <= 1.2x the handwritten comprehension; for a real move (cpu -> meta, and cpu ->
+cuda where a GPU exists) <= 1.3x; faster than every peer on every workload. On a GPU,
 1000 x 4 KiB tensors also go packed vs one non_blocking copy per tensor.
 """
 
