@@ -69,8 +69,8 @@ class GuardHandle:
     "PyTorch's own error"
 
     Raises:
-        DeviceMismatchError: Leaving a ``with`` block on PyTorch's error for mixed devices
-            that the forward made, in its place (its ``__cause__``).
+        DeviceMismatchError: Leaving a ``with`` block on PyTorch's mixed-device error from
+            the forward: in its place (its ``__cause__``), naming what the forward made.
     """
 
     def __init__(

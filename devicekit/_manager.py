@@ -157,7 +157,7 @@ class DeviceManager:
     Raises:
         DeviceUnavailableError: ``device`` (or ``DEVICEKIT_DEVICE``) does not parse or is
             not on this machine, or nothing usable was found with ``fallback="error"``;
-            or, entering ``with manager:`` again, another claimed the GPU it gave back.
+            or, entering ``with manager:`` again, another holder claimed the GPU it gave back.
         TypeError: ``device`` is no string, torch.device or index; ``claim`` is not True
             or False; or a backend lacks the :class:`~devicekit.Backend` protocol.
         ValueError: An option has a value outside those listed above, or the launcher's
