@@ -77,7 +77,8 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """The Sphinx site with warnings as errors, then every example in it as a doctest."""
     # The API pages import devicekit.testing; the migration guide runs accelerate's and
-    # Lightning Fabric's side of each example too, the moving-data guide other libraries'.
+    # Lightning Fabric's side of each example too, the other-libraries guide those
+    # libraries' objects.
     install(session, "docs,testing,bench,interop")
     common = ["-n", "-W", "--keep-going", "docs"]
     session.run("sphinx-build", "-b", "html", *common, "docs/_build/html")

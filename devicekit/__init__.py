@@ -63,7 +63,8 @@ __all__ = [
 ]
 
 # Imported on first use: a training step, a DataLoader worker or `devicekit info` rarely
-# needs them, and together they cost a fifth of `import devicekit` (docs/performance.rst).
+# needs them, and together they cost a fifth of `import devicekit`
+# (docs/background/performance.rst).
 _ON_FIRST_USE = {
     "TransferEvent": "_audit",
     "TransferLog": "_audit",

@@ -214,7 +214,9 @@ def test_a_page_has_a_title_and_a_first_paragraph_of_prose(page: Path) -> None:
 @pytest.mark.parametrize("page", USER_PAGES, ids=_page_id)
 def test_a_user_page_names_no_private_name(page: Path) -> None:
     # devicekit's internals are explained on the background pages, never in a guide.
-    assert "devicekit._" not in page.read_text(encoding="utf-8")
+    text = page.read_text(encoding="utf-8")
+    assert "devicekit._" not in text  # a private module or name
+    assert "devicekit/_" not in text  # a private module's file
 
 
 _ADMONITION = re.compile(r"\.\. (note|warning|tip|seealso)::")
@@ -284,7 +286,9 @@ def test_prose_leaves_code_titles_and_directives_out() -> None:
         """
     )
     assert prose(page) == ["One code call, see code: done.", "An item", "Read this."]
-    assert sentences(prose(page)) == [["One", "code", "call,", "see", "code:"], ["done."]] + [
+    assert sentences(prose(page)) == [
+        ["One", "code", "call,", "see", "code:"],
+        ["done."],
         ["An", "item"],
         ["Read", "this."],
     ]
