@@ -7,7 +7,7 @@ Packing gathers small tensors into one staging buffer in pinned host memory, sen
 in a few bounded *chunks*, and hands back pieces of the device chunks.
 
 The figures behind every choice here are the H100 costs in the project's cost model
-(each primitive's host time per call; see docs/background/performance.rst):
+(each primitive's host time per call; see docs/background/gpu-costs.rst):
 
 * Which tensors: only those of at most :data:`PACK_MAX_BYTES`. Gathering costs a
   host memcpy of the bytes; beyond 64 KiB that memcpy costs more than the copy
