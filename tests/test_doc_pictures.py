@@ -73,7 +73,7 @@ def test_the_timeline_draws_both_waits_between_every_two_steps() -> None:
     root = ET.fromstring(pictures.timeline())
     waits = root.find(f".//{SVG}g[@class='waits']")
     assert waits is not None
-    kinds = [line.get("class") for line in waits.iter(f"{SVG}line")]
+    kinds = [line.get("class", "") for line in waits.iter(f"{SVG}line")]
     between = pictures.STEPS - 1
     assert sorted(kinds) == sorted(
         ["wait event"] * between + ["wait order"] * between + ["wait queue"] * between
@@ -223,3 +223,12 @@ def test_the_loader_guide_leaves_the_mechanics_to_the_background_page() -> None:
     assert "How the copy hides behind compute: :doc:`../background/loader-pipeline`." in guide
     assert "record_stream" not in guide
     assert "──" not in guide  # the ASCII pipeline, drawn now as the timeline
+
+
+def test_the_guide_s_words_beside_the_bands_state_the_code_s_thresholds() -> None:
+    # The picture is drawn from the code; the prose and the alt text beside it must agree.
+    page = " ".join((DOCS / "guide" / "waiting-for-data.rst").read_text(encoding="utf-8").split())
+    low, high = f"{_stats.COMPUTE_BOUND:.0%}", f"{_stats.INPUT_BOUND:.0%}"
+    assert f"Below {low}, the loop is *compute-bound*" in page
+    assert f"From {high}, it is *input-bound*" in page
+    assert f"cut into three bands at {low} and {high}" in page
