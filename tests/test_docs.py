@@ -261,7 +261,7 @@ def sentences(paragraphs: list[str]) -> list[list[str]]:
     return [
         sentence.split()
         for paragraph in paragraphs
-        for sentence in re.split(r"(?<=[.?!])\s+", paragraph)
+        for sentence in re.split(r"(?<=[.?!])\s+|(?<=[.?!][)\"'])\s+", paragraph)
         if sentence.strip()
     ]
 
@@ -272,7 +272,7 @@ def test_prose_leaves_code_titles_and_directives_out() -> None:
         Title
         =====
 
-        One ``to_device(x)`` call, see :doc:`the guide <guide/loader>`: done.
+        One ``to_device(x)`` call, see :doc:`the guide <guide/loader>`: done. (Really.) Yes.
 
         .. doctest::
 
@@ -285,9 +285,11 @@ def test_prose_leaves_code_titles_and_directives_out() -> None:
         .. note:: Read this.
         """
     )
-    assert prose(page) == ["One code call, see code: done.", "An item", "Read this."]
+    assert prose(page) == ["One code call, see code: done. (Really.) Yes.", "An item", "Read this."]
     assert sentences(prose(page)) == [
         ["One", "code", "call,", "see", "code:", "done."],
+        ["(Really.)"],
+        ["Yes."],
         ["An", "item"],
         ["Read", "this."],
     ]
