@@ -307,8 +307,10 @@ def test_a_page_is_read_in_one_sitting(page: Path) -> None:
     assert words <= MOST_WORDS, f"{_page_id(page)} has {words} words of prose"
 
 
-# The references are looked things up in, page by page: long, but in short sentences too.
-REFERENCE_PAGES = sorted([DOCS / "api.rst", *(DOCS / "reference").glob("*.rst")])
+# The references and the changelog are looked things up in: long, but in short sentences too.
+REFERENCE_PAGES = sorted(
+    [DOCS / "api.rst", DOCS / "changelog.rst", *(DOCS / "reference").glob("*.rst")]
+)
 
 
 @pytest.mark.parametrize("page", READ_PAGES + REFERENCE_PAGES, ids=_page_id)
