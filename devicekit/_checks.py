@@ -21,7 +21,7 @@ import torch
 from devicekit import _tree
 from devicekit._devices import DeviceLike, mesh_of, resolve_device, shown
 from devicekit._errors import DeviceMismatchError
-from devicekit._kinds import READ
+from devicekit._kinds import READ, leaf_how
 from devicekit._unmoved import strays
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
 ]
 
 PATHS_SHOWN = 3
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 """How many paths a message lists per device before it only counts the rest."""
 
 
@@ -228,10 +227,11 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
     for index, item in enumerate(data):
         root = _root_name(item, index, len(data))
         for path, tensor in tensor_paths(item, root):
-            # A DTensor is named with its placements and mesh; plain ones skip the lookup.
-            placed = None if type(tensor) in _PLAIN else mesh_of(tensor)
+            # A DTensor is named with its placements and mesh: the table's row for its type
+            # says whether it lives on one.
+            _, meshed = leaf_how(type(tensor))
             found.setdefault(tensor.device, []).append(
-                path if placed is None else f"{path} ({placed})"
+                f"{path} ({mesh_of(tensor)})" if meshed else path
             )
     if not found:
         arguments = "1 argument" if len(data) == 1 else f"{len(data)} arguments"

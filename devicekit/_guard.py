@@ -218,13 +218,12 @@ def _check_strays(
     params = [name for name, t in tensors_of(module, own=own) if t.device == home]
     named = [f"{label}.{each.path}" for each, _ in elsewhere]
     others = named[1:]
-    listed = ", ".join(others[:3])
-    more = (  # "and 5 more: a, b, c" read as if five were listed
-        f" (and {len(others)} more: {listed})"
-        if len(others) <= 3
-        else f" (and {len(others)} more, among them {listed})"
-    )
-    more = more if others else ""
+    if not others:
+        more = ""
+    elif len(others) <= 3:
+        more = f" (and {len(others)} more: {', '.join(others)})"
+    else:  # "and 5 more: a, b, c" would read as if all five were listed
+        more = f" (and {len(others)} more, among them {', '.join(others[:3])})"
     msg = (
         f"{label}.{stray.path} is on {device} but the parameters of {label} (e.g. "
         f"{', '.join(params[:2])}) are on {home}{more}. {stray.fix()}."

@@ -40,7 +40,7 @@ ARROWS = {"queue": (AMBER, "2 3"), "event": (ORANGE, ""), "order": (GREY, "5 3")
 
 
 def _svg(width: int, height: int, title: str) -> ET.Element:
-    """An empty picture with its title (what a screen reader announces) and two arrowheads."""
+    """An empty picture with its title (what a screen reader announces) and its arrowheads."""
     root = ET.Element(
         "svg",
         xmlns=SVG,
