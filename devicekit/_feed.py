@@ -9,8 +9,10 @@ any source; it knows nothing of copies, and is tested alone.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -23,6 +25,9 @@ __all__ = ["NOT_READY", "BackgroundFeed"]
 # How often a background thread blocked on a full queue looks up to see whether it
 # was told to stop.
 _STOP_POLL_S: Final = 0.1
+# How long the interpreter's exit waits for the feeds still reading: one item's read,
+# as DataLoader gives its workers to end (torch.utils.data's MP_STATUS_CHECK_INTERVAL).
+EXIT_WAIT_S: Final = 5.0
 NOT_READY: Final = object()
 """What :meth:`BackgroundFeed.ready` gives while the next item is still being read."""
 _DONE: Final = object()
@@ -54,6 +59,7 @@ class BackgroundFeed:
         self._thread = threading.Thread(
             target=self._run, args=(batches, prepare), name="devicekit-feed", daemon=True
         )
+        _running.add(self)
         self._thread.start()
 
     def _put(self, item: Any) -> bool:
@@ -78,6 +84,8 @@ class BackgroundFeed:
                     return
         except BaseException as error:  # every failure goes to the consumer
             self._error = error
+        finally:
+            _running.discard(self)
         self._put(_DONE)
 
     def __iter__(self) -> Iterator[Any]:
@@ -133,3 +141,25 @@ class BackgroundFeed:
     def alive(self) -> bool:
         """Whether the thread is still running (it may be inside the source's next())."""
         return self._thread.is_alive()
+
+
+# The feeds whose threads run, so that the interpreter's exit can stop them.
+_running: set[BackgroundFeed] = set()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop every feed, and wait (a bounded time) for those inside their source to leave it.
+
+    A daemon thread still inside PyTorch's C++ code when the interpreter finalises is
+    ended mid-call, and the process aborts ("terminate called without an active
+    exception", status -6 for a loop that called ``sys.exit(3)``). Exit handlers run
+    before that, while threads still run: the feed that finishes its read returns, and
+    one stuck in its source past :data:`EXIT_WAIT_S` is left to end with the process.
+    """
+    feeds = list(_running)
+    for feed in feeds:
+        feed.close()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for feed in feeds:
+        feed.join(max(0.0, deadline - time.monotonic()))

@@ -4,8 +4,10 @@ A manager reads as its constructor runs: it *looks* (each backend lists its devi
 the claim files say which other jobs hold, the launcher's variables say which rank this
 is), asks :func:`devicekit._selection.choose` to *choose* among them (a pure function),
 then *waits* and looks again where it was told to wait, or *claims* the device chosen,
-and keeps what it saw to *explain* the choice. The process-wide manager that
-``current_device()`` falls back on is registered here (:mod:`devicekit._current`).
+and keeps what it saw to *explain* the choice. From its constructor's end until
+:meth:`~DeviceManager.close` it is *open*: the default of devicekit calls given no device
+(:mod:`devicekit._current`). The process-wide manager that ``current_device()`` falls
+back on, where none is open, is registered here too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, get_args
 
 import torch
@@ -31,6 +33,7 @@ from devicekit._backends import (
 )
 from devicekit._devices import HOST_TYPES, DeviceLike, has_backend, shown
 from devicekit._errors import DeviceUnavailableError
+from devicekit._nvml import unforked
 from devicekit._selection import Chosen, Fallback, Policy, Refused, Request, Seen, Wait, choose
 from devicekit._units import duration, parse_bytes, parse_seconds
 from devicekit._warnings import warn
@@ -109,16 +112,20 @@ class DeviceManager:
     Replaces ``torch.device("cuda" if torch.cuda.is_available() else "cpu")``: it sees
     CUDA, ROCm, XPU and MPS devices without starting CUDA, avoids a GPU that others
     are filling, follows torchrun's ``LOCAL_RANK``, and says so when it falls back to
-    the CPU. Inside ``with manager:``, devicekit calls given ``device=None`` use
-    :attr:`device`.
+    the CPU. An open DeviceManager (made, kept and not closed) is the device of every
+    devicekit call given no device, in every thread; ``with manager:`` makes its
+    manager the default inside the block (see :func:`~devicekit.current_device`).
 
     >>> import devicekit as dk
-    >>> manager = dk.DeviceManager("cpu")
+    >>> manager = dk.DeviceManager("meta")
     >>> manager.device
-    device(type='cpu')
-    >>> with manager:
+    device(type='meta')
+    >>> dk.current_device()
+    device(type='meta')
+    >>> with dk.DeviceManager("cpu"):
     ...     dk.current_device()
     device(type='cpu')
+    >>> manager.close()
 
     Args:
         device: A device to use (``"cuda:1"``, ``torch.device``, or an index on the
@@ -216,6 +223,10 @@ class DeviceManager:
         self._request = Request(device, policy, tuple(prefer), min_free, max_busy, fallback)
         self._causes: tuple[Finding, ...] = ()  # why an accelerator here is not usable
         self._device, self._reason = self._settle()
+        # Open from here until close(): the default of devicekit calls given no device.
+        self._open = _current.adopt(self, self._device) if self._counts_open else None
+
+    _counts_open = True  # the process default (below) is what holds when none is open
 
     @classmethod
     def from_env(cls, **options: Any) -> DeviceManager:
@@ -295,7 +306,7 @@ class DeviceManager:
         }
 
     def explain(self) -> str:
-        """A few lines: what was chosen and why, then everything that was seen.
+        """A few lines: what was chosen and why, the default-device rule, what was seen.
 
         Returns:
             The explanation, one sentence per line.
@@ -307,18 +318,27 @@ class DeviceManager:
         if self._claim is not None:
             lines.append(f"Claimed with {self._claim.path}, until close() or the process ends.")
         lines += [f"Cause: {cause.sentence()}" for cause in self._causes]
+        lines.append(
+            f"Default: devicekit calls given no device use {self._device} until close(), "
+            "outside other managers' `with` blocks."
+            if self._open is not None
+            else "Default: closed, so devicekit calls given no device no longer use it."
+        )
         lines.append("Devices seen:")
         lines += [f"  {describe(info)}" for info in self.devices]
         lines += [f"  no {name}: {note}" for name, note in self.notes().items()]
         return "\n".join(lines)
 
     def close(self) -> None:
-        """Give back the claim this manager holds (``claim=True``); nothing else changes.
+        """Close the manager: no longer the default device, its claim (``claim=True``) given back.
 
         Where other managers of this process share the claim, the GPU stays claimed until
         the last of them closes. The process ending gives it back too, however it ends.
         Leaving ``with manager:`` closes the manager; a second call does nothing.
         """
+        if self._open is not None:
+            _current.forget(self._open)
+            self._open = None
         if self._claim is not None:
             self._claim.release()
             self._claim = None
@@ -445,8 +465,10 @@ class DeviceManager:
         nothing to say: its CPU was the only choice.
         """
         # Imported on a fallback only: the doctor and its probe are ~3 ms of the ~27 ms
-        # that import devicekit takes (python -X importtime, self times).
-        from devicekit import _doctor, _hardware  # noqa: PLC0415
+        # that import devicekit takes (python -X importtime, self times). With no fork
+        # while it imports: a fork amid it would leave the module's import lock held in
+        # the child, whose first fallback would then wait for it forever.
+        _doctor, _hardware = unforked(_doctor_modules)
 
         machine = _doctor.Machine(
             os.environ,
@@ -466,9 +488,21 @@ class DeviceManager:
         )
 
 
+class _ProcessDefault(DeviceManager):
+    """The manager of the process default: what holds while no manager of the program is open."""
+
+    _counts_open = False
+
+
+def _doctor_modules() -> tuple[ModuleType, ModuleType]:
+    from devicekit import _doctor, _hardware  # noqa: PLC0415 - see _warn_of_fallback
+
+    return _doctor, _hardware
+
+
 @functools.cache
 def _process_default() -> DeviceManager:
-    return DeviceManager.from_env()
+    return _ProcessDefault.from_env()
 
 
 # current_device()'s fallback: the process-wide manager, made on first use.

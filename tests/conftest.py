@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import devicekit as dk
-from devicekit import _kinds
+from devicekit import _current, _kinds
 from devicekit._launch import LAUNCHERS
 
 if TYPE_CHECKING:
@@ -63,6 +63,22 @@ def no_transfer_rule_left_behind() -> Iterator[None]:
             "test (try/finally, or a fixture), so that later tests are unaffected.",
             pytrace=False,
         )
+
+
+@pytest.fixture(autouse=True)
+def managers_close_with_their_test() -> Iterator[None]:
+    """Close the managers a test made, as a script's end does.
+
+    An open manager is the default device of every later call given none
+    (devicekit._current): one a test's reference cycle keeps until the collector runs
+    would otherwise decide where later tests' data goes, or make them refuse.
+    """
+    before = set(_current._open)
+    yield
+    for reference in set(_current._open) - before:
+        manager = reference()
+        if manager is not None:
+            manager.close()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)

@@ -322,11 +322,31 @@ def child():  # the parent's claim is not the child's: it takes the other GPU
     assert str(manager.device) == "cuda:1", manager.explain()
 """
 
+_FALLBACK_IMPORT = """
+assert "devicekit._doctor" not in sys.modules, "the fallback's words were imported already"
+
+class Pause:  # finds nothing: it only holds the thread inside the import of the doctor
+    def find_spec(self, name, path=None, target=None):
+        if name == "devicekit._hardware" and threading.current_thread() is thread:
+            entered.set()  # devicekit._doctor's import lock is this thread's now
+            release.wait(60)
+        return None
+
+sys.meta_path.insert(0, Pause())
+
+def held():
+    dk.DeviceManager()  # the process's first CPU fallback imports the doctor's words
+    entered.set()
+
+def child():
+    dk.DeviceManager()
+"""
+
 
 @pytest.mark.parametrize(
     "scenario",
-    [_FIRST_LOOK, _TEMP_DIRECTORY, _NVML, _CLAIM],
-    ids=["a first look", "tempfile's first look", "an NVML read", "a claim"],
+    [_FIRST_LOOK, _TEMP_DIRECTORY, _NVML, _CLAIM, _FALLBACK_IMPORT],
+    ids=["a first look", "tempfile's first look", "an NVML read", "a claim", "a fallback"],
 )
 def test_a_child_forked_while_a_thread_looks_or_claims_does_not_hang(
     tmp_path: Path, scenario: str
@@ -335,6 +355,44 @@ def test_a_child_forked_while_a_thread_looks_or_claims_does_not_hang(
     environ.pop("DEVICEKIT_CLAIM_DIR", None)
     code = _FORK_RACE.format(root=str(ROOT), scenario=scenario)
     result = run_program([sys.executable, "-c", code], timeout=120, env=environ)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+
+
+# Forks at 30 moments of a thread's first DeviceManager, each from a process that has made
+# none (the first fork of each trial): a child waits for no lock the thread held.
+_FORKS_AT_ANY_MOMENT = """
+import os, sys, threading, time, warnings
+sys.path.insert(0, {root!r})
+warnings.simplefilter("ignore")  # the CPU fallback's, and Python 3.12's about forking threads
+import devicekit as dk
+hung = []
+for trial in range(30):
+    delay = (trial % 15) / 1000
+    pid = os.fork()
+    if pid == 0:  # a process with no manager made yet
+        threading.Thread(target=dk.DeviceManager, daemon=True).start()
+        time.sleep(delay)
+        child = os.fork()
+        if child == 0:
+            dk.DeviceManager()
+            os._exit(0)
+        deadline = time.monotonic() + 5
+        while not (done := os.waitpid(child, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(child, 9)
+                os._exit(1)
+            time.sleep(0.005)
+        os._exit(os.waitstatus_to_exitcode(done[1]))
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        hung.append(delay)
+sys.exit(f"children forked after {{hung}} s hung or failed" if hung else 0)
+"""
+
+
+def test_children_forked_at_any_moment_of_a_thread_s_first_manager_do_not_hang() -> None:
+    code = _FORKS_AT_ANY_MOMENT.format(root=str(ROOT))
+    result = run_program([sys.executable, "-c", code], timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
 

@@ -456,6 +456,56 @@ def test_the_interpreter_exits_while_a_source_is_stuck(ending: str) -> None:
     assert result.stdout == "stuck\n"
 
 
+# Each trial forks a child that leaves its loop mid-epoch, as a training script does, while
+# the feed thread is inside PyTorch (a matrix product), and the child's interpreter ends.
+_LEAVES_MID_EPOCH = """
+import os, sys, torch, devicekit as dk
+from devicekit import _loader
+
+class Instant:
+    def pin(self, batch): return batch
+    def start(self, batch): return batch
+    def hand_over(self, ticket): return ticket
+    def consumer_done(self): pass
+    def timer(self, ticket): return lambda wait: None
+
+_loader.PREFETCHERS["meta"] = lambda device, non_blocking: Instant()
+
+def products():  # draws nothing: read ahead by the feed thread
+    while True:
+        yield torch.ones(1024, 256) @ torch.ones(256, 256)
+
+statuses = []
+for trial in range(12):
+    pid = os.fork()
+    if pid == 0:
+        for step, batch in enumerate(dk.DeviceDataLoader(products, "meta")):
+            if step == trial % 4:
+                {leave}
+    statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(statuses)
+"""
+
+
+@pytest.mark.parametrize(
+    ("leave", "status"),
+    [("sys.exit(3)", 3), ("raise KeyError('the loop failed')", 1)],
+    ids=["sys.exit", "an error"],
+)
+def test_a_loop_that_exits_mid_epoch_ends_with_its_own_status(leave: str, status: int) -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0)  # the run's own timeout bounds it, as above
+    result = subprocess.run(
+        [sys.executable, "-c", _LEAVES_MID_EPOCH.format(leave=leave)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # -6 is SIGABRT: "terminate called without an active exception", the thread ended mid-call.
+    assert result.stdout.strip() == str([status] * 12), result.stderr[-3000:]
+
+
 def test_a_new_epoch_of_a_persistent_dataloader_ends_the_live_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

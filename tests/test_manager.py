@@ -697,6 +697,8 @@ def test_explain_says_what_was_chosen_why_and_what_was_seen() -> None:
     manager = dk.DeviceManager(backends=[FakeGpus([10, 70, None]), no_xpu])
     assert manager.explain() == (
         "Selected cuda:0 (Fake GPU): the first cuda device; free memory is unknown.\n"
+        "Default: devicekit calls given no device use cuda:0 until close(), outside other "
+        "managers' `with` blocks.\n"
         "Devices seen:\n"
         "  cuda:0   Fake GPU, 10.0 GiB free of 80.0 GiB, compute capability 9.0\n"
         "  cuda:1   Fake GPU, 70.0 GiB free of 80.0 GiB, compute capability 9.0\n"
