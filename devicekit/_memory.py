@@ -275,7 +275,9 @@ def fit_batch(
     assert where is not None
     try:
         with Watch(wrappers) as watch:
-            search = _Search(step, _memory_of(where), where, ranks, watch, kept.between_steps)
+            search = _Search(
+                step, _memory_of(where), where, ranks, watch, between_steps=kept.between_steps
+            )
             return _search(search, options)
     finally:
         kept.put_back()
@@ -334,6 +336,7 @@ class _Search:
         device: torch.device,
         ranks: Ranks,
         watch: Watch,
+        *,
         between_steps: Callable[[], None],
     ) -> None:
         self.step, self.memory, self.device = step, memory, device
