@@ -16,6 +16,7 @@ import io
 import os
 import pickle
 import stat
+import zipfile
 from collections.abc import Callable
 from typing import IO, Any, cast
 
@@ -32,6 +33,7 @@ from devicekit._weights_only import (
     allowing,
     checked_pickle,
     first_sentence,
+    listed,
     load_refusal,
     save_refusal,
 )
@@ -80,7 +82,8 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], *, weights_only: bool 
         f: A path, or a binary file object. A file object is written as torch.save
             writes it, once the check below has passed: a save refused writes nothing
             to it, but one that fails on the way (the stream's own write, Ctrl-C) leaves
-            part of a checkpoint there, as torch.save does. A symbolic link's target is
+            part of a checkpoint there, as torch.save does, and raises the stream's own
+            error (where torch.save raises its writer's). A symbolic link's target is
             replaced, the link kept; a device or FIFO (``/dev/null``) is written in
             place, as a file object is.
         weights_only: Refuse, before a byte is written, what a weights-only load would
@@ -154,6 +157,14 @@ def _torch_save(obj: Any, opening: Callable[[], IO[bytes]], where: str, *, check
         with allowing:  # what is refused, named as the check saw it
             msg = save_refusal(obj, said, where, pickled)
         raise ValueError(msg) from None
+    except BaseException as err:
+        failed = gate.failed
+        if failed is None or failed is err:
+            raise
+        # torch.save's zip writer takes a write that raised for a short one, and raises
+        # its own check instead ("enforce fail ... unexpected pos"): the stream's error,
+        # a full disk or Ctrl-C, is the one to see.
+        raise failed from None
 
 
 class _Gate:
@@ -165,12 +176,14 @@ class _Gate:
     on a busy 2-core machine: 800 small tensors 35-38 ms (torch.save alone 28-31 ms),
     pickling first to check 56-58 ms; a 100 MiB state 0.10 s, as torch.save, a copy made
     first 0.19-0.23 s. Bytes written before it passed (none today) are held, or dropped.
+    The first error a write of the file raised is kept: torch.save's writer loses it.
     """
 
     def __init__(self, opening: Callable[[], IO[bytes]], *, checks: bool) -> None:
         self._opening = opening
         self._held = bytearray()
         self.file: IO[bytes] | None = None
+        self.failed: BaseException | None = None
         self.checking = checked_pickle(checks=checks, passed=self.open)
 
     def open(self) -> None:
@@ -183,7 +196,11 @@ class _Gate:
         if self.file is None:
             self._held += data
             return memoryview(data).nbytes
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except BaseException as err:
+            self.failed = self.failed or err
+            raise
 
     def flush(self) -> None:
         if self.file is not None:
@@ -241,8 +258,10 @@ def load(
             permission to run the pickle's code; ``f`` was opened in text mode, or is
             bytes or a file descriptor; ``device`` and ``map_location`` disagree;
             ``map_location`` is a dict or a function; a device is of the wrong type.
-        ValueError: The file is empty, not one written by ``torch.save``, cut short or
-            damaged, or a device; or ``mmap=True`` for what is no regular file.
+        ValueError: The file is empty, not one written by ``torch.save`` (a zip archive:
+            the message names the records it lacks; a TorchScript archive, loaded weights
+            only: it names ``torch.jit.load``), cut short or damaged, or a device; or
+            ``mmap=True`` for what is no regular file.
         OSError: The path is missing (:class:`FileNotFoundError`), a directory
             (:class:`IsADirectoryError`), or cannot be read.
         DeviceUnavailableError: ``device`` or ``map_location`` does not parse or is not
@@ -256,8 +275,16 @@ def load(
     _check_binary(f, "load from")
     target = _load_device(device, map_location)
     source, name = _source(f, mmap)
-    _check_format(source, name)
+    tail = _check_format(source, name)
     start = None if isinstance(source, str) else source.tell()
+    if weights_only and _TORCHSCRIPT_RECORD.encode() in tail:
+        # Refused before torch.load, which would warn that it dispatches to torch.jit.load
+        # and then refuse it, advising weights_only=False. The name is looked for in the
+        # zip directory's last bytes, read already (torch.jit.save writes it near the end),
+        # and confirmed by the whole directory on that rare file alone.
+        other = _other_archive(source, start, name, target)
+        if other is not None:
+            raise ValueError(other)
     try:
         with allowing:
             loaded = torch.load(source, map_location=target, weights_only=weights_only, mmap=mmap)
@@ -269,8 +296,12 @@ def load(
     except (EOFError, KeyError, UnicodeDecodeError, RuntimeError, OSError) as err:
         # Past the format check, these are an archive cut or damaged inside, or one that
         # is no checkpoint (PyTorch's reader names a record it cannot find).
-        if isinstance(err, RuntimeError) and not is_unreadable_archive(err):
-            raise
+        if isinstance(err, RuntimeError):
+            other = _other_archive(source, start, name, target)
+            if other is not None:
+                raise ValueError(other) from None
+            if not is_unreadable_archive(err):
+                raise
         if isinstance(err, OSError) and err.errno not in (errno.EINVAL, None):
             raise
         raise ValueError(_damaged(name, weights_only_said(str(err)).reason)) from None
@@ -347,8 +378,13 @@ def _source(f: object, mmap: bool | None) -> tuple[str | IO[bytes], str]:
     return (file if seekable else io.BytesIO(file.read())), name
 
 
-def _check_format(source: str | IO[bytes], name: str) -> None:
-    """Refuse what is no whole checkpoint before torch.load reads it, saying what it is."""
+def _check_format(source: str | IO[bytes], name: str) -> bytes:
+    """Refuse what is no whole checkpoint before torch.load reads it, saying what it is.
+
+    Returns:
+        The last bytes of a zip archive (its directory's end), read to check it; none
+        for the legacy format.
+    """
     head_size = len(_LEGACY_MAGIC) + 2
     with open(source, "rb") if isinstance(source, str) else contextlib.nullcontext(source) as file:
         start = file.tell()
@@ -370,14 +406,60 @@ def _check_format(source: str | IO[bytes], name: str) -> None:
                 "that stopped early?)."
             )
             raise ValueError(msg)
-        return
+        return tail
     if head[2:].startswith(_LEGACY_MAGIC):
-        return
+        return b""
     # Never handed to torch.load: its refusal would advise weights_only=False, that is
     # running a pickle's code, for a file that is no checkpoint at all.
     why = "is empty" if not head else f"is not one (it begins with {head[:8]!r})"
     msg = f"Expected a file written by torch.save, but {name} {why}."
     raise ValueError(msg)
+
+
+# What torch.load reads first of a zip archive's folder, as torch.save writes it, and
+# what tells torch.jit.save's archives (as torch.load tells them: a constants record).
+_FIRST_READ = ("data.pkl", "version")
+_TORCHSCRIPT_RECORD = "constants.pkl"
+
+
+def _other_archive(
+    source: str | IO[bytes], start: int | None, name: str, target: torch.device
+) -> str | None:
+    """Why a zip archive torch.load refused is no checkpoint; None if it is one, or no zip.
+
+    A TorchScript archive, or an archive whose folder lacks a record torch.load reads
+    first (its own words: ``Expected hasRecord("version") to be true``).
+    """
+    try:
+        if start is not None:
+            cast("IO[bytes]", source).seek(start)
+        with zipfile.ZipFile(source) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    finally:
+        if start is not None:  # where torch.load reads it from, if it is a checkpoint
+            cast("IO[bytes]", source).seek(start)
+    folder = names[0].partition("/")[0] if names else ""
+    if not names or any(not each.startswith(f"{folder}/") for each in names):
+        return None  # no folder of records: said as damaged, in PyTorch's words
+    records = [each[len(folder) + 1 :] for each in names]
+    if _TORCHSCRIPT_RECORD in records:
+        loaded = name if isinstance(source, str) else "f"
+        return (
+            f"Expected a file written by torch.save, but {name} is a TorchScript archive, "
+            f"written by torch.jit.save: load it with torch.jit.load({loaded}, "
+            f"map_location={str(target)!r})."
+        )
+    missing = [each for each in _FIRST_READ if each not in records]
+    if not missing:
+        return None
+    lacks = " and ".join(repr(each) for each in missing)
+    return (
+        f"Expected a file written by torch.save, but {name} is a zip archive without the "
+        f"{lacks} record{'s' if len(missing) > 1 else ''} that torch.save writes and "
+        f"torch.load reads first: it holds {listed([repr(each) for each in records])}."
+    )
 
 
 def _damaged(name: str, said: str) -> str:

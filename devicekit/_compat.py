@@ -41,6 +41,8 @@ __all__ = [
     "recomputed_attributes",
     "registered_table",
     "run_while_tracing",
+    "scaler_between_steps",
+    "scaler_marks_kept",
     "weights_only_build_refusal",
     "weights_only_refusal",
     "weights_only_refused_globals",
@@ -510,3 +512,69 @@ def apply_to_own_tensors(
     ``setattr`` would leave those pointing at the old tensors.
     """
     module._apply(change, recurse=False)  # type: ignore[no-untyped-call]
+
+
+def scaler_between_steps(scaler: torch.amp.GradScaler) -> None:
+    """Empty ``scaler``'s record of the step under way, as its ``update()`` does; nothing else.
+
+    ``GradScaler._per_optimizer_states``: each optimizer's stage (unscaled, stepped) and
+    the infinities found. ``update()`` empties it; ``load_state_dict()`` does not, so a step
+    stopped after ``unscale_()`` makes the next one refuse to unscale again. The scale and
+    the growth tracker stay as they are. A disabled scaler keeps no record.
+
+    >>> import torch
+    >>> model, scaler = torch.nn.Linear(2, 1), torch.amp.GradScaler("cpu", init_scale=8.0)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    >>> scaler.unscale_(optimizer)  # and then the step ran out of memory
+    >>> scaler_between_steps(scaler)
+    >>> scaler.unscale_(optimizer)
+    >>> scaler.step(optimizer)
+    >>> scaler.update()
+    >>> scaler.get_scale()
+    8.0
+    """
+    record = getattr(scaler, "_per_optimizer_states", None)  # absent where disabled
+    if record is not None:
+        record.clear()
+
+
+_SCALER_MARKS = ("grad_scale", "found_inf")
+
+
+def scaler_marks_kept(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """What puts back, as they are now, the attributes ``GradScaler.step()`` sets on ``optimizer``.
+
+    ``grad_scale`` and ``found_inf``, set for an optimizer that unscales in its own step
+    (``_step_supports_amp_scaling``: the fused Adam, AdamW and SGD), and deleted once that
+    step returns. A step stopped inside keeps them, and the next multiplies its scale by
+    the one left: the gradients divided by the scale twice.
+
+    >>> import torch
+    >>> model, scaler = torch.nn.Linear(2, 1), torch.amp.GradScaler("cpu")
+    >>> optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    >>> put_back = scaler_marks_kept(optimizer)
+    >>> def out_of_memory(*_):
+    ...     raise torch.OutOfMemoryError("CUDA out of memory")
+    >>> hook = optimizer.register_step_pre_hook(out_of_memory)
+    >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    >>> try:
+    ...     scaler.step(optimizer)
+    ... except torch.OutOfMemoryError:
+    ...     hasattr(optimizer, "grad_scale")
+    True
+    >>> put_back()
+    >>> hasattr(optimizer, "grad_scale")
+    False
+    """
+    own = vars(optimizer)
+    kept = {name: own[name] for name in _SCALER_MARKS if name in own}
+
+    def put_back() -> None:
+        for name in _SCALER_MARKS:
+            if name in kept:
+                own[name] = kept[name]
+            else:
+                own.pop(name, None)
+
+    return put_back

@@ -186,7 +186,10 @@ def fit_batch(
     tensors your optimizer holds stay the same), every gradient, every submodule's
     ``training`` flag, the optimizer's state and every value of its ``param_groups`` (its
     ``lr`` too), into the same dicts and tensors: a group you or an LR scheduler hold
-    still steers it. The copy is kept on the host, so it takes none of the memory the
+    still steers it. A ``GradScaler`` named there gets back its scale and growth tracker,
+    and is left between two steps after each try that ran out of memory and at the end:
+    a step stopped after ``scaler.unscale_(optimizer)`` leaves the next one free to unscale.
+    The copy is kept on the host, so it takes none of the memory the
     search measures, and dropped after. The global
     random generators (PyTorch's CPU one and the device's, Python's ``random``, NumPy's
     global one where NumPy is loaded) are put back too, with or without ``restore``: a
@@ -272,7 +275,10 @@ def fit_batch(
     assert where is not None
     try:
         with Watch(wrappers) as watch:
-            return _search(_Search(step, _memory_of(where), where, ranks, watch), options)
+            search = _Search(
+                step, _memory_of(where), where, ranks, watch, between_steps=kept.between_steps
+            )
+            return _search(search, options)
     finally:
         kept.put_back()
 
@@ -330,9 +336,11 @@ class _Search:
         device: torch.device,
         ranks: Ranks,
         watch: Watch,
+        *,
+        between_steps: Callable[[], None],
     ) -> None:
         self.step, self.memory, self.device = step, memory, device
-        self.ranks, self.watch = ranks, watch
+        self.ranks, self.watch, self.between_steps = ranks, watch, between_steps
         self.tries: list[BatchFit.Try] = []
 
     def fits(self, size: int) -> bool:
@@ -357,6 +365,8 @@ class _Search:
             # went with its exception; what is left in cycles goes now, and the cache the
             # failed step grew goes back to the device. (A step that fit freed its own:
             # a collection with PyTorch loaded costs 0.1-0.2 s, once per failure is enough.)
+            # A GradScaler the step left halfway (after unscale_) is left between steps.
+            self.between_steps()
             gc.collect()
             self.memory.release()
         agreed = self._agree(outcome)

@@ -7,7 +7,8 @@ however it ends, it puts all of it back. Its one invariant: everything goes back
 the objects it came from* (parameters, gradients, an optimizer's groups and state, a
 tensor ``lr``), which the optimizer, an LR scheduler or the user may hold; only objects
 that keep their state their own way go back through their ``load_state_dict``. The
-search (:mod:`devicekit._memory`) only says when.
+search (:mod:`devicekit._memory`) only says when. A try that ran out of memory can stop
+a step halfway; :meth:`Kept.between_steps` leaves no half-done step to the next one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from devicekit import _tree
+from devicekit._compat import scaler_between_steps, scaler_marks_kept
 from devicekit._devices import HOST_TYPES
 from devicekit._transfer import to_device
 
@@ -89,7 +91,8 @@ class Kept:
 
     An optimizer goes back through :class:`_KeptOptimizer` where it can; other objects
     through their own ``load_state_dict``, from a copy of their ``state_dict`` made by
-    :func:`to_device`.
+    :func:`to_device`. A ``GradScaler`` and the optimizers are also left between two
+    steps, which ``load_state_dict`` does not do (see :meth:`between_steps`).
     """
 
     def __init__(self, entries: Sequence[object], device: torch.device) -> None:
@@ -97,8 +100,14 @@ class Kept:
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.flags: list[tuple[nn.Module, bool]] = []
         self.states: list[Callable[[], object]] = []  # each puts one object's state back
+        self.scalers: list[torch.amp.GradScaler] = []
+        self.marks: list[Callable[[], None]] = []  # each puts a scaler's marks on an optimizer back
         seen: set[int] = set()
         for entry in entries:
+            if isinstance(entry, torch.amp.GradScaler):
+                self.scalers.append(entry)
+            if isinstance(entry, torch.optim.Optimizer):
+                self.marks.append(scaler_marks_kept(entry))
             if isinstance(entry, nn.Module):
                 self._keep_module(entry, seen)
             elif _optimizer_in_place(entry):
@@ -119,8 +128,21 @@ class Kept:
                 grad = tensor.grad
                 self.grads.append((tensor, None if grad is None else grad.to(_HOST, copy=True)))
 
+    def between_steps(self) -> None:
+        """Leave no step half-done: each GradScaler's record of it, and its marks on optimizers.
+
+        A step stopped after ``scaler.unscale_(optimizer)`` would make the next one refuse
+        to unscale again; one stopped inside a fused optimizer's step would make the next
+        divide its gradients by the scale twice.
+        """
+        for scaler in self.scalers:
+            scaler_between_steps(scaler)
+        for put in self.marks:
+            put()
+
     def put_back(self) -> None:
         """Put everything back as it was, then drop the copy."""
+        self.between_steps()
         with torch.no_grad():
             for tensor, copy in self.tensors:
                 tensor.copy_(copy)
@@ -137,6 +159,7 @@ class Kept:
         for put in (*self.states, *self.generators):
             put()
         self.tensors, self.grads, self.flags, self.states, self.generators = [], [], [], [], []
+        self.scalers, self.marks = [], []
 
 
 def _optimizer_in_place(entry: object) -> TypeGuard[torch.optim.Optimizer]:

@@ -791,6 +791,93 @@ def test_a_lazy_module_after_its_first_forward_is_put_back() -> None:
     assert not optimizer.state
 
 
+class AmpTraining:
+    """The usual mixed-precision step: scale, backward, unscale_, clip, step, update.
+
+    Above ``capacity`` it runs out of memory where ``where`` says: after ``unscale_``, or
+    inside the optimizer's own step (a fused optimizer's, where the scaler marks it).
+    """
+
+    def __init__(self, capacity: int = 100, *, where: str = "after-unscale") -> None:
+        torch.manual_seed(0)
+        self.capacity, self.where = capacity, where
+        self.model = nn.Linear(8, 3)
+        fused = where == "in-fused-step"
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2, fused=fused)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+        self.stop: tuple[int, BaseException] | None = None  # raise this after unscale_
+        self.optimizer.register_step_pre_hook(self._in_step)
+        self.size = 0
+
+    def _in_step(self, *_: object) -> None:
+        if self.where == "in-fused-step" and self.size > self.capacity:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def restore(self) -> tuple[object, ...]:
+        return (self.model, self.optimizer, self.scaler)
+
+    def __call__(self, batch_size: int) -> None:
+        self.size = batch_size
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs = torch.ones(batch_size, 8) * torch.arange(batch_size).reshape(-1, 1) / batch_size
+        loss = self.model(inputs).square().mean()
+        self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        if self.where == "in-fused-step":
+            self.scaler.step(self.optimizer)  # unscales inside the fused step
+        else:
+            self.scaler.unscale_(self.optimizer)
+            if self.stop is not None and batch_size == self.stop[0]:
+                raise self.stop[1]
+            if batch_size > self.capacity:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def test_a_grad_scaler_stopped_after_unscale_is_left_between_steps_for_the_next_try() -> None:
+    training = AmpTraining()
+    for _ in range(3):  # a scale and a growth tracker of its own to keep
+        training(16)
+    before = training.scaler.state_dict()
+    assert (before["scale"], before["_growth_tracker"]) == (2048.0, 1)
+    fit = dk.fit_batch(training, start=8, limit=1024, device="cpu", restore=training.restore())
+    assert fit.batch_size == 96
+    assert [each.batch_size for each in fit.tries if not each.fitted] == [128, 112, 104]
+    assert training.scaler.state_dict() == before
+    training(16)  # the user's first real step runs
+    assert training.scaler.get_scale() == 4096.0  # and grows on, from the tracker kept
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [ValueError("labels and logits differ in shape"), KeyboardInterrupt()],
+    ids=["error", "ctrl-c"],
+)
+def test_a_grad_scaler_is_left_between_steps_however_the_search_ends(stop: BaseException) -> None:
+    training = AmpTraining()
+    training.stop = (32, stop)
+    with pytest.raises(type(stop)) as info:
+        dk.fit_batch(training, start=8, limit=1024, device="cpu", restore=training.restore())
+    assert info.value is stop
+    training.stop = None
+    training(16)  # the user's next step runs
+    assert training.scaler.get_scale() == 1024.0
+
+
+def test_a_fused_step_stopped_inside_leaves_no_scale_to_the_next() -> None:
+    # The last try (104) runs out of memory inside the fused step, after the scaler set
+    # its grad_scale on the optimizer; left there, the next step multiplies it in.
+    searched, fresh = AmpTraining(where="in-fused-step"), AmpTraining(where="in-fused-step")
+    fit = dk.fit_batch(searched, start=8, limit=1024, device="cpu", restore=searched.restore())
+    assert fit.tries[-1] == dk.BatchFit.Try(104, False)
+    assert not hasattr(searched.optimizer, "grad_scale")
+    assert not hasattr(searched.optimizer, "found_inf")
+    searched(16)
+    fresh(16)
+    assert all(map(torch.equal, searched.model.parameters(), fresh.model.parameters()))
+
+
 # DistributedDataParallel, in a process group of one: what each forward synchronises is
 # read as DDP decides it, and a step that would leave the ranks out of step is refused.
 

@@ -1443,6 +1443,143 @@ def test_a_zip_archive_that_is_no_checkpoint_is_a_value_error(tmp_path: Path) ->
         dk.load(path, "cpu")
 
 
+def _without(records: tuple[str, ...]) -> bytes:
+    """A checkpoint of torch.save's, its ``records`` left out, the others as they were."""
+    whole = zipfile.ZipFile(io.BytesIO(_checkpoint_bytes()))
+    rewritten = io.BytesIO()
+    with zipfile.ZipFile(rewritten, "w") as archive:
+        for name in whole.namelist():
+            if name.partition("/")[2] not in records:
+                archive.writestr(name, whole.read(name))
+    return rewritten.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("records", "lacks"),
+    [
+        (("version",), "the 'version' record"),
+        (("data.pkl",), "the 'data.pkl' record"),
+        (("data.pkl", "version"), "the 'data.pkl' and 'version' records"),
+    ],
+)
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_an_archive_without_a_record_torch_load_reads_first_is_a_value_error_naming_it(
+    tmp_path: Path, records: tuple[str, ...], lacks: str, weights_only: bool
+) -> None:
+    path = _written(tmp_path / "model.pt", _without(records))
+    message = (
+        f"{NOT_A_CHECKPOINT}'{path}' is a zip archive without {lacks} that torch.save writes "
+        "and torch.load reads first: it holds "
+    )
+    with pytest.raises(ValueError, match=re.escape(message)) as raised:
+        dk.load(path, "cpu", weights_only=weights_only)
+    first = zipfile.ZipFile(path).namelist()[0].partition("/")[2]
+    assert f"it holds {first!r}" in str(raised.value)  # what it does hold, from the first
+    in_memory = message.replace(f"'{path}'", "the file object")
+    with pytest.raises(ValueError, match=re.escape(in_memory)):
+        dk.load(io.BytesIO(path.read_bytes()), "cpu", weights_only=weights_only)
+
+
+# PyTorch 2.13 deprecates TorchScript: its warnings, not devicekit's.
+@pytest.mark.filterwarnings("ignore:`torch.jit.save` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
+def test_a_torchscript_archive_is_a_value_error_naming_torch_jit_load(tmp_path: Path) -> None:
+    path = tmp_path / "scripted.pt"
+    model = torch.nn.Linear(2, 1)
+    torch.jit.save(torch.jit.script(model), str(path))
+    message = (
+        f"{NOT_A_CHECKPOINT}'{path}' is a TorchScript archive, written by torch.jit.save: "
+        f"load it with torch.jit.load('{path}', map_location='cpu')."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        dk.load(path, "cpu")
+    with pytest.raises(ValueError, match=re.escape("load it with torch.jit.load(f, map_location=")):
+        dk.load(io.BytesIO(path.read_bytes()), "meta")
+    loaded = torch.jit.load(str(path), map_location="cpu")  # the advice works
+    assert torch.equal(loaded.weight, model.weight)
+
+
+def test_a_checkpoint_that_names_torchscript_s_record_is_no_torchscript_archive() -> None:
+    buffer = io.BytesIO()
+    dk.save({"constants.pkl": torch.ones(2)}, buffer)  # the name in the archive's last bytes
+    buffer.seek(0)
+    assert torch.equal(dk.load(buffer, "cpu")["constants.pkl"], torch.ones(2))
+
+
+class _FailingStream(io.RawIOBase):
+    """A raw stream whose writes raise ``error`` once ``after`` bytes have been written."""
+
+    def __init__(self, error: BaseException, after: int) -> None:
+        self.error, self.after, self.written = error, after, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        size = len(memoryview(data).cast("B"))
+        if self.written + size > self.after:
+            raise self.error
+        self.written += size
+        return size
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "disk full"),
+        ValueError("I/O operation on closed file"),
+        KeyboardInterrupt(),
+    ],
+    ids=["disk-full", "closed", "ctrl-c"],
+)
+@pytest.mark.parametrize("after", [0, 100, 5_000])
+def test_a_stream_that_fails_midway_through_a_save_raises_its_own_error(
+    error: BaseException, after: int
+) -> None:
+    stream = _FailingStream(error, after)
+    with pytest.raises(type(error)) as raised:
+        dk.save({"weight": torch.ones(4_000)}, stream)
+    assert raised.value is error
+    assert raised.value.__suppress_context__ or raised.value.__context__ is None
+    assert stream.written > 0 or after == 0  # it failed midway, not at the start
+
+
+def test_ctrl_c_midway_through_a_save_to_a_path_is_a_keyboard_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "model.pt"
+    dk.save({"epoch": 1}, path)
+    real_fdopen = os.fdopen
+
+    class Interrupted:
+        """The temporary, written until Ctrl-C comes after its first 100 bytes."""
+
+        def __init__(self, file: Any) -> None:
+            self.file, self.written = file, 0
+
+        def write(self, data: Any) -> int:
+            self.written += len(memoryview(data).cast("B"))
+            if self.written > 100:
+                raise KeyboardInterrupt
+            return int(self.file.write(data))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.file, name)
+
+        def __enter__(self) -> Interrupted:
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            self.file.close()
+
+    monkeypatch.setattr(_atomic.os, "fdopen", lambda *a, **k: Interrupted(real_fdopen(*a, **k)))
+    with pytest.raises(KeyboardInterrupt):
+        dk.save({"weight": torch.zeros(100_000)}, path)
+    monkeypatch.undo()
+    assert dk.load(path, "cpu") == {"epoch": 1}
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
 def test_a_file_opened_in_text_mode_is_refused_with_the_mode_to_use(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     dk.save({"epoch": 1}, path)
