@@ -1,13 +1,13 @@
 """The one table of per-type decisions: what each type is, and how it moves.
 
 Every walk reads it and keeps no cache of its own: to_device (host, accelerator,
-``skip_keys``, compiled), the checks, pinning, devicekit.testing. A type is decided once,
-under the registry's lock: a container (its node, :mod:`devicekit._nodes`), inert (a plain scalar,
-passed through untouched), or a leaf whose :class:`Leaf` says how it moves; leaves that
-hold tensors have *contents*, named as users write them (``data.x``). Walks read one
-view: MOVE (containers), CAST (also what a ``.to()`` returned, where ``dtype``,
-``memory_format`` and ``copy`` are applied after it), READ (also modules, optimizers
-and registered types: the checks).
+``skip_keys``, compiled), the checks, pinning, devicekit.testing. A type is decided once
+(again after any ABC's ``register()``), under the registry's lock: a container (its node,
+:mod:`devicekit._nodes`), inert (a plain scalar, passed through untouched), or a leaf
+whose :class:`Leaf` says how it moves; leaves that hold tensors have *contents*, named
+as users write them (``data.x``). Walks read one view: MOVE (containers), CAST (also
+what a ``.to()`` returned, where ``dtype``, ``memory_format`` and ``copy`` are applied
+after it), READ (also modules, optimizers and registered types: the checks).
 
 Dicts and UserDicts are containers even with a ``.to()`` (transformers'
 ``BatchEncoding.to`` moves in place and skips nested values); any other type with one
@@ -83,8 +83,10 @@ INERT_TYPES: Final = frozenset(
 )
 # Kept, strict or not: subclasses of those, enum members, numbers (numpy's scalars).
 _KEPT_BASES = (*INERT_TYPES, enum.Enum, numbers.Number)
-# What devicekit moves by itself, besides tensors: no ABC's failing check stops these.
+# What devicekit moves by itself, besides tensors, modules and optimizers: no ABC's
+# failing check stops these.
 _OWN_TYPES: Final = INERT_TYPES | {dict, list, tuple, type(UNSET)}
+_OWN_BASES: Final = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
 
 
 # The registry, and the decisions made from it.
@@ -98,8 +100,8 @@ def _rule_for(cls: type) -> tuple[type, Callable[..., Any]] | None:
 
     An ABC whose check raises for ``cls`` (a ``__subclasshook__`` of the user's) cannot
     say whether its rule takes it: the type is then refused where it is moved, naming
-    both, unless it is one devicekit moves by itself (tensors, plain scalars, dicts,
-    lists and tuples), which such a check is not let stop.
+    both, unless it is one devicekit moves by itself (tensors, modules, optimizers,
+    plain scalars, dicts, lists and tuples), which such a check is not let stop.
     """
     if not _rules:
         return None
@@ -114,7 +116,7 @@ def _rule_for(cls: type) -> tuple[type, Callable[..., Any]] | None:
             if issubclass(cls, base):
                 return base, rule
         except Exception as err:  # the user's hook: asked once per type
-            if issubclass(cls, torch.Tensor) or cls in _OWN_TYPES:
+            if cls in _OWN_TYPES or issubclass(cls, _OWN_BASES):
                 continue
             msg = (
                 f"Cannot move {{path}}, a {_named(cls)}: devicekit asks whether it is a "
@@ -398,7 +400,11 @@ def register_transfer(cls: type) -> Callable[[F], F]:
     The rule wins over a ``.to()`` method and the container rules, for ``cls`` and its
     subclasses (the nearest in the MRO wins), and for what an abstract base class
     recognises (``collections.abc.Sequence``: lists too), in every call that starts
-    after this returns, in every thread. The checks look inside such objects.
+    after this returns, in every thread. The checks look inside such objects. A class
+    registered with the ABC later (``MyABC.register(C)``) takes the rule from the next
+    call on. Where the ABC's check raises for a type, instances of that type are refused
+    with a TransferError naming both, that error as its cause; tensors, modules,
+    optimizers, plain scalars, dicts, lists and tuples move as if the ABC had said no.
 
     >>> import dataclasses, torch, devicekit as dk
     >>> @dataclasses.dataclass

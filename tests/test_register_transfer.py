@@ -352,10 +352,15 @@ def test_an_abc_whose_check_raises_names_itself_only_where_it_decides() -> None:
         return obj
 
     try:
-        # Tensors, plain scalars and plain containers are devicekit's own: not broken.
+        # Tensors, modules, plain scalars and containers are devicekit's own: not broken.
         batch = {"x": torch.ones(1), "n": 3, "s": "a", "rows": [torch.ones(1)], "t": (None,)}
         moved = dk.to_device(batch, META)
         assert moved["x"].device == moved["rows"][0].device == META
+        model = torch.nn.Linear(1, 1)
+        assert dk.to_device(model, META) is model
+        assert model.weight.device == META
+        optimizer = torch.optim.SGD(model.parameters())
+        assert dk.to_device(optimizer, META) is optimizer
         assert dk.find_devices(batch) == {CPU: ["['x']", "['rows'][0]"]}
         with as_accelerator("meta"):
             assert dk.to_device([torch.ones(1)] * 12, META)[0].device == META
