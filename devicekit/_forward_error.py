@@ -5,10 +5,12 @@ two devices); the tensor at fault is often one the forward made itself
 (``torch.zeros(n, 51)`` without ``device=``). When a ``with guard(module):`` block ends
 on that error, :func:`made_inside` reads the traceback's frames of the user's code
 inside the module's call, finds the failing call's source and the tensors it used off
-the module's device, names each as the outermost frame calls it, and says how to make
-it on the right device. It runs only then, on an error: a forward that succeeds pays
-nothing. A room of its own because it reads frames and source text, which nothing
-else in the checks does; :mod:`devicekit._guard` asks it.
+the module's device (the cells of a closure it calls too), names each as the outermost
+frame calls it, and says how to make it on the right device. A factory that made one
+without ``device=`` is named in that call, or in the body of a closure, a lambda or a
+helper of the user's that the call runs, whose frame is gone. It runs only then, on an
+error: a forward that succeeds pays nothing. A room of its own because it reads frames
+and source text, which nothing else in the checks does; :mod:`devicekit._guard` asks it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import linecache
 import os
 import re
 from collections.abc import Iterator
-from types import FrameType
+from types import CodeType, FrameType, FunctionType
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +37,10 @@ _FACTORY = re.compile(
     r"\btorch\.(?:zeros|ones|empty|full|rand|randn|randint|randperm|arange|linspace|eye|tensor)\("
 )
 """A call of a tensor factory, which puts its tensor on the default device unless told."""
+_COMMENT = re.compile(r"#[^\n]*")
+"""A comment, to the end of its line (a factory's arguments hold no ``#`` of their own)."""
+_INSIDE_PARENTHESES = re.compile(r"(?<=\()\s+|\s+(?=\))")
+"""Spaces just inside parentheses, left by joining a call written over several lines."""
 _SOURCE_LINES = 20
 """The most lines of a failing call read: a longer span is not one call worth showing."""
 _SOURCE_SHOWN = 120
@@ -107,11 +113,22 @@ def _failing_source(call: _Call) -> str | None:
         found = next(itertools.islice(positions(), call.lasti // 2, None), None)
         if found is not None and found[0] is not None and found[1] is not None:
             first, last, start, end = found
+    lines = _source_lines(code, call.frame.f_globals, (first, last, start, end))
+    return None if lines is None else " ".join(line.strip() for line in lines)
+
+
+def _source_lines(
+    code: CodeType, globals_: dict[str, Any], span: tuple[int, int, int | None, int | None]
+) -> list[str] | None:
+    """The lines of ``code``'s file from ``span``'s first to its last, cut at its columns.
+
+    None where they cannot be read, or span :data:`_SOURCE_LINES` or more.
+    """
+    first, last, start, end = span
     if last - first >= _SOURCE_LINES:
         return None
     lines = [
-        linecache.getline(code.co_filename, number, call.frame.f_globals)
-        for number in range(first, last + 1)
+        linecache.getline(code.co_filename, number, globals_) for number in range(first, last + 1)
     ]
     if not all(lines):
         return None
@@ -120,7 +137,70 @@ def _failing_source(call: _Call) -> str | None:
         lines[-1] = lines[-1].encode()[:end].decode(errors="ignore")
     if start is not None:
         lines[0] = lines[0].encode()[start:].decode(errors="ignore")
-    return " ".join(line.strip() for line in lines)
+    return lines
+
+
+def _functions_named(call: _Call, source: str) -> Iterator[tuple[str, FunctionType]]:
+    """The user's functions the failing call names: closures, lambdas, helpers of the user's.
+
+    Their frames are gone where the failing call used what they returned
+    (``self.fc(x) + bias()``): only their code is left to read.
+    """
+    from devicekit._frames import is_library  # noqa: PLC0415 - on an error only, as above
+
+    frame = call.frame
+    for name in dict.fromkeys(_NAME.findall(source)):
+        function = frame.f_locals.get(name, frame.f_globals.get(name))
+        if isinstance(function, FunctionType) and not is_library(function.__code__.co_filename):
+            yield name, function
+
+
+def _body_span(code: CodeType) -> tuple[int, int, int | None, int | None] | None:
+    """Where ``code``'s instructions are: first and last lines, columns where known."""
+    positions = getattr(code, "co_positions", None)  # Python 3.11 and later
+    if positions is None:
+        numbers = [number for _, _, number in code.co_lines() if number is not None]
+        return (min(numbers), max(numbers), None, None) if numbers else None
+    # The first instruction (RESUME, at the def's line) has no columns.
+    spans = [p for p in positions() if None not in p and p[2:] != (0, 0)]
+    if not spans:
+        return None
+    first, start = min((p[0], p[2]) for p in spans)
+    last, end = max((p[1], p[3]) for p in spans)
+    return first, last, start, end
+
+
+def _factory_in(function: FunctionType) -> tuple[str, int] | None:
+    """The first tensor factory ``function``'s body calls without ``device=``, and its line."""
+    code = function.__code__
+    span = _body_span(code)
+    lines = None if span is None else _source_lines(code, function.__globals__, span)
+    if span is None or lines is None:
+        return None
+    first = span[0]
+    body = _COMMENT.sub("", "\n".join(lines))  # a comment inside a call is not the call
+    for match in _FACTORY.finditer(body):
+        depth, close = 1, match.end()
+        while close < len(body) and depth:  # to the parenthesis that closes the call
+            depth += {"(": 1, ")": -1}.get(body[close], 0)
+            close += 1
+        text = _INSIDE_PARENTHESES.sub("", " ".join(body[match.start() : close].split()))
+        if "device" not in text:
+            return text, first + body.count("\n", 0, match.start())
+    return None
+
+
+def _factory_run(call: _Call, source: str) -> tuple[str, str, str] | None:
+    """A function the failing call runs, whose factory call lacks ``device=``.
+
+    Its name, that call, and where it is (``model.py:12``); None if the call runs none.
+    """
+    for name, function in _functions_named(call, source):
+        found = _factory_in(function)
+        if found is not None:
+            factory, line = found
+            return name, factory, f"{os.path.basename(function.__code__.co_filename)}:{line}"
+    return None
 
 
 def _tensors_named(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:
@@ -163,6 +243,9 @@ def _made_elsewhere(calls: list[_Call], source: str | None, home: torch.device) 
     innermost = calls[-1]
     local = innermost.frame.f_locals
     used = dict.fromkeys(_NAME.findall(source)) if source is not None else dict.fromkeys(local)
+    for name in list(used):  # what a closure called there holds of the frame's (its cells)
+        if isinstance(function := local.get(name), FunctionType):
+            used.update(dict.fromkeys(function.__code__.co_freevars))
     found: dict[int, _Made] = {}
     for name in used:
         if name == "self" or name not in local:
@@ -186,7 +269,7 @@ def made_inside(module: torch.nn.Module, error: BaseException) -> DeviceMismatch
 
     Read from PyTorch's own error for mixed devices raised inside the module's call:
     the tensors the failing call used that are not on the module's device, or a tensor
-    factory called there without ``device=``.
+    factory called without ``device=`` there or in a function of the user's it runs.
     """
     if isinstance(error, DeviceKitError) or not _compat.is_device_mismatch(error):
         return None
@@ -211,15 +294,23 @@ def made_inside(module: torch.nn.Module, error: BaseException) -> DeviceMismatch
     default = torch.get_default_device()
     if made:
         return _named_made(made, home, _near(label, near, parameters=params), near)
-    if source is None or default == home or not _FACTORY.search(source) or "device" in source:
+    if source is None or default == home:
         return None
     shown_source = source if len(source) <= _SOURCE_SHOWN else source[: _SOURCE_SHOWN - 3] + "..."
+    where = calls[-1].where
+    if _FACTORY.search(source) and "device" not in source:
+        maker, made_at = "makes a tensor", f"the call in {where}"
+    else:  # a closure, a lambda or a helper that the call runs may have made it
+        found = _factory_run(calls[-1], source)
+        if found is None:
+            return None
+        name, factory, at = found
+        maker, made_at = f"runs {name}, whose {factory} ({at}) makes a tensor", f"{name} ({at})"
     msg = (
-        f"The call {shown_source} in {calls[-1].where} makes a tensor without device=, which "
-        f"puts it on {default}, but {_near(label, near, parameters=params)} on {home}. "
-        + _fix("it", near)
+        f"The call {shown_source} in {where} {maker} without device=, which puts it on "
+        f"{default}, but {_near(label, near, parameters=params)} on {home}. " + _fix("it", near)
     )
-    return DeviceMismatchError(msg, {home: [near], default: [f"the call in {calls[-1].where}"]})
+    return DeviceMismatchError(msg, {home: [near], default: [made_at]})
 
 
 def _near(label: str, near: str, *, parameters: bool) -> str:

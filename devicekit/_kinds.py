@@ -1,13 +1,13 @@
 """The one table of per-type decisions: what each type is, and how it moves.
 
 Every walk reads it and keeps no cache of its own: to_device (host, accelerator,
-``skip_keys``, compiled), the checks, pinning, devicekit.testing. A type is decided once,
-under the registry's lock: a container (its node, :mod:`devicekit._nodes`), inert (a plain scalar,
-passed through untouched), or a leaf whose :class:`Leaf` says how it moves; leaves that
-hold tensors have *contents*, named as users write them (``data.x``). Walks read one
-view: MOVE (containers), CAST (also what a ``.to()`` returned, where ``dtype``,
-``memory_format`` and ``copy`` are applied after it), READ (also modules, optimizers
-and registered types: the checks).
+``skip_keys``, compiled), the checks, pinning, devicekit.testing. A type is decided once
+(again after any ABC's ``register()``), under the registry's lock: a container (its node,
+:mod:`devicekit._nodes`), inert (a plain scalar, passed through untouched), or a leaf
+whose :class:`Leaf` says how it moves; leaves that hold tensors have *contents*, named
+as users write them (``data.x``). Walks read one view: MOVE (containers), CAST (also
+what a ``.to()`` returned, where ``dtype``, ``memory_format`` and ``copy`` are applied
+after it), READ (also modules, optimizers and registered types: the checks).
 
 Dicts and UserDicts are containers even with a ``.to()`` (transformers'
 ``BatchEncoding.to`` moves in place and skips nested values); any other type with one
@@ -27,7 +27,7 @@ import threading
 import typing
 from collections import UserDict
 from collections.abc import Callable
-from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
+from typing import Any, Final, NamedTuple, NoReturn, TypeAlias, TypeVar
 
 import torch
 
@@ -83,6 +83,10 @@ INERT_TYPES: Final = frozenset(
 )
 # Kept, strict or not: subclasses of those, enum members, numbers (numpy's scalars).
 _KEPT_BASES = (*INERT_TYPES, enum.Enum, numbers.Number)
+# What devicekit moves by itself, besides tensors, modules and optimizers: no ABC's
+# failing check stops these.
+_OWN_TYPES: Final = INERT_TYPES | {dict, list, tuple, type(UNSET)}
+_OWN_BASES: Final = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
 
 
 # The registry, and the decisions made from it.
@@ -92,7 +96,13 @@ _lock = threading.Lock()  # the registry and the decisions change together under
 
 
 def _rule_for(cls: type) -> tuple[type, Callable[..., Any]] | None:
-    """The class registered and its rule: the nearest in the MRO, then ABCs in order."""
+    """The class registered and its rule: the nearest in the MRO, then ABCs in order.
+
+    An ABC whose check raises for ``cls`` (a ``__subclasshook__`` of the user's) cannot
+    say whether its rule takes it: the type is then refused where it is moved, naming
+    both, unless it is one devicekit moves by itself (tensors, modules, optimizers,
+    plain scalars, dicts, lists and tuples), which such a check is not let stop.
+    """
     if not _rules:
         return None
     for klass in cls.__mro__:
@@ -100,9 +110,43 @@ def _rule_for(cls: type) -> tuple[type, Callable[..., Any]] | None:
             return klass, _rules[klass]
     for base, rule in _rules.items():
         metaclass: type = type(base)
-        if issubclass(metaclass, abc.ABCMeta) and issubclass(cls, base):
-            return base, rule
+        if not issubclass(metaclass, abc.ABCMeta):
+            continue
+        try:
+            if issubclass(cls, base):
+                return base, rule
+        except Exception as err:  # the user's hook: asked once per type
+            if cls in _OWN_TYPES or issubclass(cls, _OWN_BASES):
+                continue
+            msg = (
+                f"Cannot move {{path}}, a {_named(cls)}: devicekit asks whether it is a "
+                f"{_named(base)}, which has a transfer rule, and issubclass({cls.__name__}, "
+                f"{base.__name__}) raised {type(err).__name__} (the cause below). Make "
+                f"{base.__name__}.__subclasshook__ answer for {cls.__name__}, or call "
+                f"devicekit.unregister_transfer({base.__name__})."
+            )
+            return base, Unanswered(msg, err)
     return None
+
+
+def _named(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Unanswered:
+    """The rule of a type whose decision raised: moving it raises why, with that cause.
+
+    Its row is not kept: the next call asks again, as Python's ABCs keep no error.
+    """
+
+    __slots__ = ("cause", "message")
+
+    def __init__(self, message: str, cause: Exception) -> None:
+        self.message = message  # a template: {path} is filled by the walk
+        self.cause = cause
+
+    def __call__(self, obj: Any, device: Any, **options: Any) -> NoReturn:
+        raise LeafError(self.message) from self.cause
 
 
 def _takes_non_blocking(cls: type) -> bool:
@@ -124,6 +168,22 @@ class Decision(NamedTuple):
 
 
 def _decide(cls: type) -> Decision:
+    """The decision for ``cls``; one whose checks raised refuses its instances, naming why."""
+    try:
+        return _decide_checked(cls)
+    except Exception as err:
+        # An ABC's check that raises (a Mapping subclass's broken __subclasshook__ breaks
+        # every issubclass(..., Mapping)) must not escape raw from whatever meets the type.
+        msg = (
+            f"Cannot move {{path}}, a {_named(cls)}: telling what kind of object it is raised "
+            f"{type(err).__name__} (the cause below), as a failing __subclasshook__ of an "
+            "abstract base class does. Fix that check, or register how to move it with "
+            f"@devicekit.register_transfer({cls.__name__})."
+        )
+        return Decision(LEAF, LEAF, LEAF, Leaf.RULE, (cls, Unanswered(msg, err)))
+
+
+def _decide_checked(cls: type) -> Decision:
     rule = _rule_for(cls)
     if rule is not None:
         return Decision(LEAF, LEAF, contents_node(cls), Leaf.RULE, rule)
@@ -163,19 +223,39 @@ def _decide(cls: type) -> Decision:
 # The one cache: a row per type, (move, cast, read, decision), its three views first as
 # an exact tuple, which the engine indexes by view number: indexing the Decision itself,
 # a NamedTuple, cost 4-7% of 64 per-image dicts and a mixed batch moved cpu -> cpu. Rebound
-# (never cleared in place) when the registry changes: a walk that began before the change
-# reads one consistent set of decisions to its end. The skip sets' tables go with it.
+# (never cleared in place) when the registry changes, or an ABC's registrations (what
+# isinstance answers for Mapping, Sequence or a registered ABC): a walk that began before
+# the change reads one consistent set of decisions to its end. The skip sets' tables go
+# with it.
 Row: TypeAlias = tuple[Any, Any, Any, Decision]
 _decisions: dict[type, Row] = {}
 _skipping: dict[frozenset[Any], tuple[dict[type, Row], Callable[[type], Row]]] = {}
 SKIP_SETS_KEPT: Final = 64
 """Distinct skip_keys sets whose tables the cache keeps before it starts over."""
+_abc_token: Final = abc.get_cache_token  # moves on with every ABC's register(), anywhere
+_token = _abc_token()  # where it stood when the rows were started
 
 
 def _start_over() -> None:
-    """Forget every decision (under the lock): the registry changed, or too many types."""
-    global _decisions, _skipping  # rebound, never cleared in place
+    """Forget every decision (under the lock): a registry changed, or too many types."""
+    global _decisions, _skipping, _token  # noqa: PLW0603 - rebound, never cleared in place
+    token = _abc_token()  # read first: a registration after it starts the rows over again
     _decisions, _skipping = {}, {}
+    _token = token  # last: a walk that sees it sees the new rows
+
+
+@_compat.run_while_tracing
+def follow_abcs() -> None:
+    """Start the rows over where an ABC has registered a class since they were started.
+
+    Every walk calls it first: ``MyABC.register(C)`` after C was decided must reach C's
+    row. One C call and a comparison; run in Python while the compiler traces, which
+    cannot follow the C call.
+    """
+    if _abc_token() != _token:
+        with _lock:
+            if _abc_token() != _token:
+                _start_over()
 
 
 def decide(cls: type) -> Decision:
@@ -188,6 +268,7 @@ def row(cls: type) -> Row:
     if torch.compiler.is_compiling():
         decision = _traced_decision(cls)
         return decision.move, decision.cast, decision.read, decision
+    follow_abcs()
     try:
         return _decisions[cls]
     except KeyError:
@@ -200,6 +281,8 @@ def _decided(cls: type) -> Row:
         if found is None:  # else decided by another thread while this one waited
             decision = _decide(cls)
             found = decision.move, decision.cast, decision.read, decision
+            if decision.leaf is Leaf.RULE and type(decision.detail[1]) is Unanswered:
+                return found  # not kept: asked again next time
             if len(_decisions) >= TYPES_KEPT:
                 _start_over()
             _decisions[cls] = found
@@ -317,7 +400,11 @@ def register_transfer(cls: type) -> Callable[[F], F]:
     The rule wins over a ``.to()`` method and the container rules, for ``cls`` and its
     subclasses (the nearest in the MRO wins), and for what an abstract base class
     recognises (``collections.abc.Sequence``: lists too), in every call that starts
-    after this returns, in every thread. The checks look inside such objects.
+    after this returns, in every thread. The checks look inside such objects. A class
+    registered with the ABC later (``MyABC.register(C)``) takes the rule from the next
+    call on. Where the ABC's check raises for a type, instances of that type are refused
+    with a TransferError naming both, that error as its cause; tensors, modules,
+    optimizers, plain scalars, dicts, lists and tuples move as if the ABC had said no.
 
     >>> import dataclasses, torch, devicekit as dk
     >>> @dataclasses.dataclass

@@ -130,16 +130,17 @@ class DeviceDataLoader(Generic[B]):
         non_blocking: Passed to :func:`~devicekit.to_device`.
         transform: Applied on the device to each batch before it is handed over (for
             example normalisation); its result is what the loop gets.
-        samples: How :attr:`stats` counts a batch's samples: an int, the count of every
-            batch; ``"dim=N"``, dimension N of the batch's tensors (``"dim=1"`` for a
-            sequence-first batch); a function of the batch as the loop gets it,
+        samples: How :attr:`stats` counts a batch's samples: an int (numpy's too), the
+            count of every batch; ``"dim=N"``, dimension N of the batch's tensors
+            (``"dim=1"`` for a sequence-first batch, ``"dim=-1"`` for the last); a
+            function of the batch as the loop gets it,
             returning its count. None: the default rule, which
             :attr:`LoaderStats.samples <devicekit.LoaderStats.samples>` states.
 
     Raises:
         ValueError: ``prefetch`` is negative, ``pin_memory`` or ``non_blocking`` is
-            not True, False or "auto", or ``samples`` is an int below 1 or a string
-            other than ``"dim=N"``.
+            not True, False or "auto", or ``samples`` is an integer below 1 or a
+            string other than ``"dim=N"``.
         TypeError: ``loader`` is neither iterable nor a function, ``transform`` is
             not a function, ``samples`` is none of an int, a string or a function, or
             ``device`` is of the wrong type. While iterating: a ``samples`` function

@@ -23,6 +23,7 @@ from typing import Any, Final, NamedTuple
 
 import torch
 
+from devicekit._devices import shown
 from devicekit._errors import LeafError
 
 
@@ -42,6 +43,8 @@ class Key(NamedTuple):
     name: Any  # the key, index or attribute name; for SHOWN, the fragment itself
 
     def __str__(self) -> str:
+        if self.form == ITEM:  # a key of the user's, whose __repr__ may raise
+            return f"[{shown(self.name, limit=None)}]"
         return self.form.format(self.name)
 
     @property
@@ -290,7 +293,7 @@ def _set(holder: Any, name: Any, value: Any) -> None:
     except (AttributeError, TypeError) as err:
         msg = (
             f"Cannot apply the options inside {{path}}: the {type(holder).__name__} that its "
-            f".to() returned refuses a new {name!r} ({err}). Register how to move it with "
+            f".to() returned refuses a new {shown(name)} ({err}). Register how to move it with "
             f"@devicekit.register_transfer({type(holder).__name__})."
         )
         raise LeafError(msg) from err
@@ -342,7 +345,7 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer) -> list[_Entry]:
             where = f"param_groups[{group_index}]['params'][{param_index}]"
             found.append((Key(SHOWN, f".{where}"), param, None, None))
             found += [
-                (Key(SHOWN, f".state[{where}][{key!r}]"), value, None, None)
+                (Key(SHOWN, f".state[{where}][{shown(key, limit=None)}]"), value, None, None)
                 for key, value in optimizer.state.get(param, {}).items()
                 if not state_on_host(group, key)
             ]

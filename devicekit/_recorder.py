@@ -11,7 +11,6 @@ a :meth:`~EpochRecorder.snapshot` is a :class:`~devicekit.LoaderStats` with its 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -21,7 +20,7 @@ from devicekit import _kinds
 from devicekit._errors import TransferError
 from devicekit._kinds import READ
 from devicekit._nodes import ITEM, LIST, TUPLE, Node
-from devicekit._stats import LoaderStats, Setup, verdict
+from devicekit._stats import LoaderStats, Setup, verdict, whole_number
 from devicekit._tree import flatten
 
 _Tensor = torch.Tensor  # one global lookup a batch instead of two
@@ -174,8 +173,7 @@ def _whole_number(number: Any, function: Any, batch: int) -> int:
     """
     name = getattr(function, "__qualname__", None) or repr(function)
     where = f"batch {batch} of this epoch (numbered from 0, as enumerate() numbers them)"
-    whole = not isinstance(number, bool) and isinstance(number, numbers.Integral)
-    if not whole:
+    if not whole_number(number):
         hint = (
             " (.item() makes a Python int of a one-element tensor)"
             if isinstance(number, _Tensor)
@@ -206,7 +204,8 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     """A batch's samples by the default rule, and where batches of its structure hold them.
 
     The rule is :attr:`LoaderStats.samples <devicekit.LoaderStats.samples>`'s, read along
-    dimension ``dim`` of the tensors as the type table sees them (the READ view, which
+    dimension ``dim`` (from the last where negative, as PyTorch indexes) of the tensors
+    that have it, as the type table sees them (the READ view, which
     also looks inside objects that move themselves); a one-element tensor is left out of
     the sharing, so that two of them never outvote the batch's tensors.
     Where: the batch's entry (a key or an index, :data:`_WHOLE` for the batch itself) and
@@ -225,9 +224,13 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     64
     >>> samples_in((torch.zeros(35, 20), torch.zeros(700)), dim=1)[0]
     20
+    >>> samples_in((torch.zeros(35, 20), torch.zeros(7, 20)), dim=-1)[0]
+    20
     """
+    # A tensor has dimension dim where its rank is above this: dim=-1 needs one dimension.
+    below = dim if dim >= 0 else -dim - 1
     if type(batch) is _Tensor:
-        return (batch.shape[dim], _WHOLE, False) if batch.dim() > dim else (None, _NOWHERE, False)
+        return (batch.shape[dim], _WHOLE, False) if batch.dim() > below else (None, _NOWHERE, False)
     node = _kinds.decide(type(batch)).read
     if not isinstance(node, Node):
         return None, _NOWHERE, False
@@ -252,7 +255,7 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     sizes = [
         (leaf.shape[dim], direct.get(id(leaf), _NOWHERE), leaf.numel() != 1)
         for leaf in leaves
-        if isinstance(leaf, _Tensor) and leaf.dim() > dim
+        if isinstance(leaf, _Tensor) and leaf.dim() > below
     ]
     voters = [size for size, _, votes in sizes if votes]
     shared = [size for size in set(voters) if voters.count(size) >= 2]

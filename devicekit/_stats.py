@@ -16,10 +16,11 @@ change, only where the figures say so.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import re
 from collections.abc import Callable
-from typing import Any, Final, NamedTuple, TypeAlias
+from typing import Any, Final, NamedTuple, SupportsIndex, TypeAlias
 
 import torch
 
@@ -42,11 +43,12 @@ the same batches read in the process took 0.06-0.11 ms. Each further tensor in a
 adds 0.2-0.5 ms (a tensor's shared memory travels as a file descriptor), so this is the
 cheapest hand-over: the side to err on, where workers might still help."""
 
-SampleCount: TypeAlias = "int | str | Callable[[Any], int] | None"
-"""What ``DeviceDataLoader(samples=)`` takes: a count per batch, ``"dim=N"``, a function."""
+SampleCount: TypeAlias = "int | SupportsIndex | str | Callable[[Any], int] | None"
+"""What ``DeviceDataLoader(samples=)`` takes: a count per batch (numpy's integers too),
+``"dim=N"``, a function."""
 DEFAULT_RULE: Final = "dimension 0 of the batch's tensors (the default rule)"
 """``LoaderStats.samples_rule`` where the batches' tensors were counted by the default rule."""
-_DIMENSION = re.compile(r"dim\s*=\s*(\d+)")
+_DIMENSION = re.compile(r"dim\s*=\s*(-?\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,8 @@ class LoaderStats:
     two share one, the largest first dimension of any; and where it is larger, the
     length of a list or tuple of two or more tensors of one rank (per-sample images).
     ``samples="dim=1"`` applies the same rule to dimension 1 of the tensors that have
-    one, lists aside (a sequence-first batch); an int is the count of every batch; a
+    one, lists aside (a sequence-first batch), and ``"dim=-1"`` to each tensor's last
+    dimension, as PyTorch counts from the end. An int is the count of every batch; a
     function of the batch returns its count. None where a batch holds no tensor to
     tell, or is one that to_device would refuse to walk (nested deeper than it allows,
     or holding a cycle)."""
@@ -133,30 +136,32 @@ class Counting(NamedTuple):
 def counting(samples: SampleCount) -> Counting | None:
     """The :class:`Counting` that ``DeviceDataLoader(samples=samples)`` asks for; None: the default.
 
-    >>> counting(20).per_batch, counting("dim=1").dim
-    (20, 1)
+    >>> counting(20).per_batch, counting("dim=1").dim, counting("dim=-1").dim
+    (20, 1, -1)
     >>> counting("dim=1").rule
     "dimension 1 of the batch's tensors (samples='dim=1')"
 
     Raises:
-        TypeError: ``samples`` is none of an int, a string or a function.
-        ValueError: An int below 1, or a string other than ``"dim=N"``.
+        TypeError: ``samples`` is none of an integer, a string or a function.
+        ValueError: An integer below 1, or a string other than ``"dim=N"``.
     """
     if samples is None:
         return None
-    if isinstance(samples, int) and not isinstance(samples, bool):
-        if samples < 1:
-            msg = f"Expected samples to be a number of samples per batch, 1 or more, got {samples}."
+    if whole_number(samples):
+        number = int(samples)  # type: ignore[arg-type]  # an Integral, as whole_number says
+        if number < 1:
+            msg = f"Expected samples to be a number of samples per batch, 1 or more, got {number}."
             raise ValueError(msg)
         return Counting(
-            per_batch=samples, rule=f"{count(samples, 'sample')} a batch (samples={samples})"
+            per_batch=number, rule=f"{count(number, 'sample')} a batch (samples={number})"
         )
     if isinstance(samples, str):
         match = _DIMENSION.fullmatch(samples.strip())
         if match is None:
             msg = (
                 "Expected samples as a string to name the dimension of the batch's tensors "
-                f"that indexes their samples, such as 'dim=1', got {samples!r}."
+                "that indexes their samples, 'dim=N' with N a whole number, such as 'dim=1' "
+                f"or 'dim=-1' (the last dimension), got {samples!r}."
             )
             raise ValueError(msg)
         dim = int(match.group(1))
@@ -172,6 +177,15 @@ def counting(samples: SampleCount) -> Counting | None:
         f"{type(samples).__name__} {samples!r}."
     )
     raise TypeError(msg)
+
+
+def whole_number(value: object) -> bool:
+    """Whether ``value`` is an integer as a count is: an int or numpy's, never a bool.
+
+    >>> whole_number(4), whole_number(True), whole_number(4.0)
+    (True, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def dataloader_counting(loader: object) -> Counting:

@@ -97,6 +97,7 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
     # Rows by type, each read at ``view``: (move, cast, read, decision).
     nodes: dict[type, Any]
     learn: Callable[[type], Any]
+    _kinds.follow_abcs()
     nodes, learn = (_kinds._decisions, _kinds.row) if skip is None else _kinds.skipping(skip)
     node = _entry(type(tree), nodes, learn, view)
     if node is None or node is INERT:
@@ -214,7 +215,7 @@ def unflatten(spec: Spec, leaves: list[Any]) -> Any:
             except Exception as err:
                 where = next(i for i, entry in enumerate(spec) if entry[2] is container)
                 path = paths(Flat(leaves, spec, []))[1][where]
-                raise _with_path(err, "data" + path, container) from None
+                _raise(_with_path(err, "data" + path, container))
     return values[0]
 
 
@@ -236,6 +237,7 @@ def map_flat(
             errors raised for a leaf keep their type and gain a note with its path.
     """
     kind = type(tree)
+    _kinds.follow_abcs()
     if skip is None and (kind is dict or kind is list or kind is tuple):
         # A flat batch ((images, labels), a dict of features), all leaves: flatten and
         # unflatten come down to a line each, a tenth of its host time. Only where the
@@ -249,7 +251,7 @@ def map_flat(
             try:
                 moved = move_all([*values], range(len(values)), state)
             except Exception as err:
-                raise _located_again(err, move_all, state, flatten(tree)) from None
+                _raise(_located_again(err, move_all, state, flatten(tree)))
             if kind is dict:
                 return dict(zip(tree, moved))  # noqa: B905 - its own values, checked: 1/3 faster
             return moved if kind is list else tuple(moved)
@@ -257,7 +259,7 @@ def map_flat(
     try:
         moved = move_all(flat.leaves, flat.active, state)
     except Exception as err:
-        raise _located_again(err, move_all, state, flat) from None
+        _raise(_located_again(err, move_all, state, flat))
     return unflatten(flat.spec, moved)
 
 
@@ -310,12 +312,13 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
     # Rows by type, each read at ``view``: (move, cast, read, decision).
     nodes: dict[type, Any]
     learn: Callable[[type], Any]
+    _kinds.follow_abcs()
     nodes, learn = (_kinds._decisions, _kinds.row) if skip is None else _kinds.skipping(skip)
     kind = type(tree)
     try:  # inline, not a helper: a call costs a twentieth of a small batch's walk
         node = _entry(kind, nodes, learn, view)
     except LeafError as err:  # a type first met in a compiled region
-        raise _with_path(err, root or "data", tree) from None
+        _raise(_with_path(err, root or "data", tree))
     if (
         kept is not None
         and (kind is tuple or kind is list or kind is dict)
@@ -346,12 +349,12 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
                 try:
                     child_node = learn(type(child))[view]
                 except LeafError as err:  # a type first met in a compiled region
-                    raise _with_path(err, root or "data", child) from None
+                    _raise(_with_path(err, root or "data", child))
             if child_node is None:
                 try:
                     results.append(fn(child, state))
                 except Exception as err:
-                    raise _located(err, tree, child, view, skip, root) from None
+                    _raise(_located(err, tree, child, view, skip, root))
             elif child_node is INERT:
                 results.append(child)
             elif (
@@ -387,7 +390,7 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
                 try:
                     result = node.rebuild(container, results)
                 except Exception as err:
-                    raise _located(err, tree, container, view, skip, root) from None
+                    _raise(_located(err, tree, container, view, skip, root))
             node, container, children, results = stack.pop()
             results.append(result)
 
@@ -413,6 +416,11 @@ def _located(  # noqa: PLR0917 - map_leaves' own arguments
         path for (*_, c, _), path in zip(flat.spec, container_paths, strict=True) if c is where
     ]
     return _with_path(err, root + (found[0] if found else ""), where)
+
+
+def _raise(err: Exception) -> NoReturn:
+    """Raise what a walk located with its own cause: ``from None`` would drop it too."""
+    raise err from err.__cause__
 
 
 def _with_path(err: Exception, path: str, where: Any) -> Exception:

@@ -7,6 +7,7 @@ import gc
 import re
 import weakref
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -582,3 +583,113 @@ OTHER_SAID = [
 def test_pytorch_s_words_for_mixed_devices_are_recognised(said: str) -> None:
     assert _compat.is_device_mismatch(RuntimeError(said)) is (said in MIXED_SAID)
     assert _compat.is_device_mismatch(ValueError(said)) is False  # PyTorch raises RuntimeError
+
+
+class Unprintable:
+    """A key of the user's whose __repr__ raises."""
+
+    def __repr__(self) -> str:
+        msg = "no repr"
+        raise ValueError(msg)
+
+
+def test_a_key_whose_repr_raises_is_shown_in_the_paths_the_checks_name() -> None:
+    # Issue 46: the repr's ValueError took the place of every answer.
+    shown = "[<unprintable Unprintable: its __repr__ raised ValueError>]"
+    batch = {Unprintable(): torch.zeros(1), "b": torch.zeros(1, device=META)}
+    assert dk.find_devices(batch) == {CPU: [shown], META: ["['b']"]}
+    msg = (
+        f"Expected every tensor on one device, but found 2: cpu has data{shown}; meta has "
+        "data['b']."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
+        dk.check_same_device(batch)
+
+
+# Issue 46: a host tensor made in a closure or a lambda that forward calls, whose frame
+# is gone by the time the failing call runs.
+
+
+class WithClosure(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def bias() -> torch.Tensor:
+            return torch.zeros(3)
+
+        return self.fc(x) + bias()
+
+
+class WithLambda(WithClosure):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = lambda: torch.randn(  # noqa: E731 - the lambda is what is tested
+            3,
+        )
+        return self.fc(x) * noise()
+
+
+class WithCell(WithClosure):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(3)
+        state = lambda: h  # noqa: E731 - the lambda is what is tested
+        return self.fc(x) + state()
+
+
+class WithToldClosure(WithClosure):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def offset() -> torch.Tensor:
+            return torch.zeros(3, device="cpu")  # on the host on purpose: not devicekit's to say
+
+        return self.fc(x) + offset()
+
+
+def _line_of(text: str) -> int:
+    """The one line of this file that starts with ``text``, indenting aside."""
+    lines = Path(__file__).read_text(encoding="utf-8").splitlines()
+    (found,) = (number for number, line in enumerate(lines, 1) if line.strip().startswith(text))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("model", "call", "runs", "factory", "made_in"),
+    [
+        (WithClosure, "self.fc(x) + bias()", "bias", "torch.zeros(3)", "return torch.zeros(3)"),
+        (WithLambda, "self.fc(x) * noise()", "noise", "torch.randn(3,)", "noise = lambda:"),
+    ],
+    ids=["closure", "lambda"],
+)
+def test_guard_names_a_host_tensor_made_in_a_closure_forward_calls(
+    model: type[nn.Module], call: str, runs: str, factory: str, made_in: str
+) -> None:
+    net = model().to(META)
+    made_at = f"test_checks.py:{_line_of(made_in)}"
+    msg = (
+        f"The call {call} in {model.__name__}.forward "
+        f"(test_checks.py:{_line_of('return ' + call)}) runs {runs}, whose {factory} "
+        f"({made_at}) makes a tensor without device=, which puts it on cpu, but the input "
+        f"and the parameters of {model.__name__} are on meta. Make it on the input's device: "
+        "torch.zeros(..., device=x.device), x.new_zeros(...) or torch.zeros_like(x)."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(net):
+        net(torch.zeros(2, 3, device=META))
+    assert info.value.devices == {META: ["x"], CPU: [f"{runs} ({made_at})"]}
+    assert _compat.is_device_mismatch(info.value.__cause__)  # PyTorch's own, as the cause
+
+
+def test_guard_names_a_host_tensor_a_closure_holds_of_forwards() -> None:
+    net = WithCell().to(META)
+    msg = (
+        f"h in WithCell.forward (test_checks.py:{_line_of('return self.fc(x) + state()')}) is "
+        "on cpu but the input and the parameters of WithCell are on meta."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)), dk.guard(net):
+        net(torch.zeros(2, 3, device=META))
+
+
+def test_a_closure_that_names_its_device_is_not_said_to_lack_one() -> None:
+    net = WithToldClosure().to(META)
+    with pytest.raises(RuntimeError) as info, dk.guard(net):
+        net(torch.zeros(2, 3, device=META))
+    assert not isinstance(info.value, dk.DeviceKitError)

@@ -707,7 +707,24 @@ def test_a_samples_function_that_returns_no_count_is_named_with_its_batch(
             ValueError,
             (
                 "Expected samples as a string to name the dimension of the batch's tensors that "
-                "indexes their samples, such as 'dim=1', got 'dim1'."
+                "indexes their samples, 'dim=N' with N a whole number, such as 'dim=1' or "
+                "'dim=-1' (the last dimension), got 'dim1'."
+            ),
+        ),
+        (
+            "dim=1.5",
+            ValueError,
+            (
+                "'dim=N' with N a whole number, such as 'dim=1' or 'dim=-1' (the last "
+                "dimension), got 'dim=1.5'."
+            ),
+        ),
+        (
+            "dim=-",
+            ValueError,
+            (
+                "'dim=N' with N a whole number, such as 'dim=1' or 'dim=-1' (the last "
+                "dimension), got 'dim=-'."
             ),
         ),
         (
@@ -727,13 +744,45 @@ def test_a_samples_function_that_returns_no_count_is_named_with_its_batch(
             ),
         ),
     ],
-    ids=["zero", "no-equals", "float", "bool"],
+    ids=["zero", "no-equals", "fraction", "no-number", "float", "bool"],
 )
 def test_samples_that_say_no_count_are_refused_when_the_loader_is_made(
     samples: Any, error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=re.escape(message)):
         dk.DeviceDataLoader([torch.zeros(2)], "cpu", samples=samples)
+
+
+# Issue 46: numpy's integers are counts, and a dimension counts from the end as PyTorch's.
+
+
+def test_samples_as_a_numpy_integer_is_a_count_per_batch() -> None:
+    np = pytest.importorskip("numpy")
+    counted = _counted(SEQUENCE_FIRST, np.int64(20))
+    assert (counted.samples, counted.samples_rule) == (200, "20 samples a batch (samples=20)")
+    assert _counted([torch.zeros(2)] * 3, np.uint8(4)).samples == 12
+    # Still whole numbers of 1 or more, and numpy's bools and floats are no counts.
+    zero = "Expected samples to be a number of samples per batch, 1 or more, got 0."
+    with pytest.raises(ValueError, match=re.escape(zero)):
+        dk.DeviceDataLoader([torch.zeros(2)], "cpu", samples=np.int64(0))
+    for refused, shown in ((np.bool_(True), "bool"), (np.float64(4.0), "float64")):
+        with pytest.raises(TypeError, match=re.escape(f"got {shown} ")):
+            dk.DeviceDataLoader([torch.zeros(2)], "cpu", samples=refused)
+
+
+def test_a_negative_dimension_counts_from_each_tensors_last() -> None:
+    # Batch-last tensors of different ranks: (time, batch) data, (classes, batch) targets.
+    batches = [(torch.zeros(35, 20), torch.zeros(3, 7, 20), torch.tensor(2.0))] * 10
+    last = _counted(batches, "dim=-1")
+    assert (last.samples, last.samples_rule) == (
+        200,
+        "dimension -1 of the batch's tensors (samples='dim=-1')",
+    )
+    # -2 reads what each tensor of two or more dimensions has second from the end.
+    assert _counted([{"x": torch.zeros(35, 20), "n": torch.zeros(5)}] * 2, "dim=-2").samples == 70
+    # Where no tensor has the dimension, nothing tells: None, as with "dim=3".
+    assert _counted([torch.tensor(1.0)] * 2, "dim=-1").samples is None
+    assert samples_in(torch.zeros(4, 6), -1)[0] == 6
 
 
 def test_the_guides_point_to_the_one_statement_of_the_default_rule() -> None:

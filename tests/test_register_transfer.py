@@ -6,6 +6,7 @@ thread, until it is unregistered. meta is the second device on CPU machines.
 
 from __future__ import annotations
 
+import abc
 import collections
 import re
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 import typing
 from collections import UserList, deque
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ import devicekit as dk
 from devicekit._transfer import as_accelerator
 
 from .helpers import CPU, META
+from .programs import run_program
 
 
 class Bag:
@@ -267,3 +270,177 @@ def test_registering_typing_any_is_refused() -> None:
     refusal = re.escape("got typing.Any, which no object is an instance of")
     with pytest.raises(TypeError, match=refusal):
         dk.register_transfer(typing.Any)
+
+
+# Issue 46: ABCs whose registrations come later, and ABCs whose checks raise.
+
+
+def test_a_class_registered_with_an_abc_after_first_use_takes_the_abcs_rule() -> None:
+    class Holder(abc.ABC):  # noqa: B024 - a marker, which classes join by register()
+        """An ABC that user types join by Holder.register."""
+
+    class Early(Bag):
+        pass
+
+    class Late(Bag):
+        pass
+
+    seen: list[type] = []
+
+    @dk.register_transfer(Holder)
+    def move_holder(obj: Any, device: torch.device, **options: Any) -> Any:
+        seen.append(type(obj))
+        return obj
+
+    try:
+        Holder.register(Early)
+        early, late = Early(torch.ones(1)), Late(torch.ones(1))
+        # First use: Late is no Holder yet, a leaf that stays; every walk learns it so.
+        assert dk.to_device({"early": early, "late": late}, META) == {"early": early, "late": late}
+        assert seen == [Early]
+        assert dk.find_devices({"late": late}) == {}
+        Holder.register(Late)  # after to_device met Late: it must be seen all the same
+        seen.clear()
+        dk.to_device({"late": late}, META)
+        dk.to_device({"late": late, "raw": 1}, META, skip_keys={"raw"})
+        with as_accelerator("meta"):
+            dk.to_device([late] * 12, META)
+        assert seen == [Late, Late, Late]
+        assert dk.find_devices({"late": late}) == {CPU: ["['late'].tensor"]}
+    finally:
+        dk.unregister_transfer(Holder)
+
+
+def test_a_class_registered_as_a_mapping_after_first_use_is_walked_as_one() -> None:
+    class Table:
+        """A read-only mapping that joins collections.abc.Mapping by register()."""
+
+        def __init__(self, items: dict[str, Any]) -> None:
+            self.items_ = items
+
+        def __getitem__(self, key: str) -> Any:
+            return self.items_[key]
+
+        def __iter__(self) -> Any:
+            return iter(self.items_)
+
+        def __len__(self) -> int:
+            return len(self.items_)
+
+        def items(self) -> Any:
+            return self.items_.items()
+
+    table = Table({"x": torch.ones(1)})
+    assert dk.find_devices(table) == {}  # a leaf: no Mapping yet
+    collections.abc.Mapping.register(Table)
+    assert dk.find_devices(table) == {CPU: ["['x']"]}
+    assert dk.to_device(table, META)["x"].device == META
+
+
+class Broken(abc.ABC):  # noqa: B024 - only its hook matters
+    """An ABC whose __subclasshook__ raises, as a hook that reads what a class lacks does."""
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        msg = f"the hook cannot read {other.__name__}"
+        raise LookupError(msg)
+
+
+def test_an_abc_whose_check_raises_names_itself_only_where_it_decides() -> None:
+    @dk.register_transfer(Broken)
+    def move_broken(obj: Any, device: torch.device, **options: Any) -> Any:
+        return obj
+
+    try:
+        # Tensors, modules, plain scalars and containers are devicekit's own: not broken.
+        batch = {"x": torch.ones(1), "n": 3, "s": "a", "rows": [torch.ones(1)], "t": (None,)}
+        moved = dk.to_device(batch, META)
+        assert moved["x"].device == moved["rows"][0].device == META
+        model = torch.nn.Linear(1, 1)
+        assert dk.to_device(model, META) is model
+        assert model.weight.device == META
+        optimizer = torch.optim.SGD(model.parameters())
+        assert dk.to_device(optimizer, META) is optimizer
+        assert dk.find_devices(batch) == {CPU: ["['x']", "['rows'][0]"]}
+        with as_accelerator("meta"):
+            assert dk.to_device([torch.ones(1)] * 12, META)[0].device == META
+        # A type of the user's, which the rule might take, is refused with the reason.
+        refusal = (
+            "Cannot move data['bag'], a tests.test_register_transfer.Bag: devicekit asks "
+            "whether it is a tests.test_register_transfer.Broken, which has a transfer rule, "
+            "and issubclass(Bag, Broken) raised LookupError (the cause below). Make "
+            "Broken.__subclasshook__ answer for Bag, or call "
+            "devicekit.unregister_transfer(Broken)."
+        )
+        with pytest.raises(dk.TransferError, match=re.escape(refusal)) as info:
+            dk.to_device({"bag": Bag(torch.ones(1))}, META)
+        assert type(info.value.__cause__) is LookupError
+        assert str(info.value.__cause__) == "the hook cannot read Bag"
+        # The refusal is not kept: a hook that answers later is asked again.
+        raising = Broken.__dict__["__subclasshook__"]
+        Broken.__subclasshook__ = classmethod(lambda cls, other: NotImplemented)  # type: ignore[method-assign,assignment]
+        try:
+            bag = Bag(torch.ones(1))
+            assert dk.to_device({"bag": bag}, META)["bag"] is bag
+        finally:
+            Broken.__subclasshook__ = raising  # type: ignore[method-assign]
+    finally:
+        dk.unregister_transfer(Broken)
+
+
+_BROKEN_MAPPING = """
+import collections.abc, sys, torch
+sys.path.insert(0, {root!r})
+import devicekit as dk
+
+class Odd(collections.abc.Mapping):  # its hook breaks issubclass(anything new, Mapping)
+    @classmethod
+    def __subclasshook__(cls, other):
+        raise LookupError("the hook broke")
+
+class Point:
+    def __init__(self):
+        self.x = torch.ones(1)
+
+assert dk.to_device({{"x": torch.ones(1), "n": [1]}}, "meta")["x"].device.type == "meta"
+try:
+    dk.to_device({{"p": Point()}}, "meta")
+except dk.TransferError as err:
+    print(err)
+    print(repr(err.__cause__))
+"""
+
+
+def test_a_mapping_subclass_whose_check_raises_is_named_not_passed_through() -> None:
+    # In a fresh interpreter: such a subclass breaks every new issubclass(..., Mapping).
+    root = str(Path(__file__).parent.parent)
+    result = run_program([sys.executable, "-c", _BROKEN_MAPPING.format(root=root)], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said, cause = result.stdout.splitlines()
+    assert said == (
+        "Cannot move data['p'], a __main__.Point: telling what kind of object it is raised "
+        "LookupError (the cause below), as a failing __subclasshook__ of an abstract base "
+        "class does. Fix that check, or register how to move it with "
+        "@devicekit.register_transfer(Point)."
+    )
+    assert cause == "LookupError('the hook broke')"
+
+
+def test_an_error_a_rule_raises_keeps_its_own_cause() -> None:
+    # The walk re-raised it `from None`, which dropped the cause the rule gave it.
+    @dk.register_transfer(Bag)
+    def move_bag(bag: Bag, device: torch.device, **options: Any) -> Bag:
+        try:
+            {}["tensor"]
+        except KeyError as err:
+            msg = "the rule failed"
+            raise ValueError(msg) from err
+        return bag  # pragma: no cover - raised above
+
+    try:
+        with pytest.raises(ValueError, match="the rule failed") as info:
+            dk.to_device({"bag": Bag(torch.ones(1))}, META)
+    finally:
+        dk.unregister_transfer(Bag)
+    assert type(info.value.__cause__) is KeyError
+    assert info.value.__notes__ == ["devicekit: raised while handling data['bag'] (Bag)."]

@@ -936,6 +936,25 @@ def test_strict_keeps_numpy_scalars_as_it_keeps_python_numbers() -> None:
     assert moved[3].device == META
 
 
+class Unprintable:
+    """A key of the user's whose __repr__ raises."""
+
+    def __repr__(self) -> str:
+        msg = "no repr"
+        raise ValueError(msg)
+
+
+def test_a_key_whose_repr_raises_is_shown_and_the_refusal_stands() -> None:
+    # Issue 46: the repr's ValueError took the refusal's place.
+    msg = (
+        "Cannot move data[<unprintable Unprintable: its __repr__ raised ValueError>][1]: it is "
+        "a numpy.ndarray, which is neither a tensor, a container, a type with a .to() method, "
+        "a registered type, nor a plain scalar."
+    )
+    with pytest.raises(dk.TransferError, match=re.escape(msg)):
+        dk.to_device({Unprintable(): [1, np.zeros(2)]}, META, strict=True)
+
+
 # Structural errors.
 
 
