@@ -169,8 +169,7 @@ def _rank_finding(problem: RankProblem) -> Finding:
         "device" + ("" if count == 1 else "s"),
         "ranks would share a GPU, which NCCL refuses ('Duplicate GPU detected') and "
         "which halves each rank's memory",
-        f"start at most {count} per node ({launcher.per_node.format(count)}), or give each "
-        f"process its own {problem.own}",
+        f"start at most {count} per node ({launcher.per_node.format(count)}), or {problem.apart}",
     )
 
 
@@ -227,7 +226,9 @@ def _cuda_wheel(driver_cuda: tuple[int, int] | None) -> str | None:
 def _device_files(machine: Machine) -> list[Finding]:
     """A driver loaded, and no device file for this process: a container started without GPUs."""
     hardware, found = machine.hardware, []
-    if hardware.nvidia_driver is not None and not hardware.nvidia_files:
+    # Windows reaches its GPUs without /dev: there, no device file is no sign of a container.
+    files_expected = hardware.system != "Windows"
+    if hardware.nvidia_driver is not None and not hardware.nvidia_files and files_expected:
         version = f" ({hardware.nvidia_driver})" if hardware.nvidia_driver else ""
         found.append(
             Finding(

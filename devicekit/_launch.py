@@ -161,6 +161,9 @@ class Launcher(NamedTuple):
     rank: str  # the variable of the local rank
     size: str  # the variable of the processes on the node
     per_node: str  # its option that starts {} processes per node, as advice shows it
+    srun_starts: bool = False
+    """Whether srun can start its processes itself, each a Slurm task (an MPI library's
+    direct launch, ``srun --mpi=pmix``): torchrun always starts its own."""
 
 
 LAUNCHERS: Final = (
@@ -170,8 +173,16 @@ LAUNCHERS: Final = (
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
         "mpirun --npernode {}",
+        srun_starts=True,
     ),
-    Launcher("MPICH or Intel MPI", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "mpiexec -ppn {}"),
+    Launcher(
+        "MVAPICH2",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+        "mpiexec -ppn {}",
+        srun_starts=True,
+    ),
+    Launcher("MPICH or Intel MPI", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "mpiexec -ppn {}", True),
     Launcher("Cray PALS", "PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE", "mpiexec --ppn {}"),
     Launcher("Slurm", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "srun --ntasks-per-node={}"),
 )
@@ -181,6 +192,10 @@ A launcher started inside another's job inherits the outer one's variables: torc
 mpirun inside a Slurm allocation sees the batch step's ``SLURM_LOCALID=0`` in every
 process it starts. The launcher that started the process set its own variables last,
 and only they tell the processes apart; Slurm, which starts the others, comes last.
+The MPI libraries come next to each other, their order telling only which is named
+where two set their variables at once; MVAPICH2, whose ``MV2_`` variables no other sets,
+comes before the ``MPI_LOCALRANKID`` that MPICH-based launchers share. Where srun
+starts MPI ranks itself, both its variables and the library's are set, and agree.
 """
 
 
@@ -200,8 +215,20 @@ class LocalRank(NamedTuple):
     size: int | None  # the processes on the node, where the launcher says
     outer: tuple[Launcher, ...] = ()  # launchers whose variables it inherited, not read
     per_task: str = ""
-    """Where the rank is Slurm's own, the variable saying that Slurm bound each task to
-    GPUs of its own (:func:`slurm_gpus_per_task`), as messages show it; else ""."""
+    """Where this process is a Slurm task (:attr:`srun_task`), the variable saying that
+    Slurm bound each task to GPUs of its own (:func:`slurm_gpus_per_task`), as messages
+    show it; else ""."""
+    srun_started: bool = False
+    """Where the rank is an MPI library's, whether srun started the process itself: the
+    rank and count agree with Slurm's (``srun --mpi=pmix``, not mpirun inside a job)."""
+
+    @property
+    def srun_task(self) -> bool:
+        """Whether srun started this process as a task of its own, not torchrun or mpirun.
+
+        So where the rank is Slurm's, or an MPI library's that srun started itself.
+        """
+        return self.launcher == _SLURM or self.srun_started
 
     @property
     def said(self) -> str:
@@ -233,12 +260,17 @@ def local_rank(environ: Mapping[str, str] | None = None) -> LocalRank | BadRank 
     """This process's rank on its node, from its innermost launcher; None if none set one.
 
     ``LOCAL_RANK`` (torchrun), then ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI),
-    ``MPI_LOCALRANKID`` (MPICH, Intel MPI), ``PALS_LOCAL_RANKID`` (Cray PALS), then
-    ``SLURM_LOCALID`` (srun): the first set is read, the others are named as ``outer``.
+    ``MV2_COMM_WORLD_LOCAL_RANK`` (MVAPICH2), ``MPI_LOCALRANKID`` (MPICH, Intel MPI),
+    ``PALS_LOCAL_RANKID`` (Cray PALS), then ``SLURM_LOCALID`` (srun): the first set is
+    read, the others are named as ``outer``.
     A value that is not a whole number of 0 or more comes back as a :class:`BadRank`,
     for whoever uses the rank to refuse; a device the user names does not need it.
-    Where the rank is Slurm's own, ``per_task`` says whether Slurm bound GPUs to each task
-    (an inner launcher's processes share what Slurm gave its one task).
+    Where this process is a Slurm task (``srun_task``), ``per_task`` says whether Slurm
+    bound GPUs to each task (an inner launcher's processes share what Slurm gave its task).
+    An MPI library's rank is a Slurm task where its rank and count are Slurm's own (srun
+    started it). Ranks that mpirun starts all inherit one ``SLURM_LOCALID``, so one rank
+    at most agrees by chance: in a batch script, rank 0, which takes the first device
+    either way.
 
     >>> rank = local_rank({"SLURM_LOCALID": "0", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     >>> rank.rank, rank.size, rank.started_by
@@ -258,8 +290,25 @@ def local_rank(environ: Mapping[str, str] | None = None) -> LocalRank | BadRank 
     if rank is None:
         return BadRank(launcher, value)
     size = whole_number(environ.get(launcher.size, ""))
-    per_task = slurm_gpus_per_task(environ) if launcher is _SLURM else ""
-    return LocalRank(rank, launcher, size, tuple(outer), per_task)
+    started = launcher.srun_starts and _slurm_s_own(environ, rank, size)
+    per_task = slurm_gpus_per_task(environ) if launcher is _SLURM or started else ""
+    return LocalRank(rank, launcher, size, tuple(outer), per_task, started)
+
+
+def _slurm_s_own(environ: Mapping[str, str], rank: int, size: int | None) -> bool:
+    """Whether an MPI rank and count are Slurm's task's too: srun started the rank itself.
+
+    Both counts must be known: a rank alone may agree by chance (mpirun's rank 2, started
+    in srun's third task, which Slurm gave two GPUs that its ranks share).
+
+    >>> _slurm_s_own({"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"}, 2, 4)
+    True
+    >>> _slurm_s_own({"SLURM_LOCALID": "2"}, 2, 4), _slurm_s_own({"SLURM_LOCALID": "0"}, 2, 4)
+    (False, False)
+    """
+    slurm_rank = whole_number(environ.get(_SLURM.rank, ""))
+    slurm_size = whole_number(environ.get(_SLURM.size, ""))
+    return slurm_rank == rank and size is not None and size == slurm_size
 
 
 def slurm_gpus_per_task(environ: Mapping[str, str] | None = None) -> str:
