@@ -21,11 +21,13 @@ __all__ = [
     "BadRank",
     "Launcher",
     "LocalRank",
+    "Repeated",
     "devicekit_device",
     "given_devices",
     "local_rank",
     "own_devices_variable",
     "parse_visible_devices",
+    "repeated_visible_device",
     "slurm_gpus_per_task",
     "whole_number",
 ]
@@ -91,8 +93,9 @@ def parse_visible_devices(
     ``CUDA_VISIBLE_DEVICES`` (and ROCm's two, in the same form) as the CUDA runtime and
     PyTorch read it: indices, or UUID prefixes (``GPU-…``, ``MIG-…``); the list stops at
     the first entry that is not of the same kind (a negative index, say), and a repeated
-    entry hides every GPU. ``ZE_AFFINITY_MASK`` as Level Zero's: devices by index, a
-    tile as ``0.1``; blank is no mask, and a malformed one leaves no device.
+    entry hides every GPU (:func:`repeated_visible_device` tells which). ``ZE_AFFINITY_MASK``
+    as Level Zero's: devices by index, a tile as ``0.1``; blank is no mask, and a
+    malformed one leaves no device.
 
     >>> parse_visible_devices(None) is None, parse_visible_devices("2,0"), parse_visible_devices("")
     (True, [2, 0], [])
@@ -114,25 +117,66 @@ def parse_visible_devices(
         entries = [entry.strip() for entry in value.split(",")]
         parses = all(part.isdecimal() for entry in entries for part in entry.split("."))
         return entries if parses else []
+    listed, repeated = _cuda_entries(value)
+    return [] if repeated is not None else listed
+
+
+class Repeated(NamedTuple):
+    """An entry that ``CUDA_VISIBLE_DEVICES`` lists twice, and the list meant."""
+
+    entry: str  # the index (as CUDA reads it: "1gpu" is 1) or the UUID prefix repeated
+    once: str  # the variable's entries, each once, in its order: the value to set
+
+
+def repeated_visible_device(value: str | None) -> Repeated | None:
+    """The first entry a ``CUDA_VISIBLE_DEVICES`` value repeats, which hides every GPU.
+
+    >>> repeated_visible_device("0,1,0,2")
+    Repeated(entry='0', once='0,1,2')
+    >>> repeated_visible_device("GPU-ab,GPU-ab"), repeated_visible_device("0,1")
+    (Repeated(entry='GPU-ab', once='GPU-ab'), None)
+    >>> repeated_visible_device("0,-1,0") is None  # CUDA stops at -1, before the repeat
+    True
+    """
+    if value is None:
+        return None
+    listed, repeated = _cuda_entries(value)
+    return None if repeated is None else Repeated(repeated, ",".join(map(str, listed)))
+
+
+def _cuda_entries(value: str) -> tuple[list[int] | list[str], str | None]:
+    """The entries CUDA reads in a ``CUDA_VISIBLE_DEVICES`` value, each once; the first repeat.
+
+    The repeat is the first entry listed a second time, None where none is.
+
+    A repeated entry hides every GPU. NVIDIA's documentation says nothing of repeats;
+    this is PyTorch's reading (``torch.cuda._parse_visible_devices``: "Repeated ordinal
+    results in empty set"), written to agree with the CUDA runtime, which then finds no
+    device.
+    """
     for prefix in ("GPU-", "MIG-"):
         if value.startswith(prefix):
             uuids: list[str] = []
+            repeated: str | None = None
             for token in value.split(","):  # UUIDs are taken verbatim, spaces included
                 if not token.startswith(prefix):
                     break
                 if token in uuids:
-                    return []
-                uuids.append(token)
-            return uuids
+                    repeated = repeated or token
+                else:
+                    uuids.append(token)
+            return uuids, repeated
     indices: list[int] = []
+    repeated_index: str | None = None
     for token in value.split(","):
         index = _leading_integer(token.strip())
         if index < 0:
             break
         if index in indices:
-            return []
-        indices.append(index)
-    return indices
+            repeated_index = repeated_index or str(index)
+        else:
+            indices.append(index)
+    return indices, repeated_index
 
 
 def own_devices_variable(device_type: str) -> str:

@@ -271,7 +271,34 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
             cuda_started=True,
             cuda_count=0,
         ),
-        [("error", "visible-devices-hide-all")],
+        [("error", "visible-devices-repeated")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES repeating a GPU, CUDA started before it: the repeat, not the timing",
+        on(
+            TWO,
+            environ={"CUDA_VISIBLE_DEVICES": "0,0"},
+            cuda_started=True,
+            cuda_count=2,
+            hardware=NVIDIA,
+            build=CUDA_BUILD,
+        ),
+        [("error", "visible-devices-repeated")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES repeating a GPU, listed without NVML (no note)",
+        on(gpus(), environ={"CUDA_VISIBLE_DEVICES": "1,0,1"}, hardware=NVIDIA, build=CUDA_BUILD),
+        [("error", "visible-devices-repeated")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES repeating a GPU on a machine without any",
+        on(NONE, environ={"CUDA_VISIBLE_DEVICES": "0,0"}),
+        [("warning", "visible-devices-repeated")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES stopping at -1 before a repeat: no repeat",
+        on(gpus(H100), environ={"CUDA_VISIBLE_DEVICES": "0,-1,0"}, cuda_started=True, cuda_count=1),
+        [],
     ),
     (
         "CUDA_VISIBLE_DEVICES by UUID: not counted",
@@ -509,6 +536,7 @@ def test_there_are_at_least_forty_cases_and_each_finding_has_one() -> None:
         "local-rank-not-a-number",
         "more-ranks-than-devices",
         "visible-devices-hide-all",
+        "visible-devices-repeated",
         "visible-devices-after-cuda",
         "rocm-visibility-conflict",
         "affinity-mask-hides-all",
@@ -814,10 +842,31 @@ def test_a_repeated_gpu_in_cuda_visible_devices_hides_every_gpu_for_both(
     )
     findings = diagnose(machine)
     assert [f.code for f in findings if f.code != "claim-directory"] == [
-        "visible-devices-hide-all",
+        "visible-devices-repeated",
         "ranks-on-cpu",
     ]
-    assert findings[0].what == "CUDA_VISIBLE_DEVICES='0,0' hides every GPU"
+    assert findings[0].what == "CUDA_VISIBLE_DEVICES='0,0' lists GPU 0 twice"
+
+
+def test_a_repeated_gpu_is_named_with_the_value_meant_and_not_as_a_timing_problem() -> None:
+    # CUDA started before the variable was set sees both GPUs; "set it earlier" would leave
+    # the job with none, since CUDA shows no GPU where one is listed twice.
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1,0"}
+    machine = on(TWO, environ=environ, cuda_started=True, cuda_count=2, hardware=NVIDIA)
+    (finding,) = diagnose(dataclasses.replace(machine, build=CUDA_BUILD))
+    assert finding.line() == (
+        "error: CUDA_VISIBLE_DEVICES='0,1,0' lists GPU 0 twice: CUDA shows no GPU at all where "
+        "one is listed twice (PyTorch counts none too), so the job trains on the CPU, or fails "
+        "where it asks for cuda. Fix: list each GPU once: CUDA_VISIBLE_DEVICES='0,1'."
+    )
+    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-5f1c,GPU-5f1c"}
+    (finding,) = diagnose(on(gpus(), environ=uuids, hardware=NVIDIA, build=CUDA_BUILD))
+    assert finding.what == "CUDA_VISIBLE_DEVICES='GPU-5f1c,GPU-5f1c' lists 'GPU-5f1c' twice"
+    # The CPU fallback's warning says the same words (why_cpu is what it warns of).
+    assert [f.code for f in why_cpu(on(gpus(), environ=uuids, hardware=NVIDIA))] == [
+        "build-without-cuda",
+        "visible-devices-repeated",
+    ]
 
 
 # A family that prefer= does not name by default: an index names none of its devices.
