@@ -226,7 +226,13 @@ LAUNCHERS: Final = (
         "mpiexec -ppn {}",
         srun_starts=True,
     ),
-    Launcher("MPICH or Intel MPI", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "mpiexec -ppn {}", True),
+    Launcher(
+        "MPICH or Intel MPI",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+        "mpiexec -ppn {}",
+        srun_starts=True,
+    ),
     Launcher("Cray PALS", "PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE", "mpiexec --ppn {}"),
     Launcher("Slurm", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "srun --ntasks-per-node={}"),
 )

@@ -312,10 +312,7 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
         )
     manager = _manager()
     if args.command == "info":
-        if args.json:
-            print(_info_json(manager))
-        else:
-            print(_info_table(manager))
+        print(_info_json(manager) if args.json else _info_table(manager))
         return 0
     print(f"devicekit {devicekit.__version__} (PyTorch {torch.__version__})")
     _say(f"device: {manager.device} ({manager.reason})")
