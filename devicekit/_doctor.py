@@ -29,7 +29,13 @@ from devicekit import _claims as _claims_module
 from devicekit._backends import Backend, Family, builtin_backends, cuda_started
 from devicekit._devices import has_backend, shown
 from devicekit._hardware import Build, Hardware, probe
-from devicekit._launch import VISIBILITY_VARIABLES, BadRank, LocalRank, parse_visible_devices
+from devicekit._launch import (
+    VISIBILITY_VARIABLES,
+    BadRank,
+    LocalRank,
+    parse_visible_devices,
+    repeated_visible_device,
+)
 from devicekit._selection import Chosen, Outcome, RankProblem, Refused, Request, Seen, choose
 
 __all__ = ["Finding", "Machine", "diagnose", "look", "why_cpu"]
@@ -169,8 +175,7 @@ def _rank_finding(problem: RankProblem) -> Finding:
         "device" + ("" if count == 1 else "s"),
         "ranks would share a GPU, which NCCL refuses ('Duplicate GPU detected') and "
         "which halves each rank's memory",
-        f"start at most {count} per node ({launcher.per_node.format(count)}), or give each "
-        f"process its own {problem.own}",
+        f"start at most {count} per node ({launcher.per_node.format(count)}), or {problem.apart}",
     )
 
 
@@ -227,7 +232,9 @@ def _cuda_wheel(driver_cuda: tuple[int, int] | None) -> str | None:
 def _device_files(machine: Machine) -> list[Finding]:
     """A driver loaded, and no device file for this process: a container started without GPUs."""
     hardware, found = machine.hardware, []
-    if hardware.nvidia_driver is not None and not hardware.nvidia_files:
+    # Windows reaches its GPUs without /dev: there, no device file is no sign of a container.
+    files_expected = hardware.system != "Windows"
+    if hardware.nvidia_driver is not None and not hardware.nvidia_files and files_expected:
         version = f" ({hardware.nvidia_driver})" if hardware.nvidia_driver else ""
         found.append(
             Finding(
@@ -387,7 +394,24 @@ def _hidden(machine: Machine) -> list[Finding]:
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     # The backend's note says so where it saw GPUs that the variable then hid.
     hid = cuda is not None and (cuda.note or "").startswith("CUDA_VISIBLE_DEVICES")
-    if visible is not None and cuda is not None and hid and not machine.rocm:
+    repeated = None if machine.rocm else repeated_visible_device(visible)
+    if repeated is not None and cuda is not None:
+        # Told apart from a list of GPUs that are not there, whose fix differs; and
+        # whatever NVML saw, since PyTorch's count without NVML reads it the same.
+        gpu = repeated.entry
+        label = f"GPU {gpu}" if gpu.isdecimal() else shown(gpu)
+        gpus = hid or machine.hardware.nvidia or machine.build.cuda is not None
+        found.append(
+            Finding(
+                "error" if gpus else "warning",
+                "visible-devices-repeated",
+                f"CUDA_VISIBLE_DEVICES={shown(visible)} lists {label} twice",
+                "CUDA shows no GPU at all where one is listed twice (PyTorch counts none "
+                "too), so the job trains on the CPU, or fails where it asks for cuda",
+                f"list each GPU once: CUDA_VISIBLE_DEVICES={shown(repeated.once)}",
+            )
+        )
+    elif visible is not None and cuda is not None and hid and not machine.rocm:
         found.append(
             Finding(
                 "error",
@@ -421,7 +445,10 @@ def _visibility(machine: Machine) -> list[Finding]:
     listed = _counted(parse_visible_devices(visible))
     count = machine.cuda_count if machine.cuda_started else None
     found = []
-    if count is not None and listed not in (None, count):
+    # A repeated GPU lists none, whenever it was set: that finding (_hidden) says so, and
+    # this one's fix (set it earlier) would leave the job with no GPU at all.
+    repeated = repeated_visible_device(visible) is not None and not machine.rocm
+    if count is not None and listed not in (None, count) and not repeated:
         found.append(
             Finding(
                 "error",

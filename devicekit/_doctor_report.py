@@ -101,7 +101,7 @@ def as_json(findings: list[Finding], machine: Machine) -> str:
 
 def _drivers(hardware: Hardware) -> str:
     """``NVIDIA 570.86.15 (CUDA 12.8, 8 device files); AMD none; Intel GPUs none``."""
-    nvidia = "none"
+    nvidia = "none (nvidia-smi without a driver)" if hardware.nvidia_smi else "none"
     if hardware.nvidia:
         details = [f"{hardware.nvidia_files} device file(s)"]
         if hardware.driver_cuda is not None:

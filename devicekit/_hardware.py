@@ -36,7 +36,11 @@ class Hardware(NamedTuple):
     nvidia_files: int = 0
     """How many ``/dev/nvidia0``, ``/dev/nvidia1``, ... device files this process sees."""
     nvidia_smi: bool = False
-    """Whether ``nvidia-smi`` is on the PATH (on Windows, the one sign of a driver)."""
+    """Whether ``nvidia-smi`` is on the PATH: shown, but no sign of a GPU by itself.
+
+    The package that installs it stays after its driver is gone or fails to load (a
+    kernel update the module was not built for), and on a machine that never had a GPU.
+    """
     driver_cuda: tuple[int, int] | None = None
     """The newest CUDA the driver runs, as NVML says; None where NVML cannot be read."""
     amd_driver: bool = False
@@ -54,8 +58,14 @@ class Hardware(NamedTuple):
 
     @property
     def nvidia(self) -> bool:
-        """Whether anything shows an NVIDIA GPU: its driver, a device file, ``nvidia-smi``."""
-        return self.nvidia_driver is not None or self.nvidia_files > 0 or self.nvidia_smi
+        """Whether an NVIDIA GPU is there: its driver is loaded, or a device file is.
+
+        ``nvidia-smi`` on the PATH alone is not enough (see :attr:`nvidia_smi`).
+
+        >>> Hardware(nvidia_smi=True).nvidia, Hardware(nvidia_driver="").nvidia
+        (False, True)
+        """
+        return self.nvidia_driver is not None or self.nvidia_files > 0
 
     @property
     def amd(self) -> bool:
@@ -111,8 +121,11 @@ class Build(NamedTuple):
 def probe(root: Path = Path("/"), path: str | None = None) -> Hardware:
     """This machine's GPU drivers and device files, read under ``root``; ``nvidia-smi`` on ``path``.
 
-    Reads a few files and lists two folders; NVML only where the NVIDIA driver is there.
-    Tests pass a folder laid out as a machine would be.
+    Reads a few files and lists two folders; NVML only where something suggests the NVIDIA
+    driver. The driver counts as there where the kernel module says so
+    (``/proc/driver/nvidia/version``), where NVML answers, or (on Windows, which has no
+    ``/proc``) where the driver's own library lies beside ``nvidia-smi``. Tests pass a
+    folder laid out as a machine would be.
     """
     version_file = root / "proc/driver/nvidia/version"
     nvidia_driver = _module_version(version_file) if version_file.exists() else None
@@ -120,14 +133,16 @@ def probe(root: Path = Path("/"), path: str | None = None) -> Hardware:
     # its hundred-odd entries on every machine doubled the CPU fallback's DeviceManager()).
     listed = nvidia_driver is not None or not (root / "proc").is_dir()
     nvidia_files = _count(root / "dev", re.compile(r"nvidia\d+")) if listed else 0
-    smi = shutil.which("nvidia-smi", path=path) is not None
+    smi = shutil.which("nvidia-smi", path=path)
     driver = read_driver() if nvidia_driver is not None or nvidia_files or smi else None
     if driver is not None and not nvidia_driver:
         nvidia_driver = driver[0]  # NVML's, where /proc has none (Windows)
+    if nvidia_driver is None and smi is not None and _driver_library_beside(Path(smi)):
+        nvidia_driver = ""  # installed with its driver (Windows), version unread
     return Hardware(
         nvidia_driver=nvidia_driver,
         nvidia_files=nvidia_files,
-        nvidia_smi=smi,
+        nvidia_smi=smi is not None,
         driver_cuda=None if driver is None else driver[1],
         amd_driver=(root / "sys/module/amdgpu").exists(),
         kfd=(root / "dev/kfd").exists(),
@@ -136,6 +151,16 @@ def probe(root: Path = Path("/"), path: str | None = None) -> Hardware:
         arch=os.uname().machine if hasattr(os, "uname") else platform.machine(),
         macos=_macos_version(),
     )
+
+
+# The NVIDIA driver's own libraries (NVML, CUDA's driver API) on Windows: the driver puts
+# nvidia-smi.exe beside them (System32, or NVSMI in older releases); no other package does.
+_WINDOWS_DRIVER_LIBRARIES = ("nvml.dll", "nvcuda.dll")
+
+
+def _driver_library_beside(smi: Path) -> bool:
+    """Whether the NVIDIA driver's own library lies beside this ``nvidia-smi`` (Windows)."""
+    return any((smi.parent / name).is_file() for name in _WINDOWS_DRIVER_LIBRARIES)
 
 
 def _module_version(version_file: Path) -> str:

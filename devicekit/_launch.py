@@ -21,11 +21,13 @@ __all__ = [
     "BadRank",
     "Launcher",
     "LocalRank",
+    "Repeated",
     "devicekit_device",
     "given_devices",
     "local_rank",
     "own_devices_variable",
     "parse_visible_devices",
+    "repeated_visible_device",
     "slurm_gpus_per_task",
     "whole_number",
 ]
@@ -91,8 +93,9 @@ def parse_visible_devices(
     ``CUDA_VISIBLE_DEVICES`` (and ROCm's two, in the same form) as the CUDA runtime and
     PyTorch read it: indices, or UUID prefixes (``GPU-…``, ``MIG-…``); the list stops at
     the first entry that is not of the same kind (a negative index, say), and a repeated
-    entry hides every GPU. ``ZE_AFFINITY_MASK`` as Level Zero's: devices by index, a
-    tile as ``0.1``; blank is no mask, and a malformed one leaves no device.
+    entry hides every GPU (:func:`repeated_visible_device` tells which). ``ZE_AFFINITY_MASK``
+    as Level Zero's: devices by index, a tile as ``0.1``; blank is no mask, and a
+    malformed one leaves no device.
 
     >>> parse_visible_devices(None) is None, parse_visible_devices("2,0"), parse_visible_devices("")
     (True, [2, 0], [])
@@ -114,25 +117,66 @@ def parse_visible_devices(
         entries = [entry.strip() for entry in value.split(",")]
         parses = all(part.isdecimal() for entry in entries for part in entry.split("."))
         return entries if parses else []
+    listed, repeated = _cuda_entries(value)
+    return [] if repeated is not None else listed
+
+
+class Repeated(NamedTuple):
+    """An entry that ``CUDA_VISIBLE_DEVICES`` lists twice, and the list meant."""
+
+    entry: str  # the index (as CUDA reads it: "1gpu" is 1) or the UUID prefix repeated
+    once: str  # the variable's entries, each once, in its order: the value to set
+
+
+def repeated_visible_device(value: str | None) -> Repeated | None:
+    """The first entry a ``CUDA_VISIBLE_DEVICES`` value repeats, which hides every GPU.
+
+    >>> repeated_visible_device("0,1,0,2")
+    Repeated(entry='0', once='0,1,2')
+    >>> repeated_visible_device("GPU-ab,GPU-ab"), repeated_visible_device("0,1")
+    (Repeated(entry='GPU-ab', once='GPU-ab'), None)
+    >>> repeated_visible_device("0,-1,0") is None  # CUDA stops at -1, before the repeat
+    True
+    """
+    if value is None:
+        return None
+    listed, repeated = _cuda_entries(value)
+    return None if repeated is None else Repeated(repeated, ",".join(map(str, listed)))
+
+
+def _cuda_entries(value: str) -> tuple[list[int] | list[str], str | None]:
+    """The entries CUDA reads in a ``CUDA_VISIBLE_DEVICES`` value, each once; the first repeat.
+
+    The repeat is the first entry listed a second time, None where none is.
+
+    A repeated entry hides every GPU. NVIDIA's documentation says nothing of repeats;
+    this is PyTorch's reading (``torch.cuda._parse_visible_devices``: "Repeated ordinal
+    results in empty set"), written to agree with the CUDA runtime, which then finds no
+    device.
+    """
     for prefix in ("GPU-", "MIG-"):
         if value.startswith(prefix):
             uuids: list[str] = []
+            repeated: str | None = None
             for token in value.split(","):  # UUIDs are taken verbatim, spaces included
                 if not token.startswith(prefix):
                     break
                 if token in uuids:
-                    return []
-                uuids.append(token)
-            return uuids
+                    repeated = repeated or token
+                else:
+                    uuids.append(token)
+            return uuids, repeated
     indices: list[int] = []
+    repeated_index: str | None = None
     for token in value.split(","):
         index = _leading_integer(token.strip())
         if index < 0:
             break
         if index in indices:
-            return []
-        indices.append(index)
-    return indices
+            repeated_index = repeated_index or str(index)
+        else:
+            indices.append(index)
+    return indices, repeated_index
 
 
 def own_devices_variable(device_type: str) -> str:
@@ -161,6 +205,9 @@ class Launcher(NamedTuple):
     rank: str  # the variable of the local rank
     size: str  # the variable of the processes on the node
     per_node: str  # its option that starts {} processes per node, as advice shows it
+    srun_starts: bool = False
+    """Whether srun can start its processes itself, each a Slurm task (an MPI library's
+    direct launch, ``srun --mpi=pmix``): torchrun always starts its own."""
 
 
 LAUNCHERS: Final = (
@@ -170,8 +217,22 @@ LAUNCHERS: Final = (
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
         "mpirun --npernode {}",
+        srun_starts=True,
     ),
-    Launcher("MPICH or Intel MPI", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "mpiexec -ppn {}"),
+    Launcher(
+        "MVAPICH2",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+        "mpiexec -ppn {}",
+        srun_starts=True,
+    ),
+    Launcher(
+        "MPICH or Intel MPI",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+        "mpiexec -ppn {}",
+        srun_starts=True,
+    ),
     Launcher("Cray PALS", "PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE", "mpiexec --ppn {}"),
     Launcher("Slurm", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "srun --ntasks-per-node={}"),
 )
@@ -181,6 +242,10 @@ A launcher started inside another's job inherits the outer one's variables: torc
 mpirun inside a Slurm allocation sees the batch step's ``SLURM_LOCALID=0`` in every
 process it starts. The launcher that started the process set its own variables last,
 and only they tell the processes apart; Slurm, which starts the others, comes last.
+The MPI libraries come next to each other, their order telling only which is named
+where two set their variables at once; MVAPICH2, whose ``MV2_`` variables no other sets,
+comes before the ``MPI_LOCALRANKID`` that MPICH-based launchers share. Where srun
+starts MPI ranks itself, both its variables and the library's are set, and agree.
 """
 
 
@@ -200,8 +265,20 @@ class LocalRank(NamedTuple):
     size: int | None  # the processes on the node, where the launcher says
     outer: tuple[Launcher, ...] = ()  # launchers whose variables it inherited, not read
     per_task: str = ""
-    """Where the rank is Slurm's own, the variable saying that Slurm bound each task to
-    GPUs of its own (:func:`slurm_gpus_per_task`), as messages show it; else ""."""
+    """Where this process is a Slurm task (:attr:`srun_task`), the variable saying that
+    Slurm bound each task to GPUs of its own (:func:`slurm_gpus_per_task`), as messages
+    show it; else ""."""
+    srun_started: bool = False
+    """Where the rank is an MPI library's, whether srun started the process itself: the
+    rank and count agree with Slurm's (``srun --mpi=pmix``, not mpirun inside a job)."""
+
+    @property
+    def srun_task(self) -> bool:
+        """Whether srun started this process as a task of its own, not torchrun or mpirun.
+
+        So where the rank is Slurm's, or an MPI library's that srun started itself.
+        """
+        return self.launcher == _SLURM or self.srun_started
 
     @property
     def said(self) -> str:
@@ -233,12 +310,17 @@ def local_rank(environ: Mapping[str, str] | None = None) -> LocalRank | BadRank 
     """This process's rank on its node, from its innermost launcher; None if none set one.
 
     ``LOCAL_RANK`` (torchrun), then ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI),
-    ``MPI_LOCALRANKID`` (MPICH, Intel MPI), ``PALS_LOCAL_RANKID`` (Cray PALS), then
-    ``SLURM_LOCALID`` (srun): the first set is read, the others are named as ``outer``.
+    ``MV2_COMM_WORLD_LOCAL_RANK`` (MVAPICH2), ``MPI_LOCALRANKID`` (MPICH, Intel MPI),
+    ``PALS_LOCAL_RANKID`` (Cray PALS), then ``SLURM_LOCALID`` (srun): the first set is
+    read, the others are named as ``outer``.
     A value that is not a whole number of 0 or more comes back as a :class:`BadRank`,
     for whoever uses the rank to refuse; a device the user names does not need it.
-    Where the rank is Slurm's own, ``per_task`` says whether Slurm bound GPUs to each task
-    (an inner launcher's processes share what Slurm gave its one task).
+    Where this process is a Slurm task (``srun_task``), ``per_task`` says whether Slurm
+    bound GPUs to each task (an inner launcher's processes share what Slurm gave its task).
+    An MPI library's rank is a Slurm task where its rank and count are Slurm's own (srun
+    started it). Ranks that mpirun starts all inherit one ``SLURM_LOCALID``, so one rank
+    at most agrees by chance: in a batch script, rank 0, which takes the first device
+    either way.
 
     >>> rank = local_rank({"SLURM_LOCALID": "0", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     >>> rank.rank, rank.size, rank.started_by
@@ -258,8 +340,25 @@ def local_rank(environ: Mapping[str, str] | None = None) -> LocalRank | BadRank 
     if rank is None:
         return BadRank(launcher, value)
     size = whole_number(environ.get(launcher.size, ""))
-    per_task = slurm_gpus_per_task(environ) if launcher is _SLURM else ""
-    return LocalRank(rank, launcher, size, tuple(outer), per_task)
+    started = launcher.srun_starts and _slurm_s_own(environ, rank, size)
+    per_task = slurm_gpus_per_task(environ) if launcher is _SLURM or started else ""
+    return LocalRank(rank, launcher, size, tuple(outer), per_task, started)
+
+
+def _slurm_s_own(environ: Mapping[str, str], rank: int, size: int | None) -> bool:
+    """Whether an MPI rank and count are Slurm's task's too: srun started the rank itself.
+
+    Both counts must be known: a rank alone may agree by chance (mpirun's rank 2, started
+    in srun's third task, which Slurm gave two GPUs that its ranks share).
+
+    >>> _slurm_s_own({"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"}, 2, 4)
+    True
+    >>> _slurm_s_own({"SLURM_LOCALID": "2"}, 2, 4), _slurm_s_own({"SLURM_LOCALID": "0"}, 2, 4)
+    (False, False)
+    """
+    slurm_rank = whole_number(environ.get(_SLURM.rank, ""))
+    slurm_size = whole_number(environ.get(_SLURM.size, ""))
+    return slurm_rank == rank and size is not None and size == slurm_size
 
 
 def slurm_gpus_per_task(environ: Mapping[str, str] | None = None) -> str:

@@ -138,7 +138,9 @@ class RankProblem(NamedTuple):
     launcher: Launcher
     family: str = ""  # the accelerator family the ranks share
     devices: int = 0  # how many of its devices this process sees
-    own: str = ""  # the variable that would give each process its own devices
+    apart: str = ""
+    """The other fix, in advice's words: how each process would get devices of its own
+    (``give each process its own CUDA_VISIBLE_DEVICES``; srun's binding for its tasks)."""
 
 
 class Refused(NamedTuple):
@@ -301,6 +303,53 @@ class _Choice:
         return self.chosen(chosen.device, f"the first with about the most free memory ({free})")
 
     def by_local_rank(self) -> Outcome:
+        """The device of the launcher's local rank, among the devices this process sees.
+
+        The rank numbers processes, not devices, where each process has devices of its
+        own: one device seen where a visibility variable is set, or Slurm's word that it
+        bound GPUs to each of its tasks. There the process takes its first. Otherwise every
+        process sees the same devices, and the rank picks one. Slurm's tasks, four to a
+        node, with the GPUs each sees:
+
+        >>> gpus = tuple(DeviceInfo(torch.device("cuda", i), "cuda", i) for i in range(4))
+        >>> def device(seen_gpus, **environ):
+        ...     seen = Seen.of((Family("cuda", "cuda", gpus[:seen_gpus]),), environ)
+        ...     outcome = choose(seen, Request())
+        ...     return outcome.device if isinstance(outcome, Chosen) else "refused"
+        >>> task = {"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"}
+        >>> bound = {**task, "SLURM_TRES_BIND": "gres/gpu:per_task:2"}  # --gpus-per-task=2
+        >>> mv2 = {"MV2_COMM_WORLD_LOCAL_RANK": "2", "MV2_COMM_WORLD_LOCAL_SIZE": "4"}
+        >>> batch_step = {"SLURM_LOCALID": "0", "SLURM_GPUS_PER_TASK": "1"}
+        >>> unbound = {**task, "SLURM_TRES_BIND": "gres/gpu:none"}
+        >>> def cvd(value): return {"CUDA_VISIBLE_DEVICES": value}
+        >>> for case, seen_gpus, environ in [
+        ...     ("--gres=gpu:4, the same for all", 4, {**task, **cvd("0,1,2,3")}),
+        ...     ("--gres=gpu:2, two for four", 2, {**task, **cvd("0,1")}),
+        ...     ("--gpus-per-task=1", 1, {**task, **cvd("2")}),
+        ...     ("--gpus-per-task=2", 2, {**bound, **cvd("4,5")}),
+        ...     ("--gpus-per-task=1, no variable", 1, {**task, "SLURM_GPUS_PER_TASK": "1"}),
+        ...     ("--gpus-per-task=2, no variable", 2, bound),
+        ...     ("--gpu-bind=none", 2, {**unbound, **cvd("0,1")}),
+        ...     ("MVAPICH2 ranks srun started", 2, {**bound, **mv2, **cvd("4,5")}),
+        ...     ("mpirun in the batch script", 4, {**batch_step, **mv2, **cvd("0,1,2,3")}),
+        ...     ("nothing given, one seen", 1, task),
+        ... ]:
+        ...     print(f"{case:<32} {device(seen_gpus, **environ)}")
+        --gres=gpu:4, the same for all   cuda:2
+        --gres=gpu:2, two for four       refused
+        --gpus-per-task=1                cuda:0
+        --gpus-per-task=2                cuda:0
+        --gpus-per-task=1, no variable   cuda:0
+        --gpus-per-task=2, no variable   refused
+        --gpu-bind=none                  refused
+        MVAPICH2 ranks srun started      cuda:0
+        mpirun in the batch script       cuda:2
+        nothing given, one seen          refused
+
+        With one GPU, bound to it and seen alone, the task's is that one, variable or not.
+        With several and no variable, nothing says which are the task's: srun sets
+        ``CUDA_VISIBLE_DEVICES`` to them, and something unset it.
+        """
         seen, local, self.named = self.seen, self.seen.local_rank, True
         if local is None:
             variables = ", ".join(launcher.rank for launcher in LAUNCHERS)
@@ -326,22 +375,24 @@ class _Choice:
             local.launcher,
             name,
             devices,
-            own_devices_variable(device_type),
+            _apart(local, own_devices_variable(device_type)),
         )
         one = f"{local.said}, and this process sees one {name} device"
         if devices == 1 and split:
             # One visible device per process: the launcher already split them.
             return self.of_rank(found[0], local, one)
-        if split and local.per_task:
+        if local.per_task and (split or devices == 1):
             # srun --gpus-per-task=2 binds each task to two GPUs of its own, seen as cuda:0
             # and cuda:1, and gives the third task SLURM_LOCALID=2: the rank numbers tasks,
             # not these devices. Only Slurm's word tells this from one CUDA_VISIBLE_DEVICES
-            # for every process (plain --gres; torchrun or mpirun inside a task).
+            # for every process (plain --gres; torchrun or mpirun inside a task). Bound to
+            # one GPU and seeing one, the task sees its own, whatever unset the variable.
+            first = "the one it sees" if devices == 1 else f"the first of this process's {devices}"
             return self.of_rank(
                 found[0],
                 local,
                 f"{local.said} ({local.started_by}), and Slurm bound each task to {name} "
-                f"devices of its own ({local.per_task}): the first of this process's {devices}",
+                f"devices of its own ({local.per_task}): {first}",
             )
         if ranks is not None and ranks > devices:
             return Refused(
@@ -475,8 +526,32 @@ def _shared(start: str, problem: RankProblem) -> str:
     option = problem.launcher.per_node.format(problem.devices)
     return (
         "ranks would share a device, which NCCL refuses ('Duplicate GPU detected'). "
-        f"{start} per node ({option}), or give each process its own {problem.own}."
+        f"{start} per node ({option}), or {problem.apart}."
     )
+
+
+def _apart(local: LocalRank, own: str) -> str:
+    """How each process would get devices of its own, where ranks would share them.
+
+    A Slurm task has its own ``CUDA_VISIBLE_DEVICES`` already, which srun sets, the same
+    for every task unless it binds GPUs to each; other launchers' processes get theirs
+    from the user (a wrapper script that sets it from the rank).
+
+    >>> from devicekit._launch import local_rank
+    >>> _apart(local_rank({"LOCAL_RANK": "2"}), "CUDA_VISIBLE_DEVICES")
+    'give each process its own CUDA_VISIBLE_DEVICES'
+    >>> _apart(local_rank({"SLURM_LOCALID": "2"}), "CUDA_VISIBLE_DEVICES")
+    'bind each task to GPUs of its own (srun --gpus-per-task=1, with no other --gpu-bind)'
+    >>> bound = local_rank({"SLURM_LOCALID": "2", "SLURM_GPUS_PER_TASK": "2"})
+    >>> _apart(bound, "ROCR_VISIBLE_DEVICES")  # doctest: +NORMALIZE_WHITESPACE
+    'leave ROCR_VISIBLE_DEVICES as srun sets it for each task bound to its GPUs
+     (SLURM_GPUS_PER_TASK=2)'
+    """
+    if not local.srun_task:
+        return f"give each process its own {own}"
+    if local.per_task:  # bound, and yet this process sees several devices and no variable
+        return f"leave {own} as srun sets it for each task bound to its GPUs ({local.per_task})"
+    return "bind each task to GPUs of its own (srun --gpus-per-task=1, with no other --gpu-bind)"
 
 
 def _processes(number: int) -> str:

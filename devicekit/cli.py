@@ -34,6 +34,29 @@ class UserError(Exception):
     """A mistake in what was asked of the command: one line on stderr, status 2."""
 
 
+def _printable(line: str) -> str:
+    r"""``line`` as the command shows it: every character a terminal would act on, escaped.
+
+    Values from outside reach the lines the command prints: environment variables (the
+    doctor's "Seen:"), the claim directory's path, the names and notes of drivers and
+    backends. An escape sequence among them (``"\x1b[2J"`` clears the screen), a newline
+    or any other control or format character is shown as Python writes it in a string,
+    as ``--json`` escapes it; so are undecodable bytes, which print() would refuse.
+
+    >>> print(_printable("LOCAL_RANK=\x1b[2J\x1b]0;x\x07, CUDA_VISIBLE_DEVICES=0\n1, café"))
+    LOCAL_RANK=\x1b[2J\x1b]0;x\x07, CUDA_VISIBLE_DEVICES=0\n1, café
+    """
+    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in line)
+
+
+def _say(*lines: str, file: Any = None, flush: bool = False) -> None:
+    """Print each of ``lines`` on a line of its own, through :func:`_printable`: the one rule.
+
+    A newline inside a line (a value's) is escaped, never a line of its own.
+    """
+    print("\n".join(map(_printable, lines)), file=file, flush=flush)
+
+
 def _manager(device: str | None = None) -> DeviceManager:
     # The fallback warning would repeat what the output itself says.
     with warnings.catch_warnings():
@@ -82,13 +105,13 @@ def _demo(
         raise UserError(msg)
     if not as_json:
         print(f"devicekit {devicekit.__version__}: a small CNN on synthetic 16x16 images")
-        print(f"device: {manager.device} ({manager.reason})", flush=True)
+        _say(f"device: {manager.device} ({manager.reason})", flush=True)
     found = fit_demo_batch(manager.device) if fit else None
     # A larger batch trains as the default one only with its learning rate scaled.
     schedule = schedule_for(BATCH_SIZE if found is None else found.batch_size, steps=steps)
     if found is not None and not as_json:
-        print(found.explain(), flush=True)
-        print(schedule.explain(), flush=True)
+        _say(*found.explain().split("\n"), flush=True)  # devicekit's own lines
+        _say(*schedule.explain().split("\n"), flush=True)
     progress = None if as_json else _progress(epochs)
     reports = []
     # Over a progress line, the epoch's line goes back to the start and covers it.
@@ -136,7 +159,7 @@ def _demo(
             f"{reports[0].first_loss:.3f} (first batch) -> {reports[-1].loss:.3f} (last epoch), "
             f"{samples / seconds:,.0f} samples/s over {seconds:.1f} s."
         )
-        print(f"Last epoch: {reports[-1].verdict}")
+        _say(f"Last epoch: {reports[-1].verdict}")
     return 0
 
 
@@ -145,6 +168,7 @@ def _gib(size: int | None) -> str:
 
 
 def _info_table(manager: DeviceManager) -> str:
+    """``devicekit info``'s table and what follows it, each line through :func:`_printable`."""
     claims = claim_holders(manager.devices)
     header = ("", "device", "backend", "name", "total", "free", "busy", "capability", "claimed by")
     rows = [header]
@@ -172,7 +196,7 @@ def _info_table(manager: DeviceManager) -> str:
     lines += [f"{info.device}: {used}" for info in manager.devices if (used := who_uses(info))]
     lines.append(f"selected: {manager.device} ({manager.reason})")
     lines += [f"no {name}: {note}" for name, note in manager.notes().items()]
-    return "\n".join(lines)
+    return "\n".join(map(_printable, lines))
 
 
 def _holder(claims: dict[torch.device, Holder], device: torch.device) -> str:
@@ -242,7 +266,7 @@ def run_parsed(args: argparse.Namespace) -> int:
         if debug:
             raise
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"devicekit: error: {message}", file=sys.stderr)
+        _say(f"devicekit: error: {message}", file=sys.stderr)
         return 2
     return status
 
@@ -260,9 +284,9 @@ def _doctor(*, as_json: bool) -> int:
     if as_json:
         print(_doctor_report.as_json(findings, machine))
     else:
-        print("\n".join(finding.line() for finding in findings) or "No problem found.")
+        _say(*[finding.line() for finding in findings] or ["No problem found."])
         print("\nSeen:")
-        print("\n".join(f"  {line}" for line in _doctor_report.lines(machine)))
+        _say(*[f"  {line}" for line in _doctor_report.lines(machine)])
     return 1 if any(finding.severity == "error" for finding in findings) else 0
 
 
@@ -271,7 +295,10 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
         return _doctor(as_json=args.json)
     if args.command == "bench":
         measured = _bench.measure()
-        print(json.dumps(measured, indent=2) if args.json else "\n".join(_bench.report(measured)))
+        if args.json:
+            print(json.dumps(measured, indent=2))  # JSON escapes what a terminal acts on
+        else:
+            _say(*_bench.report(measured))
         return 0
     if args.command == "demo":
         return _demo(
@@ -288,5 +315,5 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
         print(_info_json(manager) if args.json else _info_table(manager))
         return 0
     print(f"devicekit {devicekit.__version__} (PyTorch {torch.__version__})")
-    print(f"device: {manager.device} ({manager.reason})")
+    _say(f"device: {manager.device} ({manager.reason})")
     return 0

@@ -10,14 +10,19 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import _devicekit_cli
 import devicekit
-from devicekit import cli
+import devicekit as dk
+from devicekit import _doctor_report, cli
+from devicekit._backends import CpuBackend
 from devicekit._demo import Schedule, schedule_for
+
+from .fakes import FakeGpus
 
 
 def _run(*args: str, **environ: str) -> str:
@@ -471,3 +476,58 @@ def test_the_demo_s_counts_are_whole_numbers_of_1_or_more(
     assert error == (
         f"devicekit demo: error: argument {option}: expected a whole number of 1 or more, got '0'"
     )
+
+
+# Values from outside (the environment, a backend's words) reach the terminal escaped.
+HOSTILE = {
+    "LOCAL_RANK": "\x1b[2J",  # clears the screen
+    "CUDA_VISIBLE_DEVICES": "\x1b]0;x\x07",  # sets the terminal's title
+    "SLURM_GPU_BIND": "none\nerror: a line of its own",
+    "DEVICEKIT_DEVICE": "",
+    "PALS_LOCAL_SIZE": "\u202e4\x7f\x9b",  # right-to-left override, DEL, a C1 control
+}
+
+
+def _nothing_a_terminal_acts_on(text: str) -> None:
+    for line in text.split("\n"):
+        assert line.isprintable(), repr(line)
+
+
+def test_the_doctor_prints_what_it_saw_in_the_environment_escaped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for name in _doctor_report.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in HOSTILE.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("DEVICEKIT_CLAIM_DIR", f"{tmp_path}/claims\x1b[31m")
+    status, out, _ = _main(monkeypatch, capsys, "doctor")
+    assert status == 1  # LOCAL_RANK is no rank
+    _nothing_a_terminal_acts_on(out)
+    assert "error: a line of its own" not in out.splitlines()
+    (variables,) = [line for line in out.splitlines() if line.startswith("  Variables: ")]
+    assert variables == (
+        "  Variables: CUDA_VISIBLE_DEVICES=\\x1b]0;x\\x07, LOCAL_RANK=\\x1b[2J, "
+        "PALS_LOCAL_SIZE=\\u202e4\\x7f\\x9b, SLURM_GPU_BIND=none\\nerror: a line of its own, "
+        f"DEVICEKIT_DEVICE=, DEVICEKIT_CLAIM_DIR={tmp_path}/claims\\x1b[31m"
+    )
+    assert out.startswith("error: LOCAL_RANK='\\x1b[2J' is no rank: ")
+    # --json was clean already: the same values, escaped as JSON escapes them.
+    status, out, _ = _main(monkeypatch, capsys, "doctor", "--json")
+    assert json.loads(out)["environment"]["variables"]["LOCAL_RANK"] == "\x1b[2J"
+    _nothing_a_terminal_acts_on(out)
+
+
+def test_info_prints_a_backend_s_words_escaped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    note = "NVML says \x1b[2Jnothing\r\nselected: cuda:7"
+    backends = [FakeGpus([], note=note), CpuBackend()]
+    monkeypatch.setattr(cli, "_manager", lambda: dk.DeviceManager("cpu", backends=backends))
+    status, out, _ = _main(monkeypatch, capsys, "info")
+    assert status == 0
+    _nothing_a_terminal_acts_on(out)
+    assert "no cuda: NVML says \\x1b[2Jnothing\\r\\nselected: cuda:7" in out.splitlines()
+    assert [line for line in out.splitlines() if line.startswith("selected:")] == [
+        "selected: cpu (asked for cpu)"
+    ]

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+import _devicekit_cli
 import devicekit as dk
 from devicekit import _doctor, _hardware
 from devicekit._backends import CpuBackend, CudaBackend, DeviceInfo, Family
@@ -59,6 +60,8 @@ NVIDIA = Hardware(nvidia_driver="570.86.15", nvidia_files=2, nvidia_smi=True, dr
 OLD_DRIVER = NVIDIA._replace(nvidia_driver="470.256.02", driver_cuda=(11, 4))  # CUDA 11 at most
 BEHIND_DRIVER = NVIDIA._replace(nvidia_driver="535.104.05", driver_cuda=(12, 2))
 WITHOUT_FILES = Hardware(nvidia_driver="570.86.15")  # the host's driver, seen from a container
+SMI_ALONE = Hardware(nvidia_smi=True)
+WINDOWS = Hardware(nvidia_driver="572.16", nvidia_smi=True, driver_cuda=(12, 8), system="Windows")
 AMD = Hardware(amd_driver=True, kfd=True)
 INTEL = Hardware(intel_gpus=1)
 MAC = Hardware(system="Darwin", arch="arm64", macos=(15, 1))
@@ -76,6 +79,7 @@ NO_XPU = gpus(device_type="xpu", note="no XPU device is available to this PyTorc
 THIRD_TASK = {"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"}
 PER_TASK = {"SLURM_GPUS_PER_TASK": "2"}  # up to Slurm 23.02
 TRES_BIND = {"SLURM_TRES_BIND": "gres/gpu:per_task:2"}  # from Slurm 23.11
+MV2_THIRD = {"MV2_COMM_WORLD_LOCAL_RANK": "2", "MV2_COMM_WORLD_LOCAL_SIZE": "4"}
 
 # (name, machine, the findings as (severity, code), in the order they are listed)
 CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
@@ -98,6 +102,11 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         [("error", "local-rank-not-a-number")],
     ),
     ("a rank with its GPU", on(TWO, environ={"LOCAL_RANK": "1"}), []),
+    (
+        "an MVAPICH2 rank past the GPUs",
+        on(TWO, environ={"MV2_COMM_WORLD_LOCAL_RANK": "2"}),
+        [("error", "more-ranks-than-devices")],
+    ),
     (
         "a rank past the GPUs",
         on(TWO, environ={"LOCAL_RANK": "2"}),
@@ -262,7 +271,34 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
             cuda_started=True,
             cuda_count=0,
         ),
-        [("error", "visible-devices-hide-all")],
+        [("error", "visible-devices-repeated")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES repeating a GPU, CUDA started before it: the repeat, not the timing",
+        on(
+            TWO,
+            environ={"CUDA_VISIBLE_DEVICES": "0,0"},
+            cuda_started=True,
+            cuda_count=2,
+            hardware=NVIDIA,
+            build=CUDA_BUILD,
+        ),
+        [("error", "visible-devices-repeated")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES repeating a GPU, listed without NVML (no note)",
+        on(gpus(), environ={"CUDA_VISIBLE_DEVICES": "1,0,1"}, hardware=NVIDIA, build=CUDA_BUILD),
+        [("error", "visible-devices-repeated")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES repeating a GPU on a machine without any",
+        on(NONE, environ={"CUDA_VISIBLE_DEVICES": "0,0"}),
+        [("warning", "visible-devices-repeated")],
+    ),
+    (
+        "CUDA_VISIBLE_DEVICES stopping at -1 before a repeat: no repeat",
+        on(gpus(H100), environ={"CUDA_VISIBLE_DEVICES": "0,-1,0"}, cuda_started=True, cuda_count=1),
+        [],
     ),
     (
         "CUDA_VISIBLE_DEVICES by UUID: not counted",
@@ -313,9 +349,11 @@ CASES: list[tuple[str, Machine, list[tuple[str, str]]]] = [
         on(NONE, hardware=NVIDIA),
         [("error", "build-without-cuda")],
     ),
+    # nvidia-smi stays installed where its driver is gone or failed to load: no GPU by itself.
+    ("a CPU-only PyTorch beside nvidia-smi and no driver", on(NONE, hardware=SMI_ALONE), []),
     (
-        "a CPU-only PyTorch where nvidia-smi alone shows a GPU (Windows)",
-        on(NONE, hardware=Hardware(nvidia_smi=True)),
+        "a CPU-only PyTorch on Windows, whose driver NVML reads (Windows has no /dev)",
+        on(NONE, hardware=WINDOWS),
         [("error", "build-without-cuda")],
     ),
     ("a CUDA PyTorch with its NVIDIA GPUs", on(TWO, hardware=NVIDIA, build=CUDA_BUILD), []),
@@ -498,6 +536,7 @@ def test_there_are_at_least_forty_cases_and_each_finding_has_one() -> None:
         "local-rank-not-a-number",
         "more-ranks-than-devices",
         "visible-devices-hide-all",
+        "visible-devices-repeated",
         "visible-devices-after-cuda",
         "rocm-visibility-conflict",
         "affinity-mask-hides-all",
@@ -510,8 +549,14 @@ def test_there_are_at_least_forty_cases_and_each_finding_has_one() -> None:
 def test_a_finding_names_the_variable_its_value_and_the_launcher_s_option() -> None:
     (finding,) = diagnose(on(FOUR, environ={"SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "8"}))
     assert finding.what == "SLURM_NTASKS_PER_NODE=8, and this process sees 4 cuda devices"
+    # srun gives each task a CUDA_VISIBLE_DEVICES already: the fix is to bind GPUs to each.
     assert finding.fix == (
-        "start at most 4 per node (srun --ntasks-per-node=4), or give each process its own "
+        "start at most 4 per node (srun --ntasks-per-node=4), or bind each task to GPUs of its "
+        "own (srun --gpus-per-task=1, with no other --gpu-bind)"
+    )
+    (finding,) = diagnose(on(FOUR, environ={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}))
+    assert finding.fix == (
+        "start at most 4 per node (torchrun --nproc_per_node=4), or give each process its own "
         "CUDA_VISIBLE_DEVICES"
     )
     (finding,) = diagnose(on(XPUS, environ={"LOCAL_RANK": "2"}))
@@ -724,6 +769,23 @@ AGREEMENT: list[tuple[str, tuple[Family, ...], dict[str, str]]] = [
         (FOUR,),
         {"SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "8"},
     ),
+    ("an MVAPICH2 rank with its GPU", (TWO,), {"MV2_COMM_WORLD_LOCAL_RANK": "1"}),
+    (
+        "three MVAPICH2 ranks on two GPUs",
+        (TWO,),
+        {"MV2_COMM_WORLD_LOCAL_RANK": "0", "MV2_COMM_WORLD_LOCAL_SIZE": "3"},
+    ),
+    (
+        "MVAPICH2 ranks srun started with --gpus-per-task=2",
+        (TWO,),
+        {**THIRD_TASK, **PER_TASK, "CUDA_VISIBLE_DEVICES": "4,5", **MV2_THIRD},
+    ),
+    (
+        "srun --gpus-per-task=1, the variable unset",
+        (ONE,),
+        {**THIRD_TASK, "SLURM_GPUS_PER_TASK": "1"},
+    ),
+    ("srun --gpus-per-task=2, the variable unset", (TWO,), {**THIRD_TASK, **PER_TASK}),
     ("a rank without GPUs", (NONE,), {"LOCAL_RANK": "3"}),
     ("three ranks on two Intel GPUs", (XPUS,), {"LOCAL_RANK": "2"}),
     ("each rank its own Intel GPU", (XPUS,), {"LOCAL_RANK": "2", "ZE_AFFINITY_MASK": "2,3"}),
@@ -780,10 +842,31 @@ def test_a_repeated_gpu_in_cuda_visible_devices_hides_every_gpu_for_both(
     )
     findings = diagnose(machine)
     assert [f.code for f in findings if f.code != "claim-directory"] == [
-        "visible-devices-hide-all",
+        "visible-devices-repeated",
         "ranks-on-cpu",
     ]
-    assert findings[0].what == "CUDA_VISIBLE_DEVICES='0,0' hides every GPU"
+    assert findings[0].what == "CUDA_VISIBLE_DEVICES='0,0' lists GPU 0 twice"
+
+
+def test_a_repeated_gpu_is_named_with_the_value_meant_and_not_as_a_timing_problem() -> None:
+    # CUDA started before the variable was set sees both GPUs; "set it earlier" would leave
+    # the job with none, since CUDA shows no GPU where one is listed twice.
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1,0"}
+    machine = on(TWO, environ=environ, cuda_started=True, cuda_count=2, hardware=NVIDIA)
+    (finding,) = diagnose(dataclasses.replace(machine, build=CUDA_BUILD))
+    assert finding.line() == (
+        "error: CUDA_VISIBLE_DEVICES='0,1,0' lists GPU 0 twice: CUDA shows no GPU at all where "
+        "one is listed twice (PyTorch counts none too), so the job trains on the CPU, or fails "
+        "where it asks for cuda. Fix: list each GPU once: CUDA_VISIBLE_DEVICES='0,1'."
+    )
+    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-5f1c,GPU-5f1c"}
+    (finding,) = diagnose(on(gpus(), environ=uuids, hardware=NVIDIA, build=CUDA_BUILD))
+    assert finding.what == "CUDA_VISIBLE_DEVICES='GPU-5f1c,GPU-5f1c' lists 'GPU-5f1c' twice"
+    # The CPU fallback's warning says the same words (why_cpu is what it warns of).
+    assert [f.code for f in why_cpu(on(gpus(), environ=uuids, hardware=NVIDIA))] == [
+        "build-without-cuda",
+        "visible-devices-repeated",
+    ]
 
 
 # A family that prefer= does not name by default: an index names none of its devices.
@@ -876,6 +959,42 @@ def test_probe_reads_the_drivers_and_device_files_under_a_root(
         )
         == Hardware()
     )
+
+
+def test_nvidia_smi_on_the_path_is_no_nvidia_gpu_without_its_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_hardware, "read_driver", lambda: None)  # NVML finds no driver
+    smi = _lay_out(tmp_path / "bin", {"nvidia-smi": "#!/bin/sh\n"})
+    (smi / "nvidia-smi").chmod(0o755)
+    # A Linux machine whose module is not loaded: /proc, and nothing of NVIDIA's in it.
+    linux = _lay_out(tmp_path / "linux", {"proc/cpuinfo": "", "dev/null": ""})
+    hardware = probe(linux, path=str(smi))
+    assert (hardware.nvidia_smi, hardware.nvidia_driver, hardware.nvidia) == (True, None, False)
+    assert why_cpu(Machine({}, hardware=hardware)) == []
+    # Windows: no /proc; the driver's own NVML library beside nvidia-smi says it is there.
+    _lay_out(smi, {"nvml.dll": ""})
+    hardware = probe(tmp_path / "windows", path=str(smi))
+    assert (hardware.nvidia_driver, hardware.nvidia) == ("", True)
+
+
+def test_the_doctor_command_exits_0_beside_nvidia_smi_without_a_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_hardware, "read_driver", lambda: None)
+    if _hardware.probe().nvidia:
+        pytest.skip("this machine has an NVIDIA driver")
+    smi = _lay_out(tmp_path / "bin", {"nvidia-smi": "#!/bin/sh\n"})
+    (smi / "nvidia-smi").chmod(0o755)
+    _in_environment(monkeypatch, {"DEVICEKIT_CLAIM_DIR": str(tmp_path / "claims")})
+    monkeypatch.setenv("PATH", f"{smi}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("DEVICEKIT_DEBUG", raising=False)
+    status = _devicekit_cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert "build-without-cuda" not in out
+    assert "this machine has an NVIDIA GPU" not in out
+    assert "  Drivers: NVIDIA none (nvidia-smi without a driver); " in out
+    assert status == (1 if any(f.severity == "error" for f in diagnose(look())) else 0)
 
 
 def test_the_fix_names_the_pip_line_of_the_build_the_driver_runs() -> None:

@@ -410,8 +410,8 @@ def test_more_ranks_than_gpus_is_refused_before_nccl_finds_out(
 def test_local_rank_policy_needs_a_launcher_s_local_rank() -> None:
     msg = (
         "Expected a launcher's local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, "
-        "MPI_LOCALRANKID, PALS_LOCAL_RANKID, SLURM_LOCALID) for policy='local-rank', but "
-        "none is set."
+        "MV2_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PALS_LOCAL_RANKID, SLURM_LOCALID) for "
+        "policy='local-rank', but none is set."
     )
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
         dk.DeviceManager(policy="local-rank", backends=machine(70))
@@ -422,6 +422,7 @@ def test_local_rank_policy_needs_a_launcher_s_local_rank() -> None:
     [
         ("SLURM_LOCALID", "Slurm"),
         ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
+        ("MV2_COMM_WORLD_LOCAL_RANK", "MVAPICH2"),
         ("MPI_LOCALRANKID", "MPICH or Intel MPI"),
         ("PALS_LOCAL_RANKID", "Cray PALS"),
     ],
@@ -447,7 +448,11 @@ def test_torchrun_s_rank_is_read_first_inside_a_slurm_job(monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize(
     ("variable", "launcher"),
-    [("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"), ("MPI_LOCALRANKID", "MPICH or Intel MPI")],
+    [
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
+        ("MV2_COMM_WORLD_LOCAL_RANK", "MVAPICH2"),
+        ("MPI_LOCALRANKID", "MPICH or Intel MPI"),
+    ],
 )
 def test_mpirun_inside_a_slurm_job_follows_the_mpi_rank(
     monkeypatch: pytest.MonkeyPatch, variable: str, launcher: str
@@ -495,9 +500,9 @@ def test_tasks_given_the_same_gpus_by_slurm_are_refused(monkeypatch: pytest.Monk
     msg = (
         "Expected SLURM_LOCALID to be below the number of cuda devices this process sees (2), "
         "got 2: ranks would share a device, which NCCL refuses ('Duplicate GPU detected'). "
-        "Start at most 2 processes per node (srun --ntasks-per-node=2), or give each process "
-        "its own CUDA_VISIBLE_DEVICES."
-    )
+        "Start at most 2 processes per node (srun --ntasks-per-node=2), or bind each task to "
+        "GPUs of its own (srun --gpus-per-task=1, with no other --gpu-bind)."
+    )  # not "give each its own CUDA_VISIBLE_DEVICES": srun set one for each, the same
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
         dk.DeviceManager.from_env(backends=machine(70, 70))
     monkeypatch.setenv("SLURM_LOCALID", "0")  # the first task is told too

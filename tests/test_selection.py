@@ -43,7 +43,7 @@ def gpu(index: int, free: float | None = 79.0, busy: float | None = 0.0) -> Devi
     )
 
 
-TORCHRUN, OPEN_MPI, MPICH, PALS, SLURM = LAUNCHERS
+TORCHRUN, OPEN_MPI, MVAPICH2, MPICH, PALS, SLURM = LAUNCHERS
 
 
 def rank(number: int, size: int | None = None, launcher: Any = TORCHRUN, *outer: Any) -> LocalRank:
@@ -57,11 +57,17 @@ def launched(environ: dict[str, str]) -> LocalRank:
     return found
 
 
+# The other fix of ranks that would share GPUs: srun's tasks have a CUDA_VISIBLE_DEVICES
+# each already (the same, unless srun binds GPUs to each); other processes get theirs set.
+OWN_VARIABLE = "give each process its own CUDA_VISIBLE_DEVICES"
+BIND_TASKS = "bind each task to GPUs of its own (srun --gpus-per-task=1, with no other --gpu-bind)"
+
+
 def sharing(variable: str, value: int, devices: int, launcher: Any = TORCHRUN) -> RankProblem:
     """What a refusal of ranks that would share a device says of itself, for the doctor."""
-    own = "CUDA_VISIBLE_DEVICES"
+    apart = BIND_TASKS if launcher == SLURM else OWN_VARIABLE
     return RankProblem(
-        "more-ranks-than-devices", variable, str(value), launcher, "cuda", devices, own
+        "more-ranks-than-devices", variable, str(value), launcher, "cuda", devices, apart
     )
 
 
@@ -77,6 +83,7 @@ CUDA = frozenset({"cuda"})  # a visibility variable set: the launcher gave devic
 SLURM_TASK_2 = {"SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"}
 PER_TASK = {**SLURM_TASK_2, "SLURM_GPUS_PER_TASK": "2"}  # with --gpus-per-task=2 (<= 23.02)
 PER_TASK_THIRD = launched(PER_TASK)
+MV2_TASK_2 = {"MV2_COMM_WORLD_LOCAL_RANK": "2", "MV2_COMM_WORLD_LOCAL_SIZE": "4"}
 
 OWN = Holder(ours=True)
 OURS = "this process (another of its managers)"
@@ -315,8 +322,8 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
         Request(policy="local-rank"),
         Refused(
             "Expected a launcher's local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, "
-            "MPI_LOCALRANKID, PALS_LOCAL_RANKID, SLURM_LOCALID) for policy='local-rank', but "
-            "none is set."
+            "MV2_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PALS_LOCAL_RANKID, SLURM_LOCALID) for "
+            "policy='local-rank', but none is set."
         ),
     ),
     (
@@ -361,7 +368,7 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
             "Expected SLURM_LOCALID to be below the number of cuda devices this process sees "
             "(1), got 1: ranks would share a device, which NCCL refuses ('Duplicate GPU "
             "detected'). Start at most 1 process per node (srun --ntasks-per-node=1), or "
-            "give each process its own CUDA_VISIBLE_DEVICES.",
+            f"{BIND_TASKS}.",
             sharing("SLURM_LOCALID", 1, 1, SLURM),
         ),
     ),
@@ -417,14 +424,90 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
         ),
     ),
     (
+        "srun --gpus-per-task=1, the variable unset: the one GPU it sees is the task's",
+        machine(gpu(0), local_rank=launched({**SLURM_TASK_2, "SLURM_GPUS_PER_TASK": "1"})),
+        Request(),
+        Chosen(
+            cuda(0),
+            "SLURM_LOCALID=2 (Slurm), and Slurm bound each task to cuda devices of its own "
+            "(SLURM_GPUS_PER_TASK=1): the one it sees",
+            current=True,
+        ),
+    ),
+    (
+        "srun --gpus-per-task=2, the variable unset: which two are the task's is unknown",
+        machine(gpu(0), gpu(1), local_rank=PER_TASK_THIRD),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "SLURM_NTASKS_PER_NODE=4: ranks would share a device, which NCCL refuses "
+            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or leave "
+            "CUDA_VISIBLE_DEVICES as srun sets it for each task bound to its GPUs "
+            "(SLURM_GPUS_PER_TASK=2).",
+            sharing("SLURM_NTASKS_PER_NODE", 4, 2, SLURM)._replace(
+                apart="leave CUDA_VISIBLE_DEVICES as srun sets it for each task bound to its "
+                "GPUs (SLURM_GPUS_PER_TASK=2)"
+            ),
+        ),
+    ),
+    (
+        "MVAPICH2's ranks that srun started, --gpus-per-task=2: the task's first",
+        machine(gpu(0), gpu(1), local_rank=launched({**PER_TASK, **MV2_TASK_2}), split=CUDA),
+        Request(),
+        Chosen(
+            cuda(0),
+            "MV2_COMM_WORLD_LOCAL_RANK=2 (MVAPICH2 inside Slurm), and Slurm bound each task to "
+            "cuda devices of its own (SLURM_GPUS_PER_TASK=2): the first of this process's 2",
+            current=True,
+        ),
+    ),
+    (
+        "Open MPI's ranks that srun started, refused: srun's binding is the fix",
+        machine(
+            gpu(0),
+            gpu(1),
+            local_rank=launched(
+                {
+                    **SLURM_TASK_2,
+                    "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+                }
+            ),
+            split=CUDA,
+        ),
+        Request(),
+        Refused(
+            "Expected at most 2 processes on this node, one per cuda device, but "
+            "OMPI_COMM_WORLD_LOCAL_SIZE=4: ranks would share a device, which NCCL refuses "
+            "('Duplicate GPU detected'). Start 2 per node (mpirun --npernode 2), or "
+            f"{BIND_TASKS}.",
+            sharing("OMPI_COMM_WORLD_LOCAL_SIZE", 4, 2, OPEN_MPI)._replace(apart=BIND_TASKS),
+        ),
+    ),
+    (
+        "MVAPICH2's rank 2 of four, mpirun started in the batch script: its own GPU",
+        machine(
+            gpu(0),
+            gpu(1),
+            gpu(2),
+            gpu(3),
+            local_rank=launched({"SLURM_LOCALID": "0", "SLURM_GPUS_PER_TASK": "1", **MV2_TASK_2}),
+            split=CUDA,
+        ),
+        Request(),
+        Chosen(
+            cuda(2), "MV2_COMM_WORLD_LOCAL_RANK=2 (MVAPICH2 inside Slurm) selects it", current=True
+        ),
+    ),
+    (
         "a rank past the GPUs, which are the same for every process: refused",
         machine(gpu(0), gpu(1), local_rank=rank(2, 4, SLURM)),
         Request(),
         Refused(
             "Expected at most 2 processes on this node, one per cuda device, but "
             "SLURM_NTASKS_PER_NODE=4: ranks would share a device, which NCCL refuses "
-            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or give "
-            "each process its own CUDA_VISIBLE_DEVICES.",
+            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or "
+            f"{BIND_TASKS}.",
             sharing("SLURM_NTASKS_PER_NODE", 4, 2, SLURM),
         ),
     ),
@@ -435,8 +518,8 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
         Refused(
             "Expected at most 2 processes on this node, one per cuda device, but "
             "SLURM_NTASKS_PER_NODE=4: ranks would share a device, which NCCL refuses "
-            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or give "
-            "each process its own CUDA_VISIBLE_DEVICES.",
+            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or "
+            f"{BIND_TASKS}.",
             sharing("SLURM_NTASKS_PER_NODE", 4, 2, SLURM),
         ),
     ),
@@ -448,7 +531,7 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
             "Expected SLURM_LOCALID to be below the number of cuda devices this process sees "
             "(2), got 2: ranks would share a device, which NCCL refuses ('Duplicate GPU "
             "detected'). Start at most 2 processes per node (srun --ntasks-per-node=2), or "
-            "give each process its own CUDA_VISIBLE_DEVICES.",
+            f"{BIND_TASKS}.",
             sharing("SLURM_LOCALID", 2, 2, SLURM),
         ),
     ),
@@ -466,8 +549,8 @@ CASES: list[tuple[str, Seen, Request, Any]] = [
         Refused(
             "Expected at most 2 processes on this node, one per cuda device, but "
             "SLURM_NTASKS_PER_NODE=4: ranks would share a device, which NCCL refuses "
-            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or give "
-            "each process its own CUDA_VISIBLE_DEVICES.",
+            "('Duplicate GPU detected'). Start 2 per node (srun --ntasks-per-node=2), or "
+            f"{BIND_TASKS}.",
             sharing("SLURM_NTASKS_PER_NODE", 4, 2, SLURM),
         ),
     ),
@@ -679,6 +762,11 @@ def test_the_choice_reads_nothing_but_its_arguments(monkeypatch: pytest.MonkeyPa
             {"MPI_LOCALRANKID": "1", "SLURM_LOCALID": "0"},
             "MPI_LOCALRANKID=1",
             "MPICH or Intel MPI inside Slurm",
+        ),
+        (
+            {"MV2_COMM_WORLD_LOCAL_RANK": "1", "SLURM_LOCALID": "0"},
+            "MV2_COMM_WORLD_LOCAL_RANK=1",
+            "MVAPICH2 inside Slurm",
         ),
         ({"PALS_LOCAL_RANKID": "3"}, "PALS_LOCAL_RANKID=3", "Cray PALS"),
         ({"SLURM_LOCALID": "2"}, "SLURM_LOCALID=2", "Slurm"),
