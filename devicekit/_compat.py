@@ -41,6 +41,7 @@ __all__ = [
     "recomputed_attributes",
     "registered_table",
     "run_while_tracing",
+    "version_of",
     "weights_only_build_refusal",
     "weights_only_refusal",
     "weights_only_refused_globals",
@@ -510,3 +511,29 @@ def apply_to_own_tensors(
     ``setattr`` would leave those pointing at the old tensors.
     """
     module._apply(change, recurse=False)  # type: ignore[no-untyped-call]
+
+
+def version_of(tensor: torch.Tensor) -> int | None:
+    """How many in-place writes PyTorch has counted on ``tensor`` (``Tensor._version``).
+
+    Shared by its views and by ``detach()``; a write through ``.data`` is not counted,
+    nor, on a DTensor, one made on its local shard (that shard counts its own). None for
+    an inference tensor (made under ``torch.inference_mode``), which keeps no count.
+
+    >>> import torch
+    >>> tensor = torch.zeros(3)
+    >>> before = version_of(tensor)
+    >>> _ = tensor[:2].fill_(1.0)
+    >>> version_of(tensor) - before
+    1
+    >>> _ = tensor.data.fill_(2.0)  # through .data: not counted
+    >>> version_of(tensor) - before
+    1
+    >>> with torch.inference_mode():
+    ...     version_of(torch.zeros(1)) is None
+    True
+    """
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter."
+        return None
