@@ -15,7 +15,9 @@ The initialisers write only what materialize gave storage to: while they run, ev
 tensor that was real before the call (loaded from a checkpoint) is replaced in its
 module by a meta stand-in of its shape, so a reset that rewrites its whole module
 (``Linear``'s weight beside a meta bias, ``MultiheadAttention``'s child ``out_proj``)
-writes nothing there; the real tensors, the same objects, are back afterwards.
+writes nothing there. Only the running step's own module holds its real tensors, to read
+them; they are copied first and written back after. The real tensors, the same objects,
+are back in their places afterwards.
 
 Sharded modules (FSDP2's ``fully_shard``, DTensor parameters) get storage on their mesh
 through ``Module._apply``, the path ``to_empty`` takes, which FSDP2 follows to keep its
@@ -35,18 +37,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devicekit._compat import apply_to_own_tensors, registered_table, version_of
+from devicekit._compat import apply_to_own_tensors, own_tensors, registered_table, version_of
 from devicekit._current import current_device
 from devicekit._devices import DeviceLike, resolve_device, shown
 from devicekit._errors import DeviceKitError
-from devicekit._unmoved import strays
+from devicekit._unmoved import Stray, read_again, strays
 
 __all__ = ["materialize"]
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # no mesh, no local shard: no lookup
 _SHOWN = 20  # the unwritten tensors a message lists by path; the rest are counted
 _STORAGE = 1  # a rank's failure code while giving storage; initialiser k is _STORAGE + 1 + k
-_PLAIN = "a plain attribute, not a parameter or buffer"  # what is left on meta, as listed
-_MADE = "put there on meta by an initialiser"
+_PLAIN_SAID = "a plain attribute, not a parameter or buffer"  # left on meta, as listed
+_MADE_SAID = "put there on meta by an initialiser"
 _HIDDEN = (
     "(devicekit.materialize: while an initialiser runs, every tensor that was real before "
     "the call is a meta stand-in, so that none is overwritten, except those of the module "
@@ -126,7 +129,8 @@ def materialize(
         raise ValueError(msg)
     slots = _meta_slots(module)
     _refuse_lazy(slots)
-    if not slots and not _plain_on_meta(module):
+    plain = _plain_on_meta(module)
+    if not slots and not plain:
         return module
     mesh = _mesh_of(module)
     steps = _steps(module, {id(submodule) for submodule, _, _, _ in slots}, init)
@@ -137,15 +141,15 @@ def materialize(
         _put_back(module, slots)
         raise
     if failed:  # as many counts as a rank that got further has: every rank's line up
-        found = _Found.failing(len(_watchable(slots)), failed[0])
+        found = _Found.failing(len(_watchable(slots)), failed.code)
     else:
-        found = _Found.here(watched, module)
+        found = _Found.here(watched, module, plain)
     if mesh is not None:
         found = found.agreed(mesh)
     if found.failures:
         _put_back(module, slots)
         if failed:
-            raise failed[1]
+            raise failed.error
         raise DeviceKitError(_failed_message(found.failures, steps, target))
     unwritten = _unwritten(watched, found, mesh)
     if unwritten or found.left:
@@ -154,13 +158,20 @@ def materialize(
     return module
 
 
+class _Failed(NamedTuple):
+    """What raised on this rank, which the other ranks hear of before it is raised again."""
+
+    code: int
+    """_STORAGE, or _STORAGE + 1 + the position of the initialiser that raised."""
+    error: Exception
+
+
 def _initialise(
     module: torch.nn.Module, slots: list[Slot], storage: _Storage, steps: list[_Step]
-) -> tuple[list[_Watched], tuple[int, Exception] | None]:
+) -> tuple[list[_Watched], _Failed | None]:
     """Storage for every slot, then every step, real tensors kept out of their reach.
 
-    Returns the new tensors to check, and, where something raised, what it was (its
-    failure code) with the error, which the other ranks hear of before it is raised.
+    Returns the new tensors to check, or what raised.
     """
     failure = _STORAGE
     kept = None
@@ -173,8 +184,8 @@ def _initialise(
             _tie_again(slots)
             watched = [_Watched.now(slot) for slot in _watchable(slots)]
             kept = _Kept(module, {id(getattr(sub, name)) for sub, name, _, _ in slots})
-            kept.hide()
             try:
+                kept.hide()
                 for position, step in enumerate(steps):
                     failure = _STORAGE + 1 + position
                     with kept.open_to(step.module):
@@ -182,9 +193,14 @@ def _initialise(
             finally:
                 kept.show()
     except Exception as error:
-        if kept is not None and kept.stand_ins and failure > _STORAGE:
-            error.add_note(_HIDDEN)
-        return [], (failure, error)
+        if (
+            kept is not None
+            and kept.stand_ins
+            and failure > _STORAGE
+            and hasattr(error, "add_note")
+        ):
+            error.add_note(_HIDDEN)  # Python 3.11 and later: the error keeps its type
+        return [], _Failed(failure, error)
     return watched, None
 
 
@@ -221,7 +237,7 @@ class _Storage:
 
 def _empty_like(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """An uninitialised tensor of ``tensor``'s shape, layout and dtype on ``device``."""
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+    if type(tensor) in _PLAIN_TYPES:
         # empty_like of a meta tensor runs PyTorch's Python reference of it (~50 us);
         # empty_strided, the same layout, took materialize from 1.65x to 0.97x of
         # to_empty + reset_parameters (benchmarks/bench_materialize.py).
@@ -237,21 +253,29 @@ def _meta_slots(module: torch.nn.Module) -> list[Slot]:
     return [
         (submodule, name, f"{prefix}.{name}" if prefix else name, tensor)
         for prefix, submodule in module.named_modules()
-        for name, tensor in _own_named(submodule)
+        for name, tensor in own_tensors(submodule)
         if tensor.is_meta
     ]
 
 
-def _own_named(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _plain_on_meta(module: torch.nn.Module) -> list[Stray]:
+    """The meta tensors the module holds outside its parameters and buffers (a rotary cache)."""
+    return [stray for stray in strays(module) if stray.tensor.is_meta]
+
+
+def _still_on_meta(plain: list[Stray], module: torch.nn.Module) -> list[str]:
+    """The paths of those still on meta once the initialisers ran (init may set them)."""
+    if not plain:
+        return []
+    try:
+        now = read_again(plain)
+    except (AttributeError, LookupError, TypeError):  # an initialiser removed one: look again
+        return [stray.path for stray in _plain_on_meta(module)]
     return [
-        *module.named_parameters(recurse=False, remove_duplicate=False),
-        *module.named_buffers(recurse=False, remove_duplicate=False),
+        stray.path
+        for stray, value in zip(plain, now, strict=True)
+        if isinstance(value, torch.Tensor) and value.is_meta
     ]
-
-
-def _plain_on_meta(module: torch.nn.Module) -> list[str]:
-    """The paths of meta tensors the module holds outside its parameters and buffers."""
-    return [stray.path for stray in strays(module) if stray.tensor.is_meta]
 
 
 def _refuse_lazy(slots: list[Slot]) -> None:
@@ -259,7 +283,7 @@ def _refuse_lazy(slots: list[Slot]) -> None:
     lazy = [
         (path, submodule)
         for submodule, _, path, tensor in slots
-        if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)
+        if isinstance(tensor, torch.nn.UninitializedParameter | torch.nn.UninitializedBuffer)
     ]
     if not lazy:
         return
@@ -279,10 +303,11 @@ def _refuse_lazy(slots: list[Slot]) -> None:
 def _mesh_of(module: torch.nn.Module) -> Any:
     """The largest device mesh a DTensor of the module lives on; None for a plain module."""
     meshes: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        mesh = getattr(tensor, "device_mesh", None)
-        if mesh is not None:
-            meshes.setdefault(id(mesh), mesh)
+    for submodule in module.modules():
+        for _, tensor in own_tensors(submodule):
+            mesh = None if type(tensor) in _PLAIN_TYPES else getattr(tensor, "device_mesh", None)
+            if mesh is not None:
+                meshes.setdefault(id(mesh), mesh)
     return max(meshes.values(), key=lambda mesh: mesh.size(), default=None)
 
 
@@ -348,29 +373,34 @@ class _Kept:
     ``out_proj.bias``); ``init`` may write any. While the initialisers run, every real
     tensor is replaced in its module by a meta stand-in of its shape, on which writes do
     nothing, except the running step's own module's, which it may read (a cache computed
-    from a buffer): those are in place, copied first and written back after. A copy the
+    from a buffer): those are in place, copied first and written back after, a copy the
     size of one module's own tensors at a time, not of the model's. The tables are
     written directly, so no ``__setattr__`` (FSDP2's) sees a stand-in.
     """
 
     def __init__(self, module: torch.nn.Module, new: set[int]) -> None:
         self.module = module
-        self.places: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> its own
+        # The modules themselves, kept: one an initialiser takes out of the tree gets its own back.
+        self.places = [
+            (submodule, name, tensor)
+            for submodule in module.modules()
+            for name, tensor in own_tensors(submodule)
+            if not tensor.is_meta and id(tensor) not in new
+        ]
+        self.own: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> its places
+        for submodule, name, tensor in self.places:
+            self.own.setdefault(id(submodule), []).append((name, tensor))
         self.stand_ins: dict[int, torch.Tensor] = {}  # id(real tensor) -> its stand-in
-        for submodule in module.modules():
-            for name, tensor in _own_named(submodule):
-                if not tensor.is_meta and id(tensor) not in new:
-                    self.places.setdefault(id(submodule), []).append((name, tensor))
+        self.real: dict[int, torch.Tensor] = {}  # id(stand-in) -> its real tensor
 
     def hide(self) -> None:
-        for submodule in self.module.modules():
-            for name, tensor in self.places.get(id(submodule), []):
-                registered_table(submodule, name)[name] = self._stand_in(tensor)
+        for submodule, name, tensor in self.places:
+            registered_table(submodule, name)[name] = self._stand_in(tensor)
 
     @contextlib.contextmanager
     def open_to(self, submodule: torch.nn.Module) -> Iterator[None]:
         """The step's own module's real tensors in place, as they were again after it."""
-        own = self.places.get(id(submodule), [])
+        own = self.own.get(id(submodule), [])
         copies = []
         for name, tensor in own:
             registered_table(submodule, name)[name] = tensor
@@ -384,17 +414,13 @@ class _Kept:
 
     def show(self) -> None:
         """Every real tensor in its place; in a place an initialiser tied to a stand-in too."""
-        if not self.stand_ins:
-            return
-        real: dict[int, torch.Tensor] = {}
-        for submodule in self.module.modules():
-            for name, tensor in self.places.get(id(submodule), []):
-                registered_table(submodule, name)[name] = tensor
-                real[id(self.stand_ins[id(tensor)])] = tensor
-        for submodule in self.module.modules():
-            for name, tensor in _own_named(submodule):
-                if id(tensor) in real:
-                    registered_table(submodule, name)[name] = real[id(tensor)]
+        for submodule, name, tensor in self.places:
+            registered_table(submodule, name)[name] = tensor
+        if self.real:
+            for submodule in self.module.modules():
+                for name, tensor in own_tensors(submodule):
+                    if id(tensor) in self.real:
+                        registered_table(submodule, name)[name] = self.real[id(tensor)]
 
     def _stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
         stand_in = self.stand_ins.get(id(tensor))
@@ -403,6 +429,7 @@ class _Kept:
             if isinstance(tensor, torch.nn.Parameter):
                 stand_in = torch.nn.Parameter(stand_in, tensor.requires_grad)
             self.stand_ins[id(tensor)] = stand_in
+            self.real[id(stand_in)] = tensor
         return stand_in
 
 
@@ -448,6 +475,9 @@ def _watchable(slots: list[Slot]) -> list[Slot]:
 
 
 def _versions(tensor: torch.Tensor) -> tuple[int | None, int | None]:
+    if type(tensor) in _PLAIN_TYPES:  # its own local shard: read once
+        version = version_of(tensor)
+        return version, version
     return version_of(tensor), version_of(_local(tensor))
 
 
@@ -476,7 +506,7 @@ class _Found(NamedTuple):
     ranks: list[int]
     """Per watched tensor: on how many ranks it is unwritten (1 or 0 on one rank)."""
     failures: dict[int, int]
-    """Rank -> what raised there: _STORAGE, or _STORAGE + 1 + the initialiser's position."""
+    """Rank -> the code of what raised there (:attr:`_Failed.code`)."""
     left: dict[int, int]
     """Rank -> how many of its tensors are on meta after the initialisers."""
     left_here: list[str]
@@ -488,14 +518,14 @@ class _Found(NamedTuple):
         return cls([0] * watched, [0] * watched, {_rank(): failure}, {}, [])
 
     @classmethod
-    def here(cls, watched: list[_Watched], module: torch.nn.Module) -> _Found:
+    def here(cls, watched: list[_Watched], module: torch.nn.Module, plain: list[Stray]) -> _Found:
         counts = [0] * len(watched)
         unwritten = [position for position, each in enumerate(watched) if not each.written()]
         numbers = _numbers([_count_sentinel(_local(watched[at].tensor)) for at in unwritten])
         for position, number in zip(unwritten, numbers, strict=True):
             counts[position] = number
-        left = [f"{path}: {_MADE}" for _, _, path, _ in _meta_slots(module)]
-        left += [f"{path}: {_PLAIN}" for path in _plain_on_meta(module)]
+        left = [f"{path}: {_MADE_SAID}" for _, _, path, _ in _meta_slots(module)]
+        left += [f"{path}: {_PLAIN_SAID}" for path in _still_on_meta(plain, module)]
         ranks = [int(count > 0) for count in counts]
         return cls(counts, ranks, {}, {_rank(): len(left)} if left else {}, left)
 
@@ -636,13 +666,13 @@ def _left_message(found: _Found, device: torch.device) -> str:
     if len(found.left_here) > _SHOWN:
         lines.append(f"  and {len(found.left_here) - _SHOWN} more")
     fixes = []
-    if any(line.endswith(_PLAIN) for line in found.left_here):
+    if any(line.endswith(_PLAIN_SAID) for line in found.left_here):
         fixes.append(
             "materialize gives storage to parameters and buffers only: register a plain "
             "tensor attribute as a buffer (register_buffer(name, tensor, persistent=False)), "
             "or set it on the device in init=."
         )
-    if any(line.endswith(_MADE) for line in found.left_here):
+    if any(line.endswith(_MADE_SAID) for line in found.left_here):
         fixes.append(
             "Make what an initialiser adds on the device itself, not on another tensor's "
             "device: while it runs, another module's tensors that were real before the call "

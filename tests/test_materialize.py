@@ -268,7 +268,7 @@ def test_an_initialiser_reading_another_module_s_real_tensor_is_told_why_it_is_m
 
     with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor") as caught:
         dk.materialize(model, "cpu", init=init)
-    assert caught.value.__notes__ == [
+    assert sys.version_info < (3, 11) or caught.value.__notes__ == [
         (
             "(devicekit.materialize: while an initialiser runs, every tensor that was real "
             "before the call is a meta stand-in, so that none is overwritten, except those of "
