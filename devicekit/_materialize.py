@@ -71,8 +71,9 @@ def materialize(
     holds one runs its own ``reset_parameters()`` (or ``_reset_parameters()``), and
     then ``init(submodule)`` runs on every submodule, children first, so ``init`` need
     only set what the modules' own initialisers do not. Tensors already on a real device
-    are kept exactly, the same objects with the same values: while the initialisers run,
-    they are meta tensors of the same shape, which a reset writes to without effect.
+    are kept exactly, the same objects with the same values: while an initialiser runs,
+    they are meta tensors of the same shape, which it writes to without effect, except
+    those of the module it runs for, which it can read (they are written back after).
 
     >>> import torch, devicekit as dk
     >>> with torch.device("meta"):
@@ -509,8 +510,8 @@ class _Found(NamedTuple):
     """Rank -> the code of what raised there (:attr:`_Failed.code`)."""
     left: dict[int, int]
     """Rank -> how many of its tensors are on meta after the initialisers."""
-    left_here: list[str]
-    """This rank's, as listed: each path with what it is."""
+    left_here: list[tuple[str, str]]
+    """This rank's: each path, and what it is (_MADE_SAID, _PLAIN_SAID)."""
 
     @classmethod
     def failing(cls, watched: int, failure: int) -> _Found:
@@ -524,8 +525,8 @@ class _Found(NamedTuple):
         numbers = _numbers([_count_sentinel(_local(watched[at].tensor)) for at in unwritten])
         for position, number in zip(unwritten, numbers, strict=True):
             counts[position] = number
-        left = [f"{path}: {_MADE_SAID}" for _, _, path, _ in _meta_slots(module)]
-        left += [f"{path}: {_PLAIN_SAID}" for path in _still_on_meta(plain, module)]
+        left = [(path, _MADE_SAID) for _, _, path, _ in _meta_slots(module)]
+        left += [(path, _PLAIN_SAID) for path in _still_on_meta(plain, module)]
         ranks = [int(count > 0) for count in counts]
         return cls(counts, ranks, {}, {_rank(): len(left)} if left else {}, left)
 
@@ -583,15 +584,27 @@ def _unwritten(
     """The paths of tensors no initialiser wrote: (elements unwritten, all, on which ranks)."""
     ranks = 1 if mesh is None else mesh.size()
     unwritten = {}
-    for each, count, on in zip(watched, found.counts, found.ranks, strict=True):
-        if not count:
+    for each, summed, on in zip(watched, found.counts, found.ranks, strict=True):
+        if not summed:
             continue
-        if each.sharded:  # the shards' counts add up to the whole tensor's
-            unwritten[each.path] = (count, each.tensor.numel(), "")
-        else:  # each rank counted the whole tensor: the count of one, and where
+        where = ""
+        if each.sharded:  # each shard counted once on every rank holding a copy of it
+            count = summed // (ranks // _shards(each.tensor))
+        else:  # each rank counted the whole tensor: one rank's count, where they agree
+            count = summed // on
             where = f" (on {on} of {ranks} ranks)" if on < ranks else ""
-            unwritten[each.path] = (count // on, each.tensor.numel(), where)
+        unwritten[each.path] = (count, each.tensor.numel(), where)
     return unwritten
+
+
+def _shards(tensor: Any) -> int:
+    """Into how many pieces a DTensor is cut: its mesh's sizes along its Shard placements."""
+    mesh = tensor.device_mesh
+    return math.prod(
+        mesh.size(dimension)
+        for dimension, placement in enumerate(tensor.placements)
+        if placement.is_shard()
+    )
 
 
 def _numbers(counts: list[torch.Tensor]) -> list[int]:
@@ -662,17 +675,18 @@ def _left_message(found: _Found, device: torch.device) -> str:
             f"Expected every tensor of the module on {device} once the initialisers ran, but "
             f"rank {rank} has {count} still on the meta device; its own error names them."
         )
-    lines = [f"  {line}" for line in found.left_here[:_SHOWN]]
+    lines = [f"  {path}: {what}" for path, what in found.left_here[:_SHOWN]]
     if len(found.left_here) > _SHOWN:
         lines.append(f"  and {len(found.left_here) - _SHOWN} more")
     fixes = []
-    if any(line.endswith(_PLAIN_SAID) for line in found.left_here):
+    said = {what for _, what in found.left_here}
+    if _PLAIN_SAID in said:
         fixes.append(
             "materialize gives storage to parameters and buffers only: register a plain "
             "tensor attribute as a buffer (register_buffer(name, tensor, persistent=False)), "
             "or set it on the device in init=."
         )
-    if any(line.endswith(_MADE_SAID) for line in found.left_here):
+    if _MADE_SAID in said:
         fixes.append(
             "Make what an initialiser adds on the device itself, not on another tensor's "
             "device: while it runs, another module's tensors that were real before the call "

@@ -670,6 +670,23 @@ AGREE_SCRIPT = textwrap.dedent(
     held = model[0].weight
     found["loaded kept"] = outcome(model, both)
     found["same shard"] = model[0].weight is held and bool((held.to_local() == 0.25).all())
+    model(torch.ones(2, 16)).sum().backward()  # FSDP2 still holds the shard it kept
+    found["kept grads"] = bool(torch.isfinite(held.grad.full_tensor()).all())
+
+    # A replicated DTensor, a whole copy on each rank, 1 element of 4 written on both.
+    from torch.distributed.tensor import DTensor, Replicate
+
+    class Gains(nn.Module):
+        def __init__(self):
+            super().__init__()
+            whole = torch.empty(4, device="meta")
+            replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+            self.gain = nn.Parameter(replicated)
+
+        def reset_parameters(self):
+            self.gain.to_local().data[0] = 1.0  # through .data: no write counted
+
+    found["replicated"] = outcome(Gains(), None)
     seven = torch.tensor([7])
     dist.all_reduce(seven)
     found["then"] = seven.item()
@@ -721,7 +738,10 @@ def test_sharded_ranks_agree_when_one_rank_s_initialiser_writes_less_or_raises(
         assert math.isfinite(mine["loss"])
         assert mine["loaded kept"] is None
         assert mine["same shard"]
+        assert mine["kept grads"]
         assert mine["then"] == 14  # the group is still in step
+        # Counted once per copy on the mesh, not once per rank.
+        assert "\n  gain: 3 of 4 elements\n" in mine["replicated"][1]
 
 
 DTENSOR_TO_CUDA = textwrap.dedent(
