@@ -1,8 +1,9 @@
 """The default device of devicekit's calls given ``device=None``: :func:`current_device`.
 
-The rule, in one sentence: the innermost ``with manager:`` block of this thread or asyncio task wins;
-outside any block, the open managers the program keeps are the default, in every thread,
-refused where they disagree; with none, ``DeviceManager.from_env()``'s process default.
+The rule, in one sentence: the innermost ``with manager:`` block of this thread or
+asyncio task wins; outside any block, the open managers the program keeps are the
+default, in every thread, refused where they disagree; with none open,
+``DeviceManager.from_env()``'s process default.
 
 A manager is *open* from the end of its constructor until :meth:`close` (which leaving
 its outermost ``with`` block calls) or its collection: :func:`adopt` keeps a weak

@@ -235,7 +235,8 @@ class DeviceManager:
         ``DEVICEKIT_DEVICE`` (``"cuda:1"``, ``"cpu"``, an index) when set, as in the
         constructor given no device, and here over a ``device`` given as a default;
         else the local rank of the innermost launcher (``LOCAL_RANK`` of torchrun, then
-        ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``, ``PALS_LOCAL_RANKID``, then
+        ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MV2_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``,
+        ``PALS_LOCAL_RANKID``, then
         ``SLURM_LOCALID``) selects that device among the visible ones, and makes it the
         current device of the process (``set_device``) before returning; else
         ``options`` decide, as in the constructor. A device the user names, here or in

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
@@ -170,6 +171,239 @@ def test_wrong_arguments_are_refused_before_anything_changes() -> None:
     with pytest.raises(dk.DeviceUnavailableError):
         dk.materialize(model, "cuda:7")
     assert all(t.is_meta for t in model.state_dict().values())
+
+
+# Real tensors are kept exactly, whatever an initialiser does to their module.
+
+
+def test_a_loaded_weight_is_kept_when_its_linear_s_reset_initialises_the_meta_bias() -> None:
+    layer = nn.Linear(4, 3, device="meta")
+    loaded = torch.randn(3, 4)
+    layer.load_state_dict({"weight": loaded.clone()}, strict=False, assign=True)
+    held = layer.weight
+    dk.materialize(layer, "cpu")  # Linear's reset rewrites weight and bias together
+    assert layer.weight is held
+    assert torch.equal(layer.weight.detach(), loaded)
+    assert layer.bias.device == torch.device("cpu")
+    assert torch.isfinite(layer.bias).all()
+    assert layer.bias.abs().max() <= 1 / math.sqrt(4)  # its reset's bound, from the weight's shape
+
+
+def test_a_parameters_only_checkpoint_keeps_batchnorm_s_weight_and_bias() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    source = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    with torch.no_grad():
+        source[1].weight.copy_(torch.tensor([2.0, 3.0, 4.0]))
+        source[1].bias.copy_(torch.tensor([0.5, -0.5, 0.25]))
+    checkpoint = {name: p.detach().clone() for name, p in source.named_parameters()}
+    # assign=True: the model holds the checkpoint's own tensors; its running statistics: meta
+    model.load_state_dict(
+        {name: t.clone() for name, t in checkpoint.items()}, assign=True, strict=False
+    )
+    held = dict(model.named_parameters())
+    dk.materialize(model, "cpu")
+    for name, parameter in model.named_parameters():
+        assert parameter is held[name]
+        assert torch.equal(parameter.detach(), checkpoint[name])  # bit for bit
+    assert torch.equal(model[1].running_var, torch.ones(3))  # BatchNorm's reset wrote these
+    assert torch.equal(model[1].running_mean, torch.zeros(3))
+    assert int(model[1].num_batches_tracked) == 0
+
+
+def test_multihead_attention_s_reset_keeps_its_child_s_loaded_bias() -> None:
+    with torch.device("meta"):
+        attention = nn.MultiheadAttention(4, 2)
+    loaded = torch.randn(4)
+    attention.out_proj.load_state_dict({"bias": loaded.clone()}, strict=False, assign=True)
+    held = attention.out_proj.bias
+    dk.materialize(attention, "cpu")  # its reset zeroes out_proj.bias, a child's
+    assert attention.out_proj.bias is held
+    assert torch.equal(attention.out_proj.bias.detach(), loaded)
+    assert torch.equal(attention.in_proj_bias.detach(), torch.zeros(12))
+    query = torch.ones(2, 1, 4)
+    assert torch.isfinite(attention(query, query, query)[0]).all()
+
+
+def test_init_writes_only_what_was_given_storage_and_a_tie_it_makes_holds_the_loaded() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(5, 2), nn.Linear(2, 5, bias=False))
+    loaded = torch.randn(5, 2)
+    model[0].load_state_dict({"weight": loaded.clone()}, assign=True)
+    held = model[0].weight
+
+    def init(module: nn.Module) -> None:  # as transformers' _init_weights: every weight
+        if isinstance(module, nn.Embedding | nn.Linear):
+            nn.init.constant_(module.weight, 0.5)
+        if isinstance(module, nn.Sequential):
+            assert module[0].weight.is_meta  # out of reach while the initialisers run
+
+    dk.materialize(model, "cpu", init=init)
+    assert model[0].weight is held
+    assert torch.equal(model[0].weight.detach(), loaded)
+    assert torch.equal(model[1].weight.detach(), torch.full((5, 2), 0.5))
+
+    with torch.device("meta"):
+        tied = nn.Sequential(nn.Embedding(5, 2), nn.Linear(2, 5, bias=False))
+    tied[0].load_state_dict({"weight": loaded.clone()}, assign=True)
+
+    def tie(module: nn.Module) -> None:
+        if isinstance(module, nn.Sequential):
+            module[1].weight = module[0].weight
+
+    dk.materialize(tied, "cpu", init=tie)
+    assert tied[1].weight is tied[0].weight
+    assert torch.equal(tied[1].weight.detach(), loaded)
+
+
+def test_an_initialiser_reading_another_module_s_real_tensor_is_told_why_it_is_meta() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with torch.device("meta"):
+        model[1] = nn.Linear(2, 2)
+    loaded = model[0].weight.detach().clone()
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Sequential):
+            module[1].weight.copy_(module[0].weight)  # a stand-in: meta, no data
+
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor") as caught:
+        dk.materialize(model, "cpu", init=init)
+    assert sys.version_info < (3, 11) or caught.value.__notes__ == [
+        (
+            "(devicekit.materialize: while an initialiser runs, every tensor that was real "
+            "before the call is a meta stand-in, so that none is overwritten, except those of "
+            "the module it runs for.)"
+        )
+    ]
+    assert torch.equal(model[0].weight.detach(), loaded)
+    assert model[1].weight.is_meta
+
+
+# What an initialiser wrote is written, whatever it wrote.
+
+
+class Markers(nn.Module):
+    """A lookup table of every uint8, and two "no value yet" markers, set by its own reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.empty(256, dtype=torch.uint8))
+        self.register_buffer("unset", torch.empty(3))
+        self.register_buffer("last", torch.empty(2, dtype=torch.int64))
+
+    def reset_parameters(self) -> None:
+        self.table.copy_(torch.arange(256))  # holds 255, uint8's largest value
+        self.unset.fill_(math.nan)
+        self.last.fill_(torch.iinfo(torch.int64).max)
+
+
+def test_what_its_reset_writes_is_not_refused_even_a_sentinel_s_value() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(Markers(), nn.Linear(2, 2))
+    dk.materialize(model, "cpu")
+    assert torch.equal(model[0].table, torch.arange(256, dtype=torch.uint8))
+    assert torch.isnan(model[0].unset).all()
+    assert torch.equal(model[0].last, torch.full((2,), torch.iinfo(torch.int64).max))
+
+
+def test_what_init_writes_or_puts_in_place_is_written_and_what_it_does_not_is_named() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(Rotary(8), nn.Linear(2, 2))
+    model[0].register_buffer("marker", torch.empty(2, device="meta"))
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, Rotary):
+            module.inv_freq = torch.full((4,), math.nan)  # replaced, not written in place
+
+    with pytest.raises(dk.DeviceKitError) as caught:
+        dk.materialize(model, "cpu", init=init)
+    assert "but 1 of 4 hold what the empty storage held" in str(caught.value)
+    assert "\n  0.marker\n" in str(caught.value)
+
+
+# What is left on meta after the initialisers, and what cannot be given storage.
+
+
+class CachedRotary(Rotary):
+    """Rotary frequencies and, as many models keep it, a plain attribute caching the cosines."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.cos_cached = torch.outer(torch.arange(4.0), self.inv_freq).cos()
+
+
+def rotary_init(module: nn.Module) -> None:
+    if isinstance(module, CachedRotary):
+        module.inv_freq.copy_(Rotary.frequencies(8))
+        module.cos_cached = torch.outer(torch.arange(4.0), module.inv_freq).cos()
+
+
+def test_a_plain_meta_attribute_is_named_with_its_fix_and_init_can_set_it() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2), CachedRotary(8))
+
+    def frequencies_only(module: nn.Module) -> None:
+        if isinstance(module, Rotary):
+            module.inv_freq.copy_(Rotary.frequencies(8))
+
+    expected = (
+        "Expected every tensor of the module on cpu once the initialisers ran, but 1 is "
+        "still on the meta device:\n  1.cos_cached: a plain attribute, not a parameter or "
+        "buffer\nmaterialize gives storage to parameters and buffers only: register a plain "
+        "tensor attribute as a buffer (register_buffer(name, tensor, persistent=False)), or "
+        "set it on the device in init=. The module's meta tensors are back in place: call "
+        "materialize again with init=."
+    )
+    with pytest.raises(dk.DeviceKitError, match=f"^{re.escape(expected)}$"):
+        dk.materialize(model, "cpu", init=frequencies_only)
+    assert all(t.is_meta for t in model.state_dict().values())
+    dk.materialize(model, "cpu", init=rotary_init)
+    assert model[1].cos_cached.device == torch.device("cpu")
+    # Loaded with assign=True, only the plain attribute is on meta: init still runs for it.
+    with torch.device("meta"):
+        loaded = CachedRotary(8)
+    loaded.load_state_dict({}, assign=True)
+    loaded.inv_freq = Rotary.frequencies(8)
+    with pytest.raises(dk.DeviceKitError, match=re.escape("  cos_cached: a plain attribute")):
+        dk.materialize(loaded, "cpu")
+    dk.materialize(loaded, "cpu", init=rotary_init)
+    assert torch.isfinite(loaded.cos_cached).all()
+
+
+def test_a_parameter_init_adds_on_meta_is_named_not_returned_on_meta() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2))
+
+    def adds_a_gain(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):  # from the weight's device: meta if it was loaded
+            module.gain = nn.Parameter(torch.ones(2, device="meta"))
+
+    expected = (
+        "but 1 is still on the meta device:\n  0.gain: put there on meta by an initialiser\n"
+        "Make what an initialiser adds on the device itself, not on another tensor's device: "
+        "while it runs, another module's tensors that were real before the call are on meta."
+    )
+    with pytest.raises(dk.DeviceKitError, match=re.escape(expected)):
+        dk.materialize(model, "cpu", init=adds_a_gain)
+    assert model[0].weight.is_meta  # put back, as for what nothing wrote
+
+
+def test_a_lazy_module_built_on_meta_is_refused_with_what_to_do() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.LazyLinear(3), nn.ReLU())
+    expected = (
+        "Expected meta tensors with a shape to give storage to, but 0.weight, 0.bias (of "
+        "LazyLinear) are uninitialized: a lazy module's shapes are set by its first forward. "
+        "Run one forward first (inputs on meta of the right shape are enough, such as "
+        "torch.empty(8, 128, device='meta')), or build the module's non-lazy form "
+        "(nn.Linear for nn.LazyLinear). Nothing was changed."
+    )
+    with pytest.raises(dk.DeviceKitError, match=f"^{re.escape(expected)}$"):
+        dk.materialize(model, "cpu")
+    model(torch.empty(2, 5, device="meta"))  # the dry run the message names
+    dk.materialize(model, "cpu")
+    assert model[0].weight.shape == (3, 5)
+    assert torch.isfinite(model(torch.ones(2, 5))).all()
 
 
 # What the other entry points say of meta tensors.
@@ -364,6 +598,150 @@ def test_fsdp2_shards_built_on_meta_are_materialized_on_each_rank(tmp_path: Path
         assert mine["then"] == 14  # the group is still in step
     assert found[0]["loss"] == found[1]["loss"]
     assert found[0]["refused"] == found[1]["refused"]
+
+
+AGREE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import devicekit as dk
+
+    folder, rank = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+
+    class Counted(nn.Linear):  # FSDP2 shards the parameters; the buffer stays a plain tensor
+        def __init__(self):
+            super().__init__(16, 16)
+            self.register_buffer("seen", torch.empty(4))
+
+    def sharded():
+        with torch.device("meta"):
+            model = nn.Sequential(Counted(), Counted())
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def outcome(model, init):
+        try:
+            dk.materialize(model, "cpu", init=init)
+            return None
+        except Exception as error:
+            return [type(error).__name__, str(error)]
+
+    found = {}
+    model = sharded()
+
+    def rank_0_only(module):  # a buffer written on one rank only
+        if isinstance(module, Counted) and rank == 0:
+            module.seen.zero_()
+
+    found["one rank writes"] = outcome(model, rank_0_only)
+    found["meta again"] = all(t.is_meta for t in model.state_dict().values())
+
+    def raises_on_rank_1(module):
+        if isinstance(module, Counted):
+            module.seen.zero_()
+            if rank == 1 and module is model[1]:
+                raise KeyError("rank 1's own mistake")
+
+    found["one rank raises"] = outcome(model, raises_on_rank_1)
+    found["meta after raising"] = all(t.is_meta for t in model.state_dict().values())
+
+    def both(module):
+        if isinstance(module, Counted):
+            module.seen.zero_()
+
+    found["both write"] = outcome(model, both)
+    loss = model(torch.ones(2, 16)).sum()  # the forward's all-gather: every rank is here
+    loss.backward()
+    found["loss"] = loss.item()
+
+    # A sharded layer already real keeps its shard while the rest is initialised.
+    model = sharded()
+    model[0].to_empty(device="cpu")
+    with torch.no_grad():
+        model[0].weight.to_local().fill_(0.25)
+    held = model[0].weight
+    found["loaded kept"] = outcome(model, both)
+    found["same shard"] = model[0].weight is held and bool((held.to_local() == 0.25).all())
+    model(torch.ones(2, 16)).sum().backward()  # FSDP2 still holds the shard it kept
+    found["kept grads"] = bool(torch.isfinite(held.grad.full_tensor()).all())
+
+    # A replicated DTensor, a whole copy on each rank, 1 element of 4 written on both.
+    from torch.distributed.tensor import DTensor, Replicate
+
+    class Gains(nn.Module):
+        def __init__(self):
+            super().__init__()
+            whole = torch.empty(4, device="meta")
+            replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+            self.gain = nn.Parameter(replicated)
+
+        def reset_parameters(self):
+            self.gain.to_local().data[0] = 1.0  # through .data: no write counted
+
+    found["replicated"] = outcome(Gains(), None)
+    seven = torch.tensor([7])
+    dist.all_reduce(seven)
+    found["then"] = seven.item()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
+        json.dump(found, out)
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of the group: gloo's can wait on a peer that has left
+    """
+)
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or sys.platform == "win32",
+    reason="needs torch.distributed with gloo",
+)
+def test_sharded_ranks_agree_when_one_rank_s_initialiser_writes_less_or_raises(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE_SCRIPT)
+    # A rank left waiting in a collective fails the test at the timeout (both ranks killed).
+    result = run_two_ranks(script, tmp_path, timeout=240)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    found: list[dict[str, Any]] = [
+        json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)
+    ]
+    # A plain buffer that rank 0's init writes and rank 1's does not: both refuse, alike.
+    for mine in found:
+        kind, said = mine["one rank writes"]
+        assert kind == "DeviceKitError"
+        assert "but 2 of 6 hold what the empty storage held" in said
+        assert "\n  0.seen (on 1 of 2 ranks)\n  1.seen (on 1 of 2 ranks)\n" in said
+        assert mine["meta again"]
+    assert found[0]["one rank writes"] == found[1]["one rank writes"]
+    # An init that raises on rank 1 only: rank 1 raises its own error, rank 0 names rank 1.
+    assert found[1]["one rank raises"] == ["KeyError", '"rank 1\'s own mistake"']
+    assert found[0]["one rank raises"] == [
+        "DeviceKitError",
+        (
+            "Expected materialize to succeed on every rank, but rank 1 raised in init on '1' "
+            "(FSDPCounted); its own error, raised there, says why. The module's meta tensors "
+            "are back in place on every rank, as they were: fix what raised and call "
+            "materialize again."
+        ),
+    ]
+    for mine in found:
+        assert mine["meta after raising"]
+        assert mine["both write"] is None  # then, written on both, a step runs
+        assert math.isfinite(mine["loss"])
+        assert mine["loaded kept"] is None
+        assert mine["same shard"]
+        assert mine["kept grads"]
+        assert mine["then"] == 14  # the group is still in step
+        # Counted once per copy on the mesh, not once per rank.
+        assert "\n  gain: 3 of 4 elements\n" in mine["replicated"][1]
 
 
 DTENSOR_TO_CUDA = textwrap.dedent(
