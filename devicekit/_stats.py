@@ -43,7 +43,7 @@ the same batches read in the process took 0.06-0.11 ms. Each further tensor in a
 adds 0.2-0.5 ms (a tensor's shared memory travels as a file descriptor), so this is the
 cheapest hand-over: the side to err on, where workers might still help."""
 
-SampleCount: TypeAlias = "int | SupportsIndex | str | Callable[[Any], int] | None"
+SampleCount: TypeAlias = int | SupportsIndex | str | Callable[[Any], int] | None
 """What ``DeviceDataLoader(samples=)`` takes: a count per batch (numpy's integers too),
 ``"dim=N"``, a function."""
 DEFAULT_RULE: Final = "dimension 0 of the batch's tensors (the default rule)"
