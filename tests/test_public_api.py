@@ -195,7 +195,6 @@ def test_every_public_callable_lists_what_it_raises_on_purpose_or_is_known_to_ra
             assert issubclass(error, BaseException), (name, listed)
 
 
-
 def test_every_public_signature_s_annotations_evaluate() -> None:
     # autodoc shows the evaluated types; a name an annotation or an alias's string uses
     # that its module does not define (an import under TYPE_CHECKING) stays a string,
@@ -210,6 +209,7 @@ def test_every_public_signature_s_annotations_evaluate() -> None:
         except NameError as error:
             unresolved[name] = str(error)
     assert unresolved == {}
+
 
 def _cycle() -> list[object]:
     data: list[object] = []
