@@ -36,11 +36,11 @@ from bench_to_device import WORKLOADS as TRANSFER_WORKLOADS
 from bench_to_device import per_tensor_loop
 
 import devicekit as dk
-from devicekit import _packing
-from devicekit._bench import handwritten_per_image, per_image_batch
-from devicekit._packing import CHUNK_BYTES
-from devicekit._transfer import as_accelerator
-from devicekit._tree import flatten
+from devicekit._commands._bench import handwritten_per_image, per_image_batch
+from devicekit._core import _packing
+from devicekit._core._packing import CHUNK_BYTES
+from devicekit._core._transfer import as_accelerator
+from devicekit._core._tree import flatten
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -4,7 +4,7 @@ Run ``python benchmarks/bench_loader.py``. It times epochs of the wrapper agains
 ``for batch in loader: to_device(batch, device)`` on the CPU (target: at most 1.05x).
 ``--handover`` measures instead what the training process pays to get a batch from a
 DataLoader worker, against reading it in the process: the figure behind
-``devicekit._stats.HANDOVER_S``, below which the loader's verdict advises no workers.
+``devicekit._loader._stats.HANDOVER_S``, below which the loader's verdict advises no workers.
 The loader's overlap and memory on a GPU, and real training loops through it, are in
 ``benchmarks/gpu_report.py``.
 """
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
-from devicekit._stats import HANDOVER_S
+from devicekit._loader._stats import HANDOVER_S
 
 
 def per_image_batches(count: int) -> list[dict[str, Any]]:

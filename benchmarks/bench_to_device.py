@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import devicekit as dk
-from devicekit._bench import handwritten_per_image, per_image_batch
+from devicekit._commands._bench import handwritten_per_image, per_image_batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -75,9 +75,10 @@ from bench_materialize import by_hand, meta_model
 from bench_to_device import mixed_batch, per_tensor_loop
 
 import devicekit as dk
-from devicekit import _loader, _packing, _pipeline
-from devicekit._bench import per_image_batch
-from devicekit._transfer import as_accelerator
+from devicekit._commands._bench import per_image_batch
+from devicekit._core import _packing
+from devicekit._core._transfer import as_accelerator
+from devicekit._loader import _loader, _pipeline
 
 Mover = Callable[[Any, torch.device], Any]
 BUDGET_S: dict[str, float] = {
@@ -270,7 +271,7 @@ def transfer_workloads(setting: Setting) -> dict[str, Callable[[], Any]]:
 
 
 def _pin_all(batch: Any, setting: Setting) -> Any:
-    from devicekit._tree import map_leaves
+    from devicekit._core._tree import map_leaves
 
     return map_leaves(lambda x, _: setting.pin(x) if isinstance(x, torch.Tensor) else x, batch)
 

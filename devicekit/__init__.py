@@ -7,27 +7,22 @@ arbitrarily nested batches), and explain device problems in the user's own terms
 import importlib
 import typing
 
-from devicekit._backends import Backend, DeviceInfo, GpuProcess
-from devicekit._checks import check_same_device, find_devices, find_unmoved
-from devicekit._current import current_device
-from devicekit._errors import (
+from devicekit._base import (
     DeviceKitError,
     DeviceMismatchError,
     DeviceUnavailableError,
     TransferError,
+    current_device,
 )
-from devicekit._guard import GuardHandle, guard
-from devicekit._kinds import register_transfer, unregister_transfer
-from devicekit._loader import DeviceDataLoader
-from devicekit._manager import DeviceManager
-from devicekit._stats import LoaderStats
-from devicekit._transfer import to_device
+from devicekit._checks import GuardHandle, check_same_device, find_devices, find_unmoved, guard
+from devicekit._core import register_transfer, to_device, unregister_transfer
+from devicekit._loader import DeviceDataLoader, LoaderStats
+from devicekit._select import Backend, DeviceInfo, DeviceManager, GpuProcess
 
 if typing.TYPE_CHECKING:
-    from devicekit._audit import TransferEvent, TransferLog, track_transfers
-    from devicekit._checkpoint import load, save
-    from devicekit._materialize import materialize
-    from devicekit._memory import BatchFit, fit_batch
+    from devicekit._checks._audit import TransferEvent, TransferLog, track_transfers
+    from devicekit._files import load, save
+    from devicekit._memory import BatchFit, fit_batch, materialize
 
 __version__ = "0.1.0"
 
@@ -64,16 +59,17 @@ __all__ = [
 
 # Imported on first use: a training step, a DataLoader worker or `devicekit info` rarely
 # needs them, and together they cost a fifth of `import devicekit`
-# (docs/background/performance.rst).
+# (docs/background/performance.rst). Two parts whole, and one module of the checks,
+# whose others every guarded forward needs.
 _ON_FIRST_USE = {
-    "TransferEvent": "_audit",
-    "TransferLog": "_audit",
-    "track_transfers": "_audit",
-    "load": "_checkpoint",
-    "save": "_checkpoint",
+    "TransferEvent": "_checks._audit",
+    "TransferLog": "_checks._audit",
+    "track_transfers": "_checks._audit",
+    "load": "_files",
+    "save": "_files",
     "BatchFit": "_memory",
     "fit_batch": "_memory",
-    "materialize": "_materialize",
+    "materialize": "_memory",
 }
 
 

@@ -20,14 +20,17 @@ from typing import Any
 import torch
 
 import devicekit
-from devicekit import _bench, _doctor_report
-from devicekit._backends import who_uses
-from devicekit._claims import Holder
-from devicekit._demo import BATCH_SIZE, fit_demo_batch, schedule_for, train
-from devicekit._doctor import diagnose, look
-from devicekit._errors import DeviceKitError
-from devicekit._manager import DeviceManager, claim_holders
-from devicekit._units import count, gib
+from devicekit._base import DeviceKitError, count, gib
+from devicekit._commands import (
+    BATCH_SIZE,
+    bench_report,
+    fit_demo_batch,
+    measure_bench,
+    schedule_for,
+    train,
+)
+from devicekit._doctor import diagnose, look, report_json, report_lines
+from devicekit._select import DeviceManager, Holder, claim_holders, who_uses
 
 
 class UserError(Exception):
@@ -282,11 +285,11 @@ def _doctor(*, as_json: bool) -> int:
     machine = look()
     findings = diagnose(machine)
     if as_json:
-        print(_doctor_report.as_json(findings, machine))
+        print(report_json(findings, machine))
     else:
         _say(*[finding.line() for finding in findings] or ["No problem found."])
         print("\nSeen:")
-        _say(*[f"  {line}" for line in _doctor_report.lines(machine)])
+        _say(*[f"  {line}" for line in report_lines(machine)])
     return 1 if any(finding.severity == "error" for finding in findings) else 0
 
 
@@ -294,11 +297,11 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
     if args.command == "doctor":
         return _doctor(as_json=args.json)
     if args.command == "bench":
-        measured = _bench.measure()
+        measured = measure_bench()
         if args.json:
             print(json.dumps(measured, indent=2))  # JSON escapes what a terminal acts on
         else:
-            _say(*_bench.report(measured))
+            _say(*bench_report(measured))
         return 0
     if args.command == "demo":
         return _demo(

@@ -16,10 +16,10 @@ from unittest import mock
 import torch
 
 import devicekit as dk
-from devicekit import _hardware, _manager
-from devicekit._backends import CpuBackend, DeviceInfo, Family
-from devicekit._doctor import Machine, diagnose
-from devicekit._hardware import Build, Hardware
+from devicekit._doctor._findings import Machine, diagnose
+from devicekit._select import _hardware, _manager
+from devicekit._select._backends import CpuBackend, DeviceInfo, Family
+from devicekit._select._hardware import Build, Hardware
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -5,10 +5,11 @@
   the two waits that order them (an event before each step, a stream wait before each
   copy).
 - ``verdict-bands.svg`` (guide/waiting-for-data): the share of an epoch spent waiting,
-  cut into the verdict's three bands at :data:`devicekit._stats.COMPUTE_BOUND` and
-  :data:`devicekit._stats.INPUT_BOUND`, with the sentence :func:`devicekit._stats.verdict`
-  writes in each band and the causes it names. The thresholds and the sentences are read
-  from the code when the picture is drawn, so the picture cannot say other than it does.
+  cut into the verdict's three bands at :data:`devicekit._loader._stats.COMPUTE_BOUND`
+  and :data:`devicekit._loader._stats.INPUT_BOUND`, with the sentence
+  :func:`devicekit._loader._stats.verdict` writes in each band and the causes it names.
+  The thresholds and the sentences are read from the code when the picture is drawn, so
+  the picture cannot say other than it does.
 
 Only the standard library draws them: no layout engine, so text is wrapped here at a
 width in characters. conf.py calls :func:`write` before the build reads the pages.
@@ -20,7 +21,7 @@ import textwrap
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
-from devicekit import _stats
+from devicekit._loader import _stats
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -213,7 +214,7 @@ def timeline() -> str:
 
 
 def _sentence(share: float) -> str:
-    """What :func:`devicekit._stats.verdict` says of ``share`` of an epoch spent waiting.
+    """What :func:`devicekit._loader._stats.verdict` says of ``share`` of an epoch spent waiting.
 
     The sentence after the figures it opens with, up to the advice it may give next.
     """

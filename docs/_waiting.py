@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import devicekit as dk
-from devicekit._demo import SmallCNN, _slowly, synthetic_images
+from devicekit._commands._demo import SmallCNN, _slowly, synthetic_images
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -69,10 +69,10 @@ nitpick_ignore = [
     # Type variables in signatures: the generic data type and the decorated callable.
     ("py:class", "T"),
     ("py:class", "F"),
-    ("py:class", "devicekit._transfer.T"),
-    ("py:class", "devicekit._kinds.F"),
-    ("py:class", "devicekit._loader.B"),  # the batch type DeviceDataLoader is generic in
-    ("py:obj", "devicekit._loader.B"),
+    ("py:class", "devicekit._core._transfer.T"),
+    ("py:class", "devicekit._core._kinds.F"),
+    ("py:class", "devicekit._loader._loader.B"),  # the batch type DeviceDataLoader is generic in
+    ("py:obj", "devicekit._loader._loader.B"),
     # PyTorch documents no page for the handle its hooks return.
     ("py:class", "torch.utils.hooks.RemovableHandle"),
 ]

@@ -14,8 +14,9 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import devicekit as dk
-from devicekit import _current, _kinds
-from devicekit._launch import LAUNCHERS
+from devicekit._base import _current
+from devicekit._core import _kinds
+from devicekit._select._launch import LAUNCHERS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -70,7 +71,7 @@ def managers_close_with_their_test() -> Iterator[None]:
     """Close the managers a test made, as a script's end does.
 
     An open manager is the default device of every later call given none
-    (devicekit._current): one a test's reference cycle keeps until the collector runs
+    (devicekit._base._current): one a test's reference cycle keeps until the collector runs
     would otherwise decide where later tests' data goes, or make them refuse.
     """
     before = set(_current._open)

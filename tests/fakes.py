@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from devicekit import DeviceInfo, GpuProcess
-from devicekit._backends import CpuBackend
+from devicekit._select._backends import CpuBackend
 
 from .helpers import GiB
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _frames
+from devicekit._base import _frames
 
 from .helpers import CPU, META
 

@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import devicekit as dk
-from devicekit._backends import CpuBackend, CudaBackend, builtin_backends
-from devicekit._launch import parse_visible_devices
-from devicekit._nvml import NvmlGpu, visible_gpus
+from devicekit._select._backends import CpuBackend, CudaBackend, builtin_backends
+from devicekit._select._launch import parse_visible_devices
+from devicekit._select._nvml import NvmlGpu, visible_gpus
 
 from .helpers import CPU, GiB
 from .programs import run_program
@@ -169,7 +169,7 @@ import json, sys, warnings
 sys.path.insert(0, {root!r})
 warnings.simplefilter("ignore")  # the CPU fallback's
 import devicekit as dk
-from devicekit._backends import CpuBackend
+from devicekit._select._backends import CpuBackend
 from devicekit.cli import _info_json, _info_table
 from tests.fakes import FakeGpus
 started = []
@@ -202,8 +202,9 @@ import os, sys, threading, time, warnings
 sys.path.insert(0, {root!r})
 warnings.simplefilter("ignore")  # the CPU fallback's, and Python 3.12's about forking threads
 import devicekit as dk
-from devicekit import _claims, _nvml
-from devicekit._backends import CpuBackend
+from devicekit._select import _claims
+from devicekit._select import _nvml
+from devicekit._select._backends import CpuBackend
 from tests.fakes import FakeGpus
 entered, release, forked = threading.Event(), threading.Event(), threading.Event()
 {scenario}
@@ -323,12 +324,12 @@ def child():  # the parent's claim is not the child's: it takes the other GPU
 """
 
 _FALLBACK_IMPORT = """
-assert "devicekit._doctor" not in sys.modules, "the fallback's words were imported already"
+assert "devicekit._doctor._findings" not in sys.modules, "the fallback's words were imported"
 
 class Pause:  # finds nothing: it only holds the thread inside the import of the doctor
     def find_spec(self, name, path=None, target=None):
-        if name == "devicekit._hardware" and threading.current_thread() is thread:
-            entered.set()  # devicekit._doctor's import lock is this thread's now
+        if name == "devicekit._select._hardware" and threading.current_thread() is thread:
+            entered.set()  # devicekit._doctor._findings's import lock is this thread's now
             release.wait(60)
         return None
 

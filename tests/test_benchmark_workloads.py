@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.data import dataloader
 
 import devicekit as dk
-from devicekit import _feed, _loader, _packing, _transfer
+from devicekit._core import _packing, _transfer
+from devicekit._loader import _feed, _loader
 from devicekit.testing import assert_same_structure
 
 from .helpers import CPU, META, Pair, tensor_leaves
@@ -244,7 +245,7 @@ def test_each_tiny_steps_variant_adds_the_pieces_it_names(
 
 
 def _devicekit_calls(
-    call: Any, modules: tuple[str, ...] = ("_transfer", "_tree")
+    call: Any, modules: tuple[str, ...] = ("_core/_transfer", "_core/_tree")
 ) -> tuple[Any, list[str]]:
     """What ``call()`` returns, and the functions of those devicekit modules it entered."""
     calls: list[str] = []

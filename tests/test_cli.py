@@ -18,9 +18,10 @@ import torch
 import _devicekit_cli
 import devicekit
 import devicekit as dk
-from devicekit import _doctor_report, cli
-from devicekit._backends import CpuBackend
-from devicekit._demo import Schedule, schedule_for
+from devicekit import cli
+from devicekit._commands._demo import Schedule, schedule_for
+from devicekit._doctor import _report as _doctor_report
+from devicekit._select._backends import CpuBackend
 
 from .fakes import FakeGpus
 
@@ -400,7 +401,7 @@ def test_the_demo_fits_its_batch_first_where_asked(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 256, not 1024: an epoch of 8,192 images, not 16,384 (the rule at 1024 is below).
-    monkeypatch.setattr(devicekit._demo, "FIT_LIMIT", 256)
+    monkeypatch.setattr(devicekit._commands._demo, "FIT_LIMIT", 256)
     assert _devicekit_cli.main(["demo", "--epochs", "1", "--device", "cpu", "--fit-batch"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2:6] == [
@@ -447,7 +448,7 @@ def test_the_demo_scales_its_learning_rate_with_the_batch() -> None:
 def test_the_demo_s_json_holds_the_fit(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(devicekit._demo, "FIT_LIMIT", 128)  # fewer, smaller tries
+    monkeypatch.setattr(devicekit._commands._demo, "FIT_LIMIT", 128)  # fewer, smaller tries
     argv = ["demo", "--epochs", "1", "--steps", "2", "--device", "cpu", "--fit-batch", "--json"]
     assert _devicekit_cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)

@@ -1,4 +1,4 @@
-"""Each name of devicekit._compat run against the installed PyTorch.
+"""Each name of devicekit._base._compat run against the installed PyTorch.
 
 _compat holds what devicekit reads of PyTorch's private names, versions and messages.
 Each test here makes PyTorch do the real thing (save and load a pickle, raise its own
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from devicekit import _compat
+from devicekit._base import _compat
 
 from .helpers import META, own_safe_globals  # noqa: F401 - a fixture, used by name
 

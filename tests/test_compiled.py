@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit import _compat
+from devicekit._base import _compat
 
 from .helpers import CPU, META, Pair
 from .programs import run_program

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _current
+from devicekit._base import _current
 
 from .helpers import CPU, META
 

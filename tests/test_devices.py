@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _devices
-from devicekit._devices import available_devices, resolve_device
+from devicekit._base import _devices
+from devicekit._base._devices import available_devices, resolve_device
 
 from .fakes import machine
 from .helpers import META

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from devicekit import _stats
+from devicekit._loader import _stats
 
 DOCS = Path(__file__).parent.parent / "docs"
 SVG = "{http://www.w3.org/2000/svg}"

@@ -12,7 +12,7 @@ import pytest
 
 import devicekit
 import devicekit.testing
-from devicekit import _kinds
+from devicekit._core import _kinds
 
 from .helpers import require_package
 

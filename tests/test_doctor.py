@@ -1,6 +1,6 @@
 """``devicekit doctor``: each environment mistake a row of a table, then the command itself.
 
-:func:`devicekit._doctor.diagnose` is pure (a :class:`Machine` snapshot in, findings
+:func:`devicekit._doctor._findings.diagnose` is pure (a :class:`Machine` snapshot in, findings
 out), so every rule is tested on fake machines here: GPUs of any model and number,
 launcher variables, a CUDA started or not, a ROCm build, a claim directory's problem.
 """
@@ -22,14 +22,15 @@ import torch
 
 import _devicekit_cli
 import devicekit as dk
-from devicekit import _doctor, _hardware
-from devicekit._backends import CpuBackend, CudaBackend, DeviceInfo, Family
-from devicekit._devices import has_backend
-from devicekit._doctor import Finding, Machine, diagnose, look, why_cpu
-from devicekit._doctor_report import VARIABLES
-from devicekit._hardware import Build, Hardware, probe
-from devicekit._launch import LAUNCHERS, VISIBILITY_VARIABLES
-from devicekit._nvml import NvmlGpu
+from devicekit._base._devices import has_backend
+from devicekit._doctor import _findings as _doctor
+from devicekit._doctor._findings import Finding, Machine, diagnose, look, why_cpu
+from devicekit._doctor._report import VARIABLES
+from devicekit._select import _hardware
+from devicekit._select._backends import CpuBackend, CudaBackend, DeviceInfo, Family
+from devicekit._select._hardware import Build, Hardware, probe
+from devicekit._select._launch import LAUNCHERS, VISIBILITY_VARIABLES
+from devicekit._select._nvml import NvmlGpu
 
 from .fakes import FakeGpus
 from .helpers import GiB

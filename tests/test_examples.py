@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from devicekit._doctor import look, why_cpu
+from devicekit._doctor._findings import look, why_cpu
 
 from .programs import run_program
 

@@ -2,7 +2,7 @@
 
 The stand-in step allocates a tensor whose size grows with the batch and raises
 ``torch.OutOfMemoryError`` above its capacity, as a CUDA step does; a stand-in
-:data:`devicekit._memory.MEMORY` reports the peak and the device's memory where a test
+:data:`devicekit._memory._fit_batch.MEMORY` reports the peak and the device's memory where a test
 needs them. Two gloo processes check that ranks with different capacities agree.
 """
 
@@ -28,7 +28,10 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit import _compat, _demo, _memory, _restore
+from devicekit._base import _compat
+from devicekit._commands import _demo
+from devicekit._memory import _fit_batch as _memory
+from devicekit._memory import _restore
 
 from .helpers import CPU
 from .programs import run_two_ranks

@@ -30,20 +30,24 @@ def _imported_with_devicekit() -> list[str]:
 
 def test_importing_devicekit_imports_nothing_of_the_compiler_nor_optional_packages() -> None:
     imported = _imported_with_devicekit()
-    assert "devicekit._kinds" in imported  # the package itself was imported here
+    assert "devicekit._core._kinds" in imported  # the package itself was imported here
     heavy = [name for name in imported if name.startswith(HEAVY + OPTIONAL)]
     assert heavy == []
 
 
 def test_what_few_loops_need_is_imported_on_first_use() -> None:
     imported = _imported_with_devicekit()
-    assert "devicekit._manager" in imported
-    assert not {"devicekit._audit", "devicekit._checkpoint", "devicekit._memory"} & set(imported)
+    assert "devicekit._select._manager" in imported
+    assert not {
+        "devicekit._checks._audit",
+        "devicekit._files._checkpoint",
+        "devicekit._memory._fit_batch",
+    } & set(imported)
     code = (
         "import sys, devicekit as dk\n"
         "from devicekit import save\n"
-        "assert save is dk.save and 'devicekit._checkpoint' in sys.modules\n"
-        "assert dk.fit_batch.__module__ == 'devicekit._memory'\n"
+        "assert save is dk.save and 'devicekit._files._checkpoint' in sys.modules\n"
+        "assert dk.fit_batch.__module__ == 'devicekit._memory._fit_batch'\n"
         "assert {'track_transfers', 'BatchFit', 'load'} <= set(dir(dk))\n"
         "try:\n"
         "    dk.fit_batches\n"

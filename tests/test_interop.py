@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import devicekit as dk
-from devicekit import _pipeline
+from devicekit._loader import _pipeline
 
 from .helpers import CPU, META, PinRecorder, require_package
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 import devicekit as dk
-from devicekit._feed import BackgroundFeed as _BackgroundFeed
+from devicekit._loader._feed import BackgroundFeed as _BackgroundFeed
 from devicekit.testing import assert_same_structure, batches
 
 from .helpers import META, tensor_leaves

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
-from devicekit._pipeline import StreamPrefetcher, _pin
+from devicekit._loader._pipeline import StreamPrefetcher, _pin
 
 pytestmark = pytest.mark.cuda
 

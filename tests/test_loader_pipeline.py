@@ -27,8 +27,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
-from devicekit import _loader, _pipeline
-from devicekit._packing import PACK_MAX_BYTES
+from devicekit._core._packing import PACK_MAX_BYTES
+from devicekit._loader import _loader, _pipeline
 
 from .conftest import WATCHDOG_S, Hang
 from .helpers import META, PinRecorder
@@ -415,8 +415,8 @@ def test_a_stuck_epoch_never_holds_up_the_next(
 
 _EXITS_WITH_A_STUCK_SOURCE = """
 import threading, torch, devicekit as dk
-from devicekit import _loader
-from devicekit._packing import PACK_MAX_BYTES
+from devicekit._loader import _loader
+from devicekit._core._packing import PACK_MAX_BYTES
 
 class Instant:
     def pin(self, batch): return batch
@@ -460,7 +460,7 @@ def test_the_interpreter_exits_while_a_source_is_stuck(ending: str) -> None:
 # the feed thread is inside PyTorch (a matrix product), and the child's interpreter ends.
 _LEAVES_MID_EPOCH = """
 import os, sys, torch, devicekit as dk
-from devicekit import _loader
+from devicekit._loader import _loader
 
 class Instant:
     def pin(self, batch): return batch

@@ -24,10 +24,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import devicekit as dk
-from devicekit import _loader
-from devicekit._recorder import PER_BATCH_KEPT, samples_in
-from devicekit._stats import HANDOVER_S, Counting, LoaderStats, Setup, verdict
-from devicekit._tree import MAX_DEPTH
+from devicekit._core._tree import MAX_DEPTH
+from devicekit._loader import _loader
+from devicekit._loader._recorder import PER_BATCH_KEPT, samples_in
+from devicekit._loader._stats import HANDOVER_S, Counting, LoaderStats, Setup, verdict
 
 from .helpers import META
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _claims, _hardware, _launch, _manager, _units
-from devicekit._doctor import Machine, why_cpu
-from devicekit._hardware import Build, Hardware
+from devicekit._base import _units
+from devicekit._doctor._findings import Machine, why_cpu
+from devicekit._select import _claims, _hardware, _launch, _manager
+from devicekit._select._hardware import Build, Hardware
 
 from .fakes import FakeGpus, machine
 from .helpers import CPU, META, cuda
@@ -241,7 +242,7 @@ def test_preferring_the_cpu_is_not_a_fallback() -> None:
 def test_the_fallback_warning_points_at_the_user_s_line_from_to_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from devicekit import _manager  # noqa: PLC0415 - the process default is what is tested
+    from devicekit._select import _manager  # noqa: PLC0415 - the process default is what is tested
 
     monkeypatch.setattr(_manager, "builtin_backends", machine)
     monkeypatch.setattr(_hardware, "probe", lambda: NVIDIA)  # a GPU this PyTorch cannot use

@@ -18,9 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import devicekit as dk
-from devicekit import _devices, _packing
-from devicekit._packing import CHUNK_BYTES, PACK_MAX_BYTES, pack
-from devicekit._transfer import as_accelerator
+from devicekit._base import _devices
+from devicekit._core import _packing
+from devicekit._core._packing import CHUNK_BYTES, PACK_MAX_BYTES, pack
+from devicekit._core._transfer import as_accelerator
 from devicekit.testing import tensors
 
 from .helpers import CPU, META, tensor_leaves

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import devicekit as dk
-from devicekit._transfer import as_accelerator
+from devicekit._core._transfer import as_accelerator
 from devicekit.testing import batches, tensors
 
 from .helpers import CPU, META, assert_unchanged, snapshot, tensor_leaves
@@ -99,7 +99,7 @@ def test_the_accelerator_path_keeps_structure_shapes_dtypes_and_aliases(batch: A
 @given(batches(), st.sampled_from(["meta", "accelerator"]))
 def test_the_movers_list_form_moves_as_the_mover_does_leaf_by_leaf(batch: Any, how: str) -> None:
     # move_all is move applied at every active leaf, with fewer calls: compare the two.
-    from devicekit import _call, _transfer, _tree  # noqa: PLC0415 - the two forms are private
+    from devicekit._core import _call, _transfer, _tree  # noqa: PLC0415 - the two forms are private
 
     def both() -> tuple[list[Any], list[Any]]:
         plan = _transfer._plan(META, _transfer._DEFAULTS)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import _devicekit_cli
-from devicekit import _launch
+from devicekit._select import _launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_PAGE = (ROOT / "docs" / "reference" / "cli.rst").read_text(encoding="utf-8")
@@ -105,7 +105,7 @@ def test_a_usage_error_shows_the_command_s_usage_as_the_page_does() -> None:
 
 def _variables_read() -> set[str]:
     """Every environment variable the package's source reads, found in the source."""
-    modules = (ROOT / "devicekit").glob("*.py")
+    modules = (ROOT / "devicekit").rglob("*.py")
     source = "\n".join(path.read_text(encoding="utf-8") for path in modules)
     read = set(re.findall(r"environ(?:\.get)?\(?\[?\s*\"([A-Z][A-Z0-9_]+)\"", source))
     read |= {name for names in _launch.VISIBILITY_VARIABLES.values() for name in names}

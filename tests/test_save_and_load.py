@@ -33,7 +33,8 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _atomic, _checkpoint, _tree, _weights_only
+from devicekit._core import _tree
+from devicekit._files import _atomic, _checkpoint, _weights_only
 
 from .helpers import META, own_safe_globals  # noqa: F401 - a fixture, used by name
 

@@ -1,6 +1,6 @@
 """The choice of a device, as a table of cases: what was seen, what was asked, what comes out.
 
-:func:`devicekit._selection.choose` is pure (no environment, no sleeping, no warning),
+:func:`devicekit._select._selection.choose` is pure (no environment, no sleeping, no warning),
 so each rule of the manager's choice is a row here; tests/test_manager.py and
 tests/test_shared_server.py cover what the manager does around it (looking, waiting,
 claiming, warning, making a rank's device current).
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from devicekit._backends import DeviceInfo, Family
-from devicekit._claims import Holder
-from devicekit._launch import LAUNCHERS, BadRank, LocalRank, local_rank, slurm_gpus_per_task
-from devicekit._selection import (
+from devicekit._select._backends import DeviceInfo, Family
+from devicekit._select._claims import Holder
+from devicekit._select._launch import LAUNCHERS, BadRank, LocalRank, local_rank, slurm_gpus_per_task
+from devicekit._select._selection import (
     Chosen,
     RankProblem,
     Refused,
@@ -51,7 +51,7 @@ def rank(number: int, size: int | None = None, launcher: Any = TORCHRUN, *outer:
 
 
 def launched(environ: dict[str, str]) -> LocalRank:
-    """The local rank :func:`devicekit._launch.local_rank` reads in ``environ``."""
+    """The local rank :func:`devicekit._select._launch.local_rank` reads in ``environ``."""
     found = local_rank(environ)
     assert isinstance(found, LocalRank)
     return found

@@ -29,8 +29,10 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _call, _claims, _file_locks, _manager, _nvml, _transfer, _units
-from devicekit._backends import CpuBackend
+from devicekit._base import _units
+from devicekit._core import _call, _transfer
+from devicekit._select import _claims, _file_locks, _manager, _nvml
+from devicekit._select._backends import CpuBackend
 from devicekit.cli import _info_json, _info_table
 
 from .fakes import FakeGpus
@@ -692,8 +694,9 @@ _LOOK_FROM_ANOTHER_CONTAINER = """
 import json, os, sys
 sys.path.insert(0, {root!r})
 import devicekit as dk
-from devicekit import _claims, _file_locks
-from devicekit._backends import CpuBackend
+from devicekit._select import _claims
+from devicekit._select import _file_locks
+from devicekit._select._backends import CpuBackend
 from devicekit.cli import _info_table
 from tests.fakes import FakeGpus
 claim_file = os.stat({path!r})
@@ -1082,7 +1085,7 @@ _FORKING_JOB = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 import devicekit as dk
-from devicekit._backends import CpuBackend
+from devicekit._select._backends import CpuBackend
 from tests.fakes import FakeGpus
 manager = dk.DeviceManager(claim=True, fallback="error", backends=[FakeGpus((70,)), CpuBackend()])
 if os.fork() == 0:  # a DataLoader worker, say: it lives on, holding nothing
@@ -1119,7 +1122,7 @@ _CLAIMING_JOB = """
 import sys, time
 sys.path.insert(0, {root!r})
 import devicekit as dk
-from devicekit._backends import CpuBackend
+from devicekit._select._backends import CpuBackend
 from tests.fakes import FakeGpus
 manager = dk.DeviceManager(
     claim=True, wait={wait!r}, fallback="error", backends=[FakeGpus((70, 70)), CpuBackend()]

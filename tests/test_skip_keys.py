@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit._transfer import as_accelerator
+from devicekit._core._transfer import as_accelerator
 
 from .helpers import CPU, META
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit._transfer import as_accelerator
+from devicekit._core._transfer import as_accelerator
 from devicekit.testing import assert_same_structure
 
 from .helpers import CPU, META, Pair, assert_unchanged, snapshot, tensor_leaves

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit import _call, _transfer
-from devicekit._transfer import as_accelerator
+from devicekit._core import _call, _transfer
+from devicekit._core._transfer import as_accelerator
 
 from .helpers import CPU, META, Pair
 
@@ -28,9 +28,9 @@ def test_one_call_crosses_into_the_engine_once() -> None:
             return
         caller = frame.f_back
         if (
-            frame.f_code.co_filename.endswith("devicekit/_tree.py")
+            frame.f_code.co_filename.endswith("devicekit/_core/_tree.py")
             and caller is not None
-            and caller.f_code.co_filename.endswith("devicekit/_transfer.py")
+            and caller.f_code.co_filename.endswith("devicekit/_core/_transfer.py")
         ):
             calls.append(frame.f_code.co_name)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _kinds
+from devicekit._core import _kinds
 
 from .helpers import CPU, META
 

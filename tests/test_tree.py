@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import devicekit as dk
-from devicekit import _tree
-from devicekit._kinds import MOVE, READ
-from devicekit._nodes import LIST, container_node
+from devicekit._core import _tree
+from devicekit._core._kinds import MOVE, READ
+from devicekit._core._nodes import LIST, container_node
 from devicekit.testing import assert_batches_equal, batches
 
 from .helpers import CPU, META

@@ -16,7 +16,9 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 import devicekit as dk
-from devicekit import _compat, _guard, _tree
+from devicekit._base import _compat
+from devicekit._checks import _guard
+from devicekit._core import _tree
 
 from .helpers import CPU, META, require_package
 

@@ -1,6 +1,6 @@
 """Assertions over nested data, through the type table: no Hypothesis needed.
 
-They take data apart as to_device does (the CAST view of devicekit._kinds), so what
+They take data apart as to_device does (the CAST view of devicekit._core._kinds), so what
 they compare is what devicekit moves: containers by type and keys, objects that move
 themselves by what they hold, leaves as their kind compares (tensors by shape, dtype
 and values on any device, numpy arrays by value, the rest by ``==``).
@@ -15,11 +15,9 @@ from typing import Any, Final, NamedTuple, TypeAlias
 
 import torch
 
+from devicekit._base import DeviceLike, resolve_device
 from devicekit._checks import describe_devices, find_devices
-from devicekit._devices import DeviceLike, resolve_device
-from devicekit._kinds import CAST, Leaf, decide, leaf_how
-from devicekit._nodes import SET, mapping_items
-from devicekit._tree import flatten, paths
+from devicekit._core import CAST, SET, Leaf, decide, flatten, leaf_how, mapping_items, paths
 
 __all__ = ["assert_batches_equal", "assert_on_device", "assert_same_structure"]
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from devicekit._devices import HOST_TYPES, available_devices
+from devicekit._base import HOST_TYPES, available_devices
 from devicekit.testing._containers import CONTAINER_KINDS, FrozenRecord, Pair, Record
 
 __all__ = ["batches", "devices", "tensors"]

@@ -1,0 +1,294 @@
+"""Device specifications: what users write, checked against this machine.
+
+Every devicekit function that takes ``device=`` goes through :func:`resolve_device`,
+so ``"gpu"``, ``"cuda:7"`` on a one-GPU machine and ``"cuda:-1"`` fail the same way
+everywhere, with the valid choices listed, before any data moves.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Final, TypeAlias, cast
+
+import torch
+
+from devicekit._base import _compat
+from devicekit._base._errors import DeviceUnavailableError
+
+__all__ = [
+    "HOST_TYPES",
+    "DeviceLike",
+    "accelerator_type",
+    "available_devices",
+    "has_backend",
+    "mesh_of",
+    "no_backend",
+    "parse_device",
+    "resolve_device",
+    "streams_to",
+]
+
+DeviceLike: TypeAlias = torch.device | str | int
+"""What a ``device=`` argument accepts: a :class:`torch.device`, a string such as
+``"cuda:0"``, or the index of a device of this machine's accelerator."""
+
+HOST_TYPES: Final = ("cpu", "meta")
+"""The host-side device types: on every machine, without an index, and without a stream.
+
+Work on them runs on the calling thread (``meta`` only computes shapes), so a copy to
+them needs no stream to order it and nothing to wait on; every other type is an
+accelerator's. Listed in this order by :func:`available_devices`."""
+
+# Accelerator families in the order devicekit prefers them when nothing is asked for.
+_ACCELERATORS = ("cuda", "xpu", "mps")
+_EXAMPLES = "'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
+
+# Resolutions that cannot change while the process runs: "cpu", "meta", "cuda:1".
+# Index-less accelerator specs are left out: they follow the current device.
+_resolved: dict[tuple[type, object], torch.device] = {}
+_SPECS_KEPT = 1024
+
+
+@functools.cache
+def _device_count(device_type: str) -> int | None:
+    """How many devices of a family this machine has; None for families devicekit cannot count."""
+    if device_type == "mps":
+        return 1 if torch.backends.mps.is_available() else 0
+    module = getattr(torch, device_type, None)
+    count = getattr(module, "device_count", None)
+    if not callable(count):
+        return None
+    return int(count())
+
+
+@functools.cache
+def accelerator_type() -> str | None:
+    """This PyTorch build's accelerator type, such as ``"cuda"``, read without starting it.
+
+    As ``torch.accelerator`` names it (PyTorch 2.6, the oldest devicekit takes, has
+    it). None where the build has none.
+
+    >>> accelerator_type() in (None, "cuda", "xpu", "mps")
+    True
+    """
+    found = _compat.current_accelerator()
+    return None if found is None else str(found.type)
+
+
+# Accelerators whose copies can run on a side stream from page-locked host memory: all
+# that torch.accelerator offers but MPS (unified memory, no side streams to overlap on).
+_WITHOUT_STREAMS = frozenset({"mps"})
+
+
+def streams_to(device: torch.device) -> bool:
+    """Whether copies to ``device`` can overlap on side streams from pinned host memory.
+
+    >>> streams_to(torch.device("cpu")), streams_to(torch.device("meta"))
+    (False, False)
+    """
+    return device.type == accelerator_type() and device.type not in _WITHOUT_STREAMS
+
+
+def available_devices() -> list[str]:
+    """The devices this machine offers, as strings, for error messages and listings.
+
+    >>> available_devices()[-2:]
+    ['cpu', 'meta']
+    """
+    found = [
+        f"{kind}:{index}" for kind in _ACCELERATORS for index in range(_device_count(kind) or 0)
+    ]
+    return [*found, *HOST_TYPES]
+
+
+def _choices() -> str:
+    return ", ".join(repr(name) for name in available_devices())
+
+
+def mesh_of(tensor: torch.Tensor) -> str | None:
+    """Where a DTensor lives: ``[Shard(dim=0)] on a 2-rank cpu mesh``; None for other tensors."""
+    mesh = getattr(tensor, "device_mesh", None)
+    placements = getattr(tensor, "placements", None)
+    if mesh is None or placements is None:
+        return None
+    ranks = mesh.size()
+    return f"[{', '.join(map(repr, placements))}] on a {ranks}-rank {mesh.device_type} mesh"
+
+
+def shown(value: object, limit: int | None = 60) -> str:
+    """``repr(value)`` for a message, cut short where it is long (a limit of None: never).
+
+    A ``__repr__`` that raises gives a placeholder, never its error in the message's place.
+
+    >>> shown("cuda:0"), shown("x" * 100, limit=12)
+    ("'cuda:0'", "'xxxxxxxxx... (100 characters)")
+    >>> class Key:
+    ...     def __repr__(self):
+    ...         raise ValueError("no repr")
+    >>> shown(Key())
+    '<unprintable Key: its __repr__ raised ValueError>'
+    """
+    try:
+        text = repr(value)
+    except Exception as err:  # the user's __repr__: a message must still be made
+        text = f"<unprintable {type(value).__name__}: its __repr__ raised {type(err).__name__}>"
+    if limit is None or len(text) <= limit:
+        return text
+    length = len(value) if isinstance(value, str | bytes) else len(text)
+    return f"{text[: limit - 2]}... ({length:,} characters)"
+
+
+def has_backend(device_type: str) -> bool:
+    """Whether this PyTorch has a backend for ``device_type`` (built in or registered).
+
+    >>> has_backend("cpu"), has_backend("xla")
+    (True, False)
+    """
+    if device_type in HOST_TYPES or device_type == accelerator_type():
+        return True
+    return getattr(torch, device_type, None) is not None  # an extension's module
+
+
+def no_backend(spec: str, device_type: str) -> str:
+    """The refusal of a device of a type this PyTorch has no backend for; the caller lists.
+
+    >>> no_backend("'xla'", "xla")  # doctest: +ELLIPSIS
+    "Expected a device of a backend this PyTorch has, got 'xla': no xla backend is loaded ..."
+    """
+    return (
+        f"Expected a device of a backend this PyTorch has, got {spec}: no {device_type} "
+        "backend is loaded (an extension such as torch_xla registers one when imported)."
+    )
+
+
+@functools.cache
+def _default_family() -> str:
+    """The accelerator family a bare index refers to: the first found, else cpu."""
+    return next((kind for kind in _ACCELERATORS if _device_count(kind)), "cpu")
+
+
+def _did_you_mean(spec: str) -> str:
+    """A hint where the spec parses once lower-cased and stripped ('CPU', ' cuda:0')."""
+    candidate = spec.strip().lower()
+    try:
+        torch.device(candidate)
+    except RuntimeError:
+        return ""
+    return f" (did you mean {candidate!r}?)"
+
+
+def parse_device(spec: object) -> torch.device:
+    """Parse a device spec without checking that this machine has the device.
+
+    >>> parse_device("cuda:1"), parse_device(torch.device("cpu"))
+    (device(type='cuda', index=1), device(type='cpu'))
+
+    Raises:
+        DeviceUnavailableError: The spec does not parse, or is an index with no accelerator.
+        TypeError: The spec is neither a device, a string, nor an index.
+    """
+    if isinstance(spec, torch.device):
+        return spec
+    if isinstance(spec, str):
+        try:
+            return torch.device(spec)
+        except RuntimeError:
+            msg = (
+                f"Expected a device such as {_EXAMPLES}, got {shown(spec)}{_did_you_mean(spec)}. "
+                f"Available here: {_choices()}."
+            )
+            raise DeviceUnavailableError(msg) from None
+    if isinstance(spec, int | numbers.Integral) and type(spec) is not bool:  # numpy's too
+        spec = int(spec)
+        accelerator = _default_family()
+        if accelerator == "cpu":
+            msg = (
+                f"Expected an accelerator for the device index {spec}, but this machine has none. "
+                f"Available here: {_choices()}."
+            )
+            raise DeviceUnavailableError(msg)
+        if spec < 0:
+            msg = f"Expected a device index of 0 or more, got {spec}. Available here: {_choices()}."
+            raise DeviceUnavailableError(msg)
+        return torch.device(accelerator, spec)
+    # bool is an int to Python, and False a 0, but never a device.
+    msg = (
+        f"Expected a device as a torch.device, a string such as {_EXAMPLES}, or an index, "
+        f"got {type(spec).__name__} {shown(spec)}."
+    )
+    raise TypeError(msg)
+
+
+def _check_available(device: torch.device, spec: object) -> torch.device:
+    if device.type in HOST_TYPES:
+        return torch.device(device.type)  # "cpu:0" and "cpu" are one device; tensors say "cpu"
+    count = _device_count(device.type)
+    if count is None:
+        if not has_backend(device.type):
+            msg = f"{no_backend(shown(spec), device.type)} Available here: {_choices()}."
+            raise DeviceUnavailableError(msg)
+        # A family devicekit cannot count (hpu, ...): trust the extension that registered it.
+        return device
+    if count == 0:
+        why = (
+            "this PyTorch build has no CUDA support"
+            if device.type == "cuda" and torch.version.cuda is None and torch.version.hip is None
+            else f"no {device.type} device is visible"
+        )
+        msg = (
+            f"Expected an available device, got {shown(spec)}, but {why}. "
+            f"Available here: {_choices()}."
+        )
+        raise DeviceUnavailableError(msg)
+    index = cast("int | None", device.index)  # None for "cuda", whatever the stubs say
+    if index is None:
+        index = 0 if device.type == "mps" else int(getattr(torch, device.type).current_device())
+        return torch.device(device.type, index)
+    if index >= count:
+        msg = (
+            f"Expected a {device.type} index from 0 to {count - 1}, got {shown(spec)}. "
+            f"Available here: {_choices()}."
+        )
+        raise DeviceUnavailableError(msg)
+    return device
+
+
+def resolve_device(spec: DeviceLike) -> torch.device:
+    """Turn what a user wrote into a concrete device of this machine.
+
+    Accelerator devices always come back with an index (``"cuda"`` is the current
+    CUDA device), so the result compares equal to ``tensor.device``.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    >>> resolve_device("gpu")
+    Traceback (most recent call last):
+    ...
+    devicekit.DeviceUnavailableError: Expected a device such as 'cpu', ... got 'gpu'. ...
+
+    Args:
+        spec: A :class:`torch.device`, a string such as ``"cuda:1"``, or an accelerator
+            index.
+
+    Returns:
+        The device, with an index for accelerators.
+
+    Raises:
+        DeviceUnavailableError: The spec does not parse, or names a device this machine lacks.
+        TypeError: The spec is neither a device, a string, nor an index.
+    """
+    # Keyed by type too: 0, 0.0, False and numpy's 0 hash alike, and only the first
+    # names a device.
+    try:
+        return _resolved[type(spec), spec]
+    except (KeyError, TypeError):  # TypeError: an unhashable spec, reported below
+        pass
+    device = _check_available(parse_device(spec), spec)
+    if isinstance(spec, int | str | torch.device) and (
+        device.type in HOST_TYPES or parse_device(spec).index is not None
+    ):
+        if len(_resolved) >= _SPECS_KEPT:
+            _resolved.clear()  # distinct specs made at run time must not pile up
+        _resolved[type(spec), spec] = device
+    return device

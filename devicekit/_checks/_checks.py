@@ -1,0 +1,267 @@
+"""Device checks that speak of the user's data: where every tensor is, and which disagree.
+
+``find_devices`` and ``check_same_device`` walk data with the one traversal engine,
+reaching into modules (their parameters and buffers, by qualified name) and optimizers
+(their parameters and state) as well as containers; ``find_unmoved`` names what a
+module holds that ``Module.to()`` leaves behind. Every tensor is named as the user
+wrote it (:func:`tensor_paths`), a forward's inputs by its own parameter names
+(:func:`input_names`): the naming that :mod:`devicekit._checks._guard` and its explanation of
+a failed forward (:mod:`devicekit._checks._forward_error`) speak in too.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from devicekit._base import DeviceLike, DeviceMismatchError, mesh_of, resolve_device, shown
+from devicekit._core import READ, flatten, leaf_how, paths, strays
+
+__all__ = [
+    "PATHS_SHOWN",
+    "check_same_device",
+    "describe_devices",
+    "find_devices",
+    "find_unmoved",
+    "input_names",
+    "meta_fix",
+    "tensor_paths",
+    "tensors_of",
+]
+
+PATHS_SHOWN = 3
+"""How many paths a message lists per device before it only counts the rest."""
+
+
+def tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in ``data`` with its path, as the READ view of the table sees them.
+
+    That is every tensor to_device would move, inside modules, optimizers and objects
+    that move themselves too (a PackedSequence's ``.data``, a graph's ``.x``), and the
+    tensors a module holds that Module.to() leaves behind (:func:`find_unmoved`).
+    """
+    flat = flatten(data, view=READ)
+    tensors = [index for index in flat.active if isinstance(flat.leaves[index], torch.Tensor)]
+    modules = [
+        (number, entry[2])
+        for number, entry in enumerate(flat.spec)
+        if isinstance(entry[2], torch.nn.Module)
+    ]
+    if not tensors and not modules:  # a million ints, a config: no path is made
+        return
+    leaf_paths, container_paths = paths(flat)
+    for index in tensors:
+        yield _rooted(root, leaf_paths[index]), flat.leaves[index]
+    for number, module in modules:
+        # A refusal names the data as to_device's does where it has no name of its own.
+        for stray in strays(module, root=(root or "data") + container_paths[number]):
+            yield _rooted(root, f"{container_paths[number]}.{stray.path}"), stray.tensor
+
+
+def _rooted(root: str, path: str) -> str:
+    return root + path if root or not path.startswith(".") else path[1:]
+
+
+def find_unmoved(module: torch.nn.Module, /) -> dict[str, torch.device]:
+    """The tensors a module tree holds that ``Module.to()`` will not move, with their devices.
+
+    A plain tensor attribute (``self.scale = torch.ones(3)``), the tensors of a
+    ``torch.distributions`` object built in ``__init__``, a list or dict of tensors, a
+    module kept in a plain list, a second name for a buffer: ``model.to("cuda")`` leaves
+    each where it was, and the forward then fails deep inside PyTorch. They are named as
+    you write them, submodules' by their qualified names; registered parameters, buffers
+    and submodules, which move, are never listed. A clean model gives an empty dict.
+
+    >>> import torch, devicekit as dk
+    >>> class Scaled(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.linear = torch.nn.Linear(3, 3)
+    ...         self.scale = torch.ones(3)  # a plain attribute: left behind
+    ...         self.prior = torch.distributions.Normal(torch.zeros(3), torch.ones(3))
+    >>> for path, device in dk.find_unmoved(dk.to_device(Scaled(), "meta")).items():
+    ...     print(path, device)
+    scale cpu
+    prior.loc cpu
+    prior.scale cpu
+    >>> dk.find_unmoved(torch.nn.Linear(3, 3))
+    {}
+
+    The fix: ``self.register_buffer("scale", torch.ones(3), persistent=False)`` for an
+    attribute; for a distribution, buffers for its tensors and the distribution built in
+    ``forward()``; ``torch.nn.ModuleList`` for modules in a list.
+
+    Args:
+        module: The root of the module tree.
+
+    Returns:
+        Each such tensor's path, with its device, in the order the walk meets them.
+
+    Raises:
+        TypeError: ``module`` is not a :class:`torch.nn.Module`.
+        TransferError: An attribute nests containers deeper than
+            :func:`~devicekit.to_device` takes; the message names the path.
+    """
+    if not isinstance(module, torch.nn.Module):  # for untyped callers
+        msg = (  # type: ignore[unreachable]
+            "Expected a torch.nn.Module to look through, got "
+            f"{type(module).__name__} {shown(module)}."
+        )
+        raise TypeError(msg)
+    found = strays(module, root=type(module).__name__)
+    return {stray.path: stray.tensor.device for stray in found}
+
+
+def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
+    """Every device the data's tensors are on, with the paths of the tensors there.
+
+    Sees every tensor :func:`~devicekit.to_device` moves, named as you write them:
+    inside containers, modules (``fc.weight``), optimizers
+    (``param_groups[0]['params'][1]``, ``state[...]['exp_avg']``; not a ``step`` that
+    PyTorch keeps on the host on purpose), and objects that move themselves (a
+    PackedSequence's ``.data``, a torch_geometric graph's ``.x``).
+
+    >>> import torch, devicekit as dk
+    >>> batch = {"image": torch.zeros(2, device="meta"), "labels": [torch.ones(1), 3]}
+    >>> dk.find_devices(batch)
+    {device(type='meta'): ["['image']"], device(type='cpu'): ["['labels'][0]"]}
+    >>> dk.find_devices(torch.nn.Linear(2, 2))
+    {device(type='cpu'): ['weight', 'bias']}
+
+    Args:
+        data: Tensors, modules, optimizers, and containers of them.
+
+    Returns:
+        Devices in the order first met, each with its tensors' paths in walk order.
+
+    Raises:
+        TransferError: The data holds a cycle (outside a module's attributes, which are
+            walked once), or nests containers deeper than :func:`~devicekit.to_device`
+            takes; the message names the path.
+    """
+    found: dict[torch.device, list[str]] = {}
+    for path, tensor in tensor_paths(data, ""):
+        found.setdefault(tensor.device, []).append(path)
+    return found
+
+
+def describe_devices(found: dict[torch.device, list[str]]) -> str:
+    """``cuda:0 has a, b; cpu has c and 4 more`` for a message."""
+    parts = []
+    for device, where in found.items():
+        shown = ", ".join(where[:PATHS_SHOWN])
+        more = len(where) - PATHS_SHOWN
+        parts.append(f"{device} has {shown}" + (f" and {more} more" if more > 0 else ""))
+    return "; ".join(parts)
+
+
+def meta_fix(devices: Iterable[torch.device]) -> str:
+    """The fix for tensors on the meta device, after a message naming them; else "".
+
+    >>> meta_fix([torch.device("meta")])[:40]
+    ' Tensors on meta have shapes but no data'
+    """
+    if all(device.type != "meta" for device in devices):
+        return ""
+    return (
+        " Tensors on meta have shapes but no data: give a model built there storage and "
+        "initialise it with devicekit.materialize(model, device), which names whatever no "
+        "initialiser writes."
+    )
+
+
+def _root_name(data: Any, index: int, count: int) -> str:
+    if isinstance(data, torch.nn.Module | torch.optim.Optimizer):
+        return type(data).__name__
+    return "data" if count == 1 else f"data[{index}]"
+
+
+def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.device:
+    """The one device all tensors in ``data`` share; an error naming them where they differ.
+
+    Modules are named by class (``Net.fc.weight``), other arguments as ``data`` (or
+    ``data[1]`` when several are given). ``"cuda"`` means the current CUDA device.
+
+    >>> import torch, devicekit as dk
+    >>> model = torch.nn.Linear(2, 2)
+    >>> dk.check_same_device(model, {"x": torch.ones(2)})
+    device(type='cpu')
+    >>> dk.check_same_device(model, {"x": torch.ones(2, device="meta")})
+    Traceback (most recent call last):
+    ...
+    devicekit.DeviceMismatchError: Expected every tensor on one device, but found 2: ...
+
+    Args:
+        *data: Tensors, modules, optimizers, and containers of them.
+        device: The device they must all be on; None accepts any one device.
+
+    Returns:
+        The common device.
+
+    Raises:
+        DeviceMismatchError: The tensors are on more than one device, or not on
+            ``device``. Its ``devices`` attribute maps every device to its paths.
+        ValueError: ``data`` holds no tensor at all.
+        TypeError: A device was passed among the data instead of as ``device=``, or
+            ``device`` is of the wrong type.
+        DeviceUnavailableError: ``device`` does not parse or is not on this machine.
+        TransferError: As :func:`find_devices`.
+    """
+    expected = None if device is None else resolve_device(device)
+    for index, item in enumerate(data):
+        if isinstance(item, str | torch.device):
+            msg = (
+                "Expected tensors, modules, optimizers or containers of them as the data, and "
+                f"the device as device=..., got the device {shown(str(item))} as data[{index}]. "
+                f"Write check_same_device(..., device={str(item)!r})."
+            )
+            raise TypeError(msg)
+    found: dict[torch.device, list[str]] = {}
+    for index, item in enumerate(data):
+        root = _root_name(item, index, len(data))
+        for path, tensor in tensor_paths(item, root):
+            # A DTensor is named with its placements and mesh: the table's row for its type
+            # says whether it lives on one.
+            _, meshed = leaf_how(type(tensor))
+            found.setdefault(tensor.device, []).append(
+                f"{path} ({mesh_of(tensor)})" if meshed else path
+            )
+    if not found:
+        arguments = "1 argument" if len(data) == 1 else f"{len(data)} arguments"
+        msg = f"Expected tensors to check, but found none in {arguments}."
+        raise ValueError(msg)
+    if expected is None and len(found) == 1:
+        return next(iter(found))
+    if expected is not None and set(found) == {expected}:
+        return expected
+    if expected is None:
+        msg = f"Expected every tensor on one device, but found {len(found)}: "
+    else:
+        msg = f"Expected every tensor on {expected}, but found {len(found)} device(s): "
+    raise DeviceMismatchError(msg + describe_devices(found) + "." + meta_fix(found), found)
+
+
+@functools.cache
+def input_names(forward: Any) -> tuple[list[str], str | None]:
+    """The forward's positional parameter names (not ``self``), and its *args name if any."""
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return [], "args"
+    positional = [
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    var = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    return positional[1:] if positional[:1] == ["self"] else positional, var
+
+
+def tensors_of(module: torch.nn.Module, *, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The module's parameters then buffers: its own only, or its submodules' too."""
+    yield from module.named_parameters(recurse=not own)
+    yield from module.named_buffers(recurse=not own)

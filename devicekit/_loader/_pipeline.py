@@ -1,0 +1,298 @@
+"""Copying ahead: the copies in flight, the seam they go through, and when to read ahead.
+
+Steps 2 and 3 of the pipeline that :mod:`devicekit._loader._loader` draws, over the seam it
+describes (:class:`Prefetcher`; :class:`StreamPrefetcher` on an accelerator's side
+stream), and when its first stage (:mod:`devicekit._loader._feed`) may read ahead (:func:`ahead`).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import random
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Protocol
+
+import torch
+
+from devicekit._base import profiler_running
+from devicekit._core import PACK_MAX_BYTES, Leaf, NonBlocking, leaf_how, map_leaves, to_device
+from devicekit._loader._feed import NOT_READY, BackgroundFeed
+from devicekit._loader._recorder import CopyTimer, EpochRecorder
+
+__all__ = ["Prefetcher", "StreamPrefetcher", "ahead", "profiling"]
+
+_END: Final = object()
+_READS_CHECKED: Final = 2
+"""An epoch's reads watched for random draws before it reads ahead (see :func:`ahead`): the
+first read of a shuffled DataLoader draws the sampler's seed, however plain its data."""
+
+
+class Prefetcher(Protocol):
+    """The seam between the loader's pipeline and an accelerator's streams and events.
+
+    The pipeline calls :meth:`start` for a batch ``prefetch`` batches before it is
+    needed, :meth:`hand_over` when the consumer asks for it, and :meth:`consumer_done`
+    each time the consumer comes back for the next one.
+    """
+
+    def pin(self, batch: Any) -> Any:
+        """The batch with the tensors worth pinning in page-locked memory (any thread)."""
+
+    def start(self, batch: Any) -> Any:
+        """Issue the batch's copy to the device without waiting; return a ticket for it."""
+
+    def hand_over(self, ticket: Any) -> Any:
+        """The moved batch of ``ticket``, safe for the consumer's stream to read."""
+
+    def consumer_done(self) -> None:
+        """Order later copies after everything the consumer has queued so far."""
+
+    def timer(self, ticket: Any) -> CopyTimer:
+        """How long the ticket's copy took on the device; it holds nothing of the batch."""
+
+
+profiling: Final = profiler_running
+"""Whether a torch.profiler session runs: a range costs 15 us even when none does (this
+0.1 us), so the loader names its work only while one does."""
+
+
+def _in_range(name: str, work: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``work``, each call a range called ``name`` in the profiler's trace while one runs."""
+
+    def run(item: Any) -> Any:
+        if not profiling():
+            return work(item)
+        with torch.profiler.record_function(name):
+            return work(item)
+
+    return run
+
+
+def random_state() -> tuple[Any, ...]:
+    """Where the process's global random generators stand: torch's (CPU), Python's, numpy's.
+
+    About 100 us (numpy's copy of its state is most of it): taken twice an epoch at most.
+    """
+    numpy = sys.modules.get("numpy")
+    at = None if numpy is None else numpy.random.get_state(legacy=False)
+    if at is not None:  # what a draw moves, comparable with ==
+        at = at["state"]["key"].tobytes(), at["state"]["pos"], at["has_gauss"]
+    return torch.default_generator.get_state(), random.getstate(), at
+
+
+def drew_since(before: tuple[Any, ...]) -> bool:
+    """Whether anything drew from those generators since ``before`` was taken."""
+    after = random_state()
+    return not torch.equal(before[0], after[0]) or before[1:] != after[1:]
+
+
+def _as_it_is(batch: Any) -> Any:
+    return batch
+
+
+def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.is_pinned() else tensor.pin_memory()
+
+
+def _pin(batch: Any, pin: Callable[[torch.Tensor], torch.Tensor] = _page_locked) -> Any:
+    """The batch with every large host tensor ``pin``-ned; aliases stay aliases.
+
+    Tensors of at most PACK_MAX_BYTES are left alone: they travel packed, through a
+    staging buffer that is pinned already, and pinning them first would copy them twice.
+    Objects that move themselves (a TensorDict, a graph, a PackedSequence) are pinned
+    by their own ``pin_memory()``, as torch's pin-memory thread pins them, on a shallow
+    copy (a graph's pins in place): they move with their ``.to()``, never packed.
+    ``pin`` is the seam the tests replace, on machines where nothing can be pinned.
+    """
+    return map_leaves(_pinned, batch, ({}, pin))
+
+
+def _pinned(leaf: Any, state: tuple[dict[int, Any], Callable[..., Any]]) -> Any:
+    if not isinstance(leaf, torch.Tensor):
+        pin_memory = getattr(leaf, "pin_memory", None)
+        if not callable(pin_memory) or leaf_how(type(leaf))[0] is not Leaf.TO_METHOD:
+            return leaf
+        pinned = state[0]
+        if id(leaf) not in pinned:
+            pinned[id(leaf)] = copy.copy(leaf).pin_memory()
+        return pinned[id(leaf)]
+    if not leaf.is_cpu or leaf.nbytes <= PACK_MAX_BYTES:
+        return leaf
+    pinned, pin = state
+    copied = pinned.get(id(leaf))
+    if copied is None:
+        copied = pinned[id(leaf)] = pin(leaf)
+    return copied
+
+
+class StreamPrefetcher:
+    """The accelerator side of the pipeline: one side stream for the loader's whole life."""
+
+    def __init__(self, device: torch.device, non_blocking: NonBlocking) -> None:
+        self._device = device
+        self._non_blocking = non_blocking
+        self._stream = torch.Stream(device=device)
+
+    def pin(self, batch: Any) -> Any:
+        return _pin(batch)
+
+    def start(self, batch: Any) -> tuple[Any, torch.Event, torch.Event]:
+        # Timing events, recorded around the copy: its time, read later, costs no wait.
+        begin, ready = (torch.Event(device=self._device, enable_timing=True) for _ in "br")
+        with self._stream:
+            begin.record(self._stream)
+            moved = to_device(batch, self._device, non_blocking=self._non_blocking)
+            ready.record(self._stream)
+        return moved, begin, ready
+
+    def hand_over(self, ticket: tuple[Any, torch.Event, torch.Event]) -> Any:
+        moved, _, ready = ticket
+        torch.accelerator.current_stream(self._device).wait_event(ready)
+        return moved
+
+    def timer(self, ticket: tuple[Any, torch.Event, torch.Event]) -> CopyTimer:
+        _, begin, ready = ticket
+
+        def seconds(wait: bool) -> float | None:
+            if wait:
+                ready.synchronize()
+            elif not ready.query():
+                return None
+            return begin.elapsed_time(ready) / 1e3
+
+        return seconds
+
+    def consumer_done(self) -> None:
+        self._stream.wait_stream(torch.accelerator.current_stream(self._device))
+
+
+def _prefetched(
+    batches: Iterator[Any],
+    prefetcher: Prefetcher,
+    depth: int,
+    finish: Callable[[Any], Any],
+    record: EpochRecorder,
+    *,
+    ready: Callable[[], Any] | None = None,
+    first: Any = NOT_READY,
+) -> Iterator[Any]:
+    """The pipeline: copies up to ``depth`` batches ahead, hands them over in order.
+
+    Later batches are taken only where ``ready()`` has them already (a feed that reads
+    ahead), so a source whose next batch is slow, or depends on the step's result, holds
+    back no batch in hand; the next is waited for only where nothing is in flight.
+    ``first``, where given, was read already.
+
+    An exception from the source or from starting a copy surfaces in its place, after
+    every batch before it; one from ``finish`` (the transform) surfaces at once. Each
+    copy's timer goes to ``record`` as its batch is handed over.
+    """
+    start = _in_range("devicekit.copy", prefetcher.start)
+    in_flight: collections.deque[Any] = collections.deque()
+    failure: list[Exception] = []  # the source's: raised once the batches before it are out
+    ended = False
+
+    def take(read: Callable[[], Any]) -> bool:
+        """Start the copy of what ``read`` gives; whether it gave a batch."""
+        nonlocal ended
+        try:
+            # No local holds the batch or its ticket: the source's exception, kept until
+            # raised (and maybe by the caller after), would keep them alive.
+            item = read()
+            if item is NOT_READY:
+                return False
+            in_flight.append(start(item))
+        except StopIteration:
+            ended = True
+            return False
+        except Exception as error:  # re-raised below, unchanged, in its place
+            failure.append(error)
+            ended = True
+            return False
+        return True
+
+    def top_up() -> None:  # what is ready, no more: the batch in hand is never held back
+        while ready is not None and not ended and len(in_flight) < depth and take(ready):
+            pass
+
+    # An epoch left early never came back for its last batch: order this epoch's first
+    # copies after whatever the consumer queued since, as every later resume does.
+    prefetcher.consumer_done()
+    if first is not NOT_READY:
+        in_flight.append(start(first))
+        del first
+    while True:
+        if not in_flight and not ended:
+            take(batches.__next__)  # nothing in flight: wait for the source
+        top_up()
+        if not in_flight:
+            break
+        ticket = in_flight.popleft()
+        record.timers.append(prefetcher.timer(ticket))
+        batch = prefetcher.hand_over(ticket)
+        del ticket
+        record.read_copies()
+        top_up()  # the next copies run while the consumer's step does
+        yield finish(batch)
+        del batch
+        prefetcher.consumer_done()
+    if failure:
+        raise failure[0]
+
+
+def ahead(
+    batches: Iterator[Any],
+    prefetcher: Prefetcher,
+    device: torch.device,
+    record: EpochRecorder,
+    *,
+    depth: int,
+    finish: Callable[[Any], Any],
+    pins: bool,
+    feeds: weakref.WeakSet[BackgroundFeed],
+) -> Iterator[Any]:
+    """An epoch's ``batches``, copied up to ``depth`` ahead, read ahead where reads draw nothing.
+
+    The feed that reads ahead goes into ``feeds`` while it lives, and pins with the
+    prefetcher where ``pins``; ``finish`` is the transform, ``record`` the epoch's figures.
+    """
+    # Reads that draw from the global random generators (augmentation without workers,
+    # a sampler's shuffle, graph sampling) are made in this thread, between the loop's
+    # steps, as in a plain loop: a thread reading ahead would interleave its draws with
+    # the loop's by timing, and a seeded run would repeat neither. A read's draws cannot
+    # be known before it is made, nor told apart from the loop's once a thread makes it
+    # beside them (the generators are the process's), and read k's follow step k-1's: so
+    # the first read is made here, the second where the first drew, and every read where
+    # both drew (``reads_draw``); else the rest is read ahead. A source that draws only
+    # from a later read on (after a warm-up) is read ahead, and the guide says so.
+    checks = _READS_CHECKED
+    while True:
+        before = random_state() if checks else None
+        batch = next(batches, _END)
+        if batch is _END:
+            return
+        if before is not None:
+            if not drew_since(before):
+                record.reads_draw = False
+                break  # reading draws nothing: from this batch on, read ahead
+            checks -= 1
+            if not checks:
+                record.reads_draw = True  # every read is made here, from now on
+        yield from _prefetched(iter((batch,)), prefetcher, 1, finish, record)
+        del batch
+    # The rest is read by a feed thread, pinned there where devicekit pins, so that a
+    # batch ready on the device is handed over whatever the next one's read costs.
+    pin = _in_range("devicekit.pin", prefetcher.pin if pins else _as_it_is)
+    feed = BackgroundFeed(batches, pin, depth, device)
+    feeds.add(feed)
+    record.read_ahead = True
+    pipeline = _prefetched(feed, prefetcher, depth, finish, record, ready=feed.ready, first=batch)
+    del batch
+    try:
+        yield from pipeline
+    finally:
+        # The end, an error, or a loop left early: the thread stops, the prefetched go.
+        feed.close()

@@ -1,0 +1,13 @@
+"""Device memory: ``fit_batch`` and its agreement across ranks (ranks), putting back what
+its tries changed (restore), and ``materialize`` for models built on meta. Loaded on
+first use.
+"""
+
+from devicekit._memory._fit_batch import BatchFit, fit_batch
+from devicekit._memory._materialize import materialize
+
+__all__ = [
+    "BatchFit",
+    "fit_batch",
+    "materialize",
+]

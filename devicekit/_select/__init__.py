@@ -1,0 +1,68 @@
+"""Choosing a device: what each backend lists (backends, nvml, hardware), what the launcher
+and the claim files say (launch, claims, file locks), a pure ``choose()`` (selection), and
+the :class:`DeviceManager` that looks, chooses, waits, claims and explains.
+
+It stands on :mod:`devicekit._base` alone: selection never moves data.
+"""
+
+from devicekit._select._backends import (
+    Backend,
+    DeviceInfo,
+    Family,
+    GpuProcess,
+    builtin_backends,
+    cuda_started,
+    describe,
+    who_uses,
+)
+from devicekit._select._claims import Holder, directory_problem
+from devicekit._select._hardware import Build, Hardware, probe
+from devicekit._select._launch import (
+    LAUNCHERS,
+    VISIBILITY_VARIABLES,
+    BadRank,
+    LocalRank,
+    parse_visible_devices,
+    repeated_visible_device,
+)
+from devicekit._select._manager import DeviceManager, claim_holders
+from devicekit._select._selection import (
+    Chosen,
+    Outcome,
+    RankProblem,
+    Refused,
+    Request,
+    Seen,
+    choose,
+)
+
+__all__ = [
+    "LAUNCHERS",
+    "VISIBILITY_VARIABLES",
+    "Backend",
+    "BadRank",
+    "Build",
+    "Chosen",
+    "DeviceInfo",
+    "DeviceManager",
+    "Family",
+    "GpuProcess",
+    "Hardware",
+    "Holder",
+    "LocalRank",
+    "Outcome",
+    "RankProblem",
+    "Refused",
+    "Request",
+    "Seen",
+    "builtin_backends",
+    "choose",
+    "claim_holders",
+    "cuda_started",
+    "describe",
+    "directory_problem",
+    "parse_visible_devices",
+    "probe",
+    "repeated_visible_device",
+    "who_uses",
+]
