@@ -1,7 +1,8 @@
-"""The ground floor: errors, warnings and whose frame is the user's, PyTorch's private names
-(compat), the default device (current), device specs, units, and the words of messages.
+"""The ground floor: what every other part of devicekit stands on.
 
-Everything above imports from here; this part imports nothing of devicekit's above it.
+Errors, warnings and whose frame is the user's, PyTorch's private names (compat), the
+default device (current), device specs, units, and the words of messages. This part
+imports nothing of devicekit's above it.
 """
 
 from devicekit._base._compat import (

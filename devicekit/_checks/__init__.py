@@ -1,6 +1,8 @@
-"""The checks that name the user's own paths: ``find_devices``, ``check_same_device`` and
-``find_unmoved`` (checks), ``guard`` and its account of a failed forward (guard, forward
-error), and ``track_transfers`` (audit, loaded on first use).
+"""The checks, which name the user's own paths and layers.
+
+``find_devices``, ``check_same_device`` and ``find_unmoved`` (checks), ``guard`` and its
+account of a failed forward (guard, forward error), and ``track_transfers`` (audit,
+loaded on first use).
 """
 
 from devicekit._checks._checks import (

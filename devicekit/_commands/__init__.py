@@ -1,5 +1,6 @@
-"""The command line's programs: ``devicekit demo`` and ``devicekit bench``. Loaded by the
-command only.
+"""The command line's programs: ``devicekit demo`` and ``devicekit bench``.
+
+Loaded by the command only.
 """
 
 from devicekit._commands._bench import bench_report, measure_bench

@@ -1,8 +1,9 @@
-"""The mover: THE table of per-type decisions (kinds), typed keys (nodes), THE walk (tree),
-one to_device call (transfer, call), how non-tensor leaves move (moves), packed copies,
-and what ``Module.to()`` leaves behind (unmoved).
+"""The mover: how any data is walked and moved to a device.
 
-It stands on :mod:`devicekit._base` alone and knows nothing of how a device was chosen.
+THE table of per-type decisions (kinds), typed keys (nodes), THE walk (tree), one
+to_device call (transfer, call), how non-tensor leaves move (moves), packed copies, and
+what ``Module.to()`` leaves behind (unmoved). It stands on the base alone and knows
+nothing of how a device was chosen.
 """
 
 from devicekit._core._kinds import (

@@ -1,5 +1,7 @@
-"""``devicekit doctor``: the findings over a snapshot of the machine (asking selection how it
-would choose), and the report of what was seen.
+"""``devicekit doctor``: what keeps an accelerator from being used.
+
+The findings over a snapshot of the machine (asking selection how it would choose), and
+the report of what was seen.
 """
 
 from devicekit._doctor._findings import diagnose, look

@@ -1,5 +1,7 @@
-"""Checkpoints: ``save`` and ``load`` (checkpoint), the atomic writer, and the weights-only
-check of what a file holds. Loaded on first use.
+"""Checkpoints: atomic ``save`` and device-mapped ``load``.
+
+The entry points (checkpoint), the atomic writer, and the weights-only check of what a
+file holds. Loaded on first use.
 """
 
 from devicekit._files._checkpoint import load, save

@@ -1,6 +1,7 @@
-"""Device memory: ``fit_batch`` and its agreement across ranks (ranks), putting back what
-its tries changed (restore), and ``materialize`` for models built on meta. Loaded on
-first use.
+"""Device memory: the largest batch that fits, and models built on meta.
+
+``fit_batch`` and its agreement across ranks (ranks), putting back what its tries
+changed (restore), and ``materialize``. Loaded on first use.
 """
 
 from devicekit._memory._fit_batch import BatchFit, fit_batch

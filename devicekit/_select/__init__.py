@@ -1,8 +1,8 @@
-"""Choosing a device: what each backend lists (backends, nvml, hardware), what the launcher
-and the claim files say (launch, claims, file locks), a pure ``choose()`` (selection), and
-the :class:`DeviceManager` that looks, chooses, waits, claims and explains.
+"""Choosing a device: look, choose, wait, claim, explain.
 
-It stands on :mod:`devicekit._base` alone: selection never moves data.
+What each backend lists (backends, nvml, hardware), what the launcher and the claim
+files say (launch, claims, file locks), a pure ``choose()`` (selection), and the
+DeviceManager that acts on it. It stands on the base alone: selection never moves data.
 """
 
 from devicekit._select._backends import (
