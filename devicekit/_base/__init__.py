@@ -40,7 +40,6 @@ from devicekit._base._devices import (
     no_backend,
     parse_device,
     resolve_device,
-    shown,
     streams_to,
 )
 from devicekit._base._errors import (
@@ -51,6 +50,7 @@ from devicekit._base._errors import (
     TransferError,
 )
 from devicekit._base._frames import is_library
+from devicekit._base._text import LISTED, META, listing, meta_fix, shown, whole_number
 from devicekit._base._units import (
     count,
     duration,
@@ -65,6 +65,8 @@ from devicekit._base._warnings import warn
 
 __all__ = [
     "HOST_TYPES",
+    "LISTED",
+    "META",
     "DeviceKitError",
     "DeviceLike",
     "DeviceMismatchError",
@@ -87,7 +89,9 @@ __all__ = [
     "is_library",
     "is_out_of_memory",
     "is_unreadable_archive",
+    "listing",
     "mesh_of",
+    "meta_fix",
     "milliseconds",
     "nbytes",
     "no_backend",
@@ -113,4 +117,5 @@ __all__ = [
     "weights_only_refusal",
     "weights_only_refused_globals",
     "weights_only_said",
+    "whole_number",
 ]

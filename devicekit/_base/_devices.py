@@ -15,6 +15,7 @@ import torch
 
 from devicekit._base import _compat
 from devicekit._base._errors import DeviceUnavailableError
+from devicekit._base._text import shown
 
 __all__ = [
     "HOST_TYPES",
@@ -114,29 +115,6 @@ def mesh_of(tensor: torch.Tensor) -> str | None:
         return None
     ranks = mesh.size()
     return f"[{', '.join(map(repr, placements))}] on a {ranks}-rank {mesh.device_type} mesh"
-
-
-def shown(value: object, limit: int | None = 60) -> str:
-    """``repr(value)`` for a message, cut short where it is long (a limit of None: never).
-
-    A ``__repr__`` that raises gives a placeholder, never its error in the message's place.
-
-    >>> shown("cuda:0"), shown("x" * 100, limit=12)
-    ("'cuda:0'", "'xxxxxxxxx... (100 characters)")
-    >>> class Key:
-    ...     def __repr__(self):
-    ...         raise ValueError("no repr")
-    >>> shown(Key())
-    '<unprintable Key: its __repr__ raised ValueError>'
-    """
-    try:
-        text = repr(value)
-    except Exception as err:  # the user's __repr__: a message must still be made
-        text = f"<unprintable {type(value).__name__}: its __repr__ raised {type(err).__name__}>"
-    if limit is None or len(text) <= limit:
-        return text
-    length = len(value) if isinstance(value, str | bytes) else len(text)
-    return f"{text[: limit - 2]}... ({length:,} characters)"
 
 
 def has_backend(device_type: str) -> bool:

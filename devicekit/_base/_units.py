@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-from devicekit._base._devices import shown
+from devicekit._base._text import shown
 
 __all__ = [
     "count",

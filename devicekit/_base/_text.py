@@ -1,0 +1,90 @@
+"""The words of devicekit's messages, each rule written once.
+
+How a value is shown (:func:`shown`), how a list is cut short (:func:`listing`), what a
+tensor on the meta device is and what to do with one (:data:`META`, :func:`meta_fix`),
+and how a count given as an option is checked (:func:`whole_number`). A message is built
+from these where it says one of these things, so that every message says it one way.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Final
+
+__all__ = ["LISTED", "META", "listing", "meta_fix", "shown", "whole_number"]
+
+LISTED: Final = 3
+"""How many items :func:`listing` names before it counts the rest."""
+
+META: Final = "tensors on the meta device have shapes but no data"
+"""What a meta tensor is, for a message that found some where data is needed."""
+
+
+def shown(value: object, limit: int | None = 60) -> str:
+    """``repr(value)`` for a message, cut short where it is long (a limit of None: never).
+
+    A ``__repr__`` that raises gives a placeholder, never its error in the message's place.
+
+    >>> shown("cuda:0"), shown("x" * 100, limit=12)
+    ("'cuda:0'", "'xxxxxxxxx... (100 characters)")
+    >>> class Key:
+    ...     def __repr__(self):
+    ...         raise ValueError("no repr")
+    >>> shown(Key())
+    '<unprintable Key: its __repr__ raised ValueError>'
+    """
+    try:
+        text = repr(value)
+    except Exception as err:  # the user's __repr__: a message must still be made
+        text = f"<unprintable {type(value).__name__}: its __repr__ raised {type(err).__name__}>"
+    if limit is None or len(text) <= limit:
+        return text
+    length = len(value) if isinstance(value, str | bytes) else len(text)
+    return f"{text[: limit - 2]}... ({length:,} characters)"
+
+
+def listing(items: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 4 more``: at most :data:`LISTED` named.
+
+    >>> listing(["a"]), listing(["a", "b"]), listing(["a", "b", "c"])
+    ('a', 'a and b', 'a, b and c')
+    >>> listing(["a", "b", "c", "d", "e"])
+    'a, b, c and 2 more'
+    """
+    if len(items) > LISTED:
+        return f"{', '.join(items[:LISTED])} and {len(items) - LISTED} more"
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def meta_fix(device: object = "cuda") -> str:
+    """What to do with a model whose tensors are on meta, as a clause that ends a message.
+
+    >>> meta_fix("cuda:0").split(", which")[0]
+    "give the model storage with devicekit.materialize(model, 'cuda:0')"
+    """
+    return (
+        f"give the model storage with devicekit.materialize(model, {str(device)!r}), which "
+        "initialises it and names whatever no initialiser writes"
+    )
+
+
+def whole_number(value: object, least: int, name: str) -> int:
+    """``value`` as an int: a whole number (numpy's too, never a bool) of ``least`` or more.
+
+    >>> whole_number(4, 1, "prefetch")
+    4
+    >>> whole_number(True, 1, "prefetch")
+    Traceback (most recent call last):
+    ...
+    ValueError: Expected prefetch to be a whole number of 1 or more, got True.
+
+    Raises:
+        ValueError: ``value`` is no whole number, or one below ``least``.
+    """
+    if not isinstance(value, bool) and isinstance(value, numbers.Integral):
+        number = int(value)
+        if number >= least:
+            return number
+    msg = f"Expected {name} to be a whole number of {least} or more, got {shown(value)}."
+    raise ValueError(msg)
