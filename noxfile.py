@@ -1,4 +1,4 @@
-"""Quality gates: ``nox -s tests lint typecheck docs``; ``nox -s build`` checks the release files.
+"""Quality gates: ``nox -s tests slow lint typecheck docs``; ``nox -s build`` checks the release.
 
 Every session installs torch==2.13.0 before the project: a bare ``torch`` requirement
 would let pip pick the newest build, with several GB of CUDA packages.
@@ -16,7 +16,7 @@ from pathlib import Path
 import nox
 from packaging.requirements import Requirement  # nox's own dependency
 
-nox.options.sessions = ["tests", "interop", "lint", "typecheck", "docs"]
+nox.options.sessions = ["tests", "slow", "interop", "lint", "typecheck", "docs"]
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 
@@ -34,9 +34,16 @@ def install(session: nox.Session, extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite, as the README runs it."""
+    """The test suite's fast tier, as the README runs it."""
     install(session, "test")
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The slow tier, as .ci/run runs it: the tests that start a fresh Python (conftest.py)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
 
 
 @nox.session
@@ -95,7 +102,7 @@ def oldest_torch(session: nox.Session) -> None:
     """
     session.install(OLDEST_TORCH)
     session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "slow or not slow", *session.posargs)  # both tiers
 
 
 @nox.session

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 
@@ -57,10 +56,17 @@ _RANKS = (
 
 
 def run_two_ranks(
-    script: Path, folder: Path, *arguments: str, timeout: float
+    python: str, script: Path, folder: Path, *arguments: str, timeout: float
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``script folder RANK arguments...`` as ranks 0 and 1, with this checkout's devicekit."""
+    """Run ``script folder RANK arguments...`` as ranks 0 and 1, with this checkout's devicekit.
+
+    Tests call it as the ``two_ranks`` fixture (tests/conftest.py), which gives ``python``.
+    """
     here = str(Path(__file__).parent.parent)  # this checkout's devicekit, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-c", _RANKS, str(script), str(folder), *arguments]
+    command = [python, "-c", _RANKS, str(script), str(folder), *arguments]
     return run_program(command, timeout=timeout, env=env)
+
+
+TwoRanks = Callable[..., subprocess.CompletedProcess[str]]
+"""The type of the ``start_two_ranks`` fixture: ``run_two_ranks`` without its ``python``."""

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,16 +148,14 @@ def test_builtin_backends_end_with_the_cpu() -> None:
     assert all(isinstance(backend, dk.Backend) for backend in backends)
 
 
-def test_listing_devices_starts_no_cuda() -> None:
+def test_listing_devices_starts_no_cuda(fresh_python: str) -> None:
     code = (
         "import json, torch, devicekit as dk, warnings\n"
         "warnings.simplefilter('ignore')\n"
         "manager = dk.DeviceManager()\n"
         "print(json.dumps([torch.cuda.is_initialized(), str(manager.device)]))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    )
+    result = subprocess.run([fresh_python, "-c", code], capture_output=True, text=True, check=True)
     initialized, device = json.loads(result.stdout)
     assert initialized is False
     assert re.fullmatch(r"cpu|meta|(cuda|mps|xpu):\d+", device), device  # a device was chosen
@@ -184,12 +181,12 @@ print(json.dumps(started))
 """
 
 
-def test_looking_at_the_devices_starts_no_process(tmp_path: Path) -> None:
+def test_looking_at_the_devices_starts_no_process(tmp_path: Path, fresh_python: str) -> None:
     # A process started while another thread forks can hang that fork's child, and one
     # per look is slow: detection reads files and libraries, never runs a program.
     environ = {**os.environ, "DEVICEKIT_CLAIM_DIR": str(tmp_path / "claims")}
     code = _NOTHING_STARTED.format(root=str(ROOT))
-    result = run_program([sys.executable, "-c", code], timeout=120, env=environ)
+    result = run_program([fresh_python, "-c", code], timeout=120, env=environ)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout) == []
 
@@ -350,12 +347,12 @@ def child():
     ids=["a first look", "tempfile's first look", "an NVML read", "a claim", "a fallback"],
 )
 def test_a_child_forked_while_a_thread_looks_or_claims_does_not_hang(
-    tmp_path: Path, scenario: str
+    tmp_path: Path, scenario: str, fresh_python: str
 ) -> None:
     environ = {**os.environ, "TMPDIR": str(tmp_path)}
     environ.pop("DEVICEKIT_CLAIM_DIR", None)
     code = _FORK_RACE.format(root=str(ROOT), scenario=scenario)
-    result = run_program([sys.executable, "-c", code], timeout=120, env=environ)
+    result = run_program([fresh_python, "-c", code], timeout=120, env=environ)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
 
@@ -391,9 +388,11 @@ sys.exit(f"children forked after {{hung}} s hung or failed" if hung else 0)
 """
 
 
-def test_children_forked_at_any_moment_of_a_thread_s_first_manager_do_not_hang() -> None:
+def test_children_forked_at_any_moment_of_a_thread_s_first_manager_do_not_hang(
+    fresh_python: str,
+) -> None:
     code = _FORKS_AT_ANY_MOMENT.format(root=str(ROOT))
-    result = run_program([sys.executable, "-c", code], timeout=300)
+    result = run_program([fresh_python, "-c", code], timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
 
@@ -426,11 +425,11 @@ def test_device_info_agrees_with_nvidia_smi(nvidia_smi: list[list[str]]) -> None
 
 
 @pytest.mark.cuda
-def test_free_memory_and_most_free_memory_see_another_process() -> None:
+def test_free_memory_and_most_free_memory_see_another_process(fresh_python: str) -> None:
     before = {info.uuid: info.free_memory for info in CudaBackend().devices()}
     hog = subprocess.Popen(
         [
-            sys.executable,
+            fresh_python,
             "-c",
             (
                 "import torch, sys; x = torch.empty(8 << 30, dtype=torch.uint8, device='cuda:0');"
@@ -472,7 +471,7 @@ def test_once_cuda_started_gpus_are_matched_by_uuid() -> None:
 
 
 @pytest.mark.cuda
-def test_a_forked_child_can_use_cuda_after_devices_were_listed() -> None:
+def test_a_forked_child_can_use_cuda_after_devices_were_listed(fresh_python: str) -> None:
     # In a fresh interpreter: once an earlier test has started CUDA in this process, no
     # forked child could use it, whatever devicekit does.
     program = """
@@ -487,6 +486,6 @@ child.join(60)
 raise SystemExit(child.exitcode)
 """
     result = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=False
+        [fresh_python, "-c", program], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr

@@ -26,35 +26,27 @@ from devicekit._select._backends import CpuBackend
 from .fakes import FakeGpus
 
 
-def _run(*args: str, **environ: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "devicekit", *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, **environ},
-    )
-    return result.stdout
-
-
-def test_devicekit_alone_reports_versions_and_device() -> None:
-    lines = _run(DEVICEKIT_DEVICE="cpu").splitlines()
-    assert lines[0].startswith(f"devicekit {devicekit.__version__} (PyTorch ")
-    assert lines[1] == "device: cpu (DEVICEKIT_DEVICE asks for it)"
-
-
 def _main(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
 ) -> tuple[int, str, str]:
     """The command run in this process (no second import of PyTorch): status, out, err.
 
-    What only a process of its own shows (its exit status, a closed stdout or pipe,
-    Ctrl-C) is tested with ``_run`` and ``_fails``.
+    What only a process of its own shows (a closed stdout or pipe, a full disk, Ctrl-C,
+    what is imported before PyTorch) is tested in one, started with ``fresh_python``.
     """
     monkeypatch.delenv("DEVICEKIT_DEBUG", raising=False)
     status = _devicekit_cli.main(list(args))
     out, err = capsys.readouterr()
     return status, out, err
+
+
+def test_devicekit_alone_reports_versions_and_device(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DEVICEKIT_DEVICE", "cpu")
+    lines = _main(monkeypatch, capsys)[1].splitlines()
+    assert lines[0].startswith(f"devicekit {devicekit.__version__} (PyTorch ")
+    assert lines[1] == "device: cpu (DEVICEKIT_DEVICE asks for it)"
 
 
 def test_info_prints_a_table_the_selection_and_why(
@@ -100,16 +92,6 @@ def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == devicekit.__version__
 
 
-def _fails(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "devicekit", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **environ},
-    )
-
-
 @pytest.mark.parametrize(
     ("args", "environ", "says"),
     [
@@ -142,7 +124,7 @@ def test_a_mistake_is_one_line_and_status_2(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # In this process; test_reference_docs runs such mistakes as a process of their own.
+    # In this process; test_reference_docs runs a usage mistake as a process of its own.
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     status, out, err = _main(monkeypatch, capsys, *args)
@@ -154,20 +136,19 @@ def test_a_mistake_is_one_line_and_status_2(
 
 
 def test_debug_shows_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The flag lets the error out of main (in this process), where Python prints its
-    # traceback and ends with status 1, as the environment variable shows in a process.
+    # The flag, or the environment variable, lets the error out of main, where Python
+    # prints its traceback and ends with status 1.
     monkeypatch.delenv("DEVICEKIT_DEBUG", raising=False)
     with pytest.raises(devicekit.DeviceUnavailableError, match=re.escape("got 'cuda:7'")):
         _devicekit_cli.main(["--debug", "demo", "--device", "cuda:7"])
-    by_environment = _fails("demo", "--device", "cuda:7", DEVICEKIT_DEBUG="1")
-    assert by_environment.returncode == 1
-    assert "Traceback (most recent call last)" in by_environment.stderr
-    assert "DeviceUnavailableError" in by_environment.stderr
+    monkeypatch.setenv("DEVICEKIT_DEBUG", "1")
+    with pytest.raises(devicekit.DeviceUnavailableError, match=re.escape("got 'cuda:7'")):
+        _devicekit_cli.main(["demo", "--device", "cuda:7"])
 
 
-def test_a_closed_pipe_ends_quietly() -> None:
+def test_a_closed_pipe_ends_quietly(fresh_python: str) -> None:
     with subprocess.Popen(
-        [sys.executable, "-m", "devicekit", "info"],
+        [fresh_python, "-m", "devicekit", "info"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "DEVICEKIT_DEVICE": "cpu"},
@@ -198,10 +179,10 @@ def test_a_reader_leaving_ends_with_status_0_whatever_the_timing(
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_an_output_that_cannot_be_written_is_one_line_and_status_1() -> None:
+def test_an_output_that_cannot_be_written_is_one_line_and_status_1(fresh_python: str) -> None:
     with open("/dev/full", "w") as full:
         result = subprocess.run(
-            [sys.executable, "-m", "devicekit", "info"],
+            [fresh_python, "-m", "devicekit", "info"],
             stdout=full,
             stderr=subprocess.PIPE,
             text=True,
@@ -211,9 +192,9 @@ def test_an_output_that_cannot_be_written_is_one_line_and_status_1() -> None:
     assert result.stderr == "devicekit: error: cannot write the output: No space left on device.\n"
 
 
-def test_a_closed_stdout_is_one_line_and_status_1() -> None:
+def test_a_closed_stdout_is_one_line_and_status_1(fresh_python: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "devicekit", "info"],
+        [fresh_python, "-m", "devicekit", "info"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -250,9 +231,9 @@ CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler
 SAY_UP = "print('up', flush=True); "
 
 
-def test_ctrl_c_soon_after_start_has_no_traceback() -> None:
+def test_ctrl_c_soon_after_start_has_no_traceback(fresh_python: str) -> None:
     with subprocess.Popen(
-        [sys.executable, "-c", f"{CTRL_C}import _devicekit_cli, sys; {SAY_UP}{RUN_INFO}"],
+        [fresh_python, "-c", f"{CTRL_C}import _devicekit_cli, sys; {SAY_UP}{RUN_INFO}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -284,9 +265,9 @@ def test_bench_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> N
     assert report["seconds"] > 0
 
 
-def test_ctrl_c_says_how_far_the_demo_got() -> None:
+def test_ctrl_c_says_how_far_the_demo_got(fresh_python: str) -> None:
     with subprocess.Popen(
-        [sys.executable, "-c", f"{CTRL_C}import sys, runpy; {RUN_DEMO}"],
+        [fresh_python, "-c", f"{CTRL_C}import sys, runpy; {RUN_DEMO}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -364,7 +345,7 @@ def test_the_demo_s_json_has_each_epoch_s_verdict(capsys: pytest.CaptureFixture[
     assert epoch["verdict"].startswith("The loop waited for data ")
 
 
-def test_help_and_usage_errors_answer_before_pytorch_is_imported() -> None:
+def test_help_and_usage_errors_answer_before_pytorch_is_imported(fresh_python: str) -> None:
     code = (
         "import sys, _devicekit_cli\n"
         "for argv in (['--help'], ['inf'], ['demo', '--gpu'], ['--version']):\n"
@@ -374,9 +355,7 @@ def test_help_and_usage_errors_answer_before_pytorch_is_imported() -> None:
         "        pass\n"
         "print('torch' in sys.modules, 'devicekit' in sys.modules)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False
-    )
+    result = subprocess.run([fresh_python, "-c", code], capture_output=True, text=True, check=False)
     assert result.stdout.splitlines()[-1] == "False False"
 
 

@@ -346,31 +346,39 @@ def test_a_cuda_allocation_that_fails_is_a_device_out_of_memory() -> None:
 @pytest.mark.parametrize(
     "mixed",
     [
-        lambda: torch.ones(2, device=META) + torch.ones(2),
-        lambda: torch.cat([torch.ones(2, device=META), torch.ones(2)]),
-        lambda: torch.where(torch.ones(2, dtype=torch.bool, device=META), 1.0, torch.ones(2)),
-        lambda: nn.LSTM(2, 2)(torch.ones(1, 1, 2), (torch.ones(1, 1, 2, device=META),) * 2),
+        pytest.param(lambda: torch.ones(2, device=META) + torch.ones(2), id="add"),
+        pytest.param(lambda: torch.cat([torch.ones(2, device=META), torch.ones(2)]), id="cat"),
+        pytest.param(
+            lambda: torch.where(torch.ones(2, dtype=torch.bool, device=META), 1.0, torch.ones(2)),
+            id="where",
+        ),
+        pytest.param(
+            lambda: nn.LSTM(2, 2)(torch.ones(1, 1, 2), (torch.ones(1, 1, 2, device=META),) * 2),
+            id="lstm",
+        ),
+        pytest.param(
+            lambda: torch.ones(2, 2, device="cuda") @ torch.ones(2, 2),
+            id="matmul",
+            marks=pytest.mark.cuda,
+        ),
+        pytest.param(
+            lambda: nn.Conv2d(1, 1, 1).cuda()(torch.ones(1, 1, 2, 2)),
+            id="conv",
+            marks=pytest.mark.cuda,
+        ),
+        pytest.param(
+            lambda: nn.Linear(2, 2)(torch.ones(1, 2, device="cuda")),
+            id="linear",
+            marks=pytest.mark.cuda,
+        ),
+        pytest.param(
+            lambda: torch.ones(3)[torch.zeros(1, dtype=torch.long, device="cuda")],
+            id="indexing",
+            marks=pytest.mark.cuda,
+        ),
     ],
-    ids=["add", "cat", "where", "lstm"],
 )
 def test_pytorch_s_own_errors_for_mixed_devices_are_recognised(mixed: Any) -> None:
-    with pytest.raises(RuntimeError) as raised:
-        mixed()
-    assert _compat.is_device_mismatch(raised.value), str(raised.value)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize(
-    "mixed",
-    [
-        lambda: torch.ones(2, 2, device="cuda") @ torch.ones(2, 2),
-        lambda: nn.Conv2d(1, 1, 1).cuda()(torch.ones(1, 1, 2, 2)),
-        lambda: nn.Linear(2, 2)(torch.ones(1, 2, device="cuda")),
-        lambda: torch.ones(3)[torch.zeros(1, dtype=torch.long, device="cuda")],
-    ],
-    ids=["matmul", "conv", "linear", "indexing"],
-)
-def test_pytorch_s_own_errors_for_mixed_devices_on_cuda_are_recognised(mixed: Any) -> None:
     with pytest.raises(RuntimeError) as raised:
         mixed()
     assert _compat.is_device_mismatch(raised.value), str(raised.value)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import textwrap
 from collections import OrderedDict, deque
 from typing import Any
@@ -283,7 +282,9 @@ def test_run_while_tracing_marks_a_function_as_torch_s_assume_constant_result_do
     }
 
 
-def test_skip_keys_compile_with_fullgraph_where_the_skip_set_is_new_to_the_process() -> None:
+def test_skip_keys_compile_with_fullgraph_where_the_skip_set_is_new_to_the_process(
+    fresh_python: str,
+) -> None:
     # A fresh process: no eager call has made the skip set's view, so the first compiled
     # call makes one while the compiler traces (which takes no lock), and the eager calls
     # after it, which store and fill a view of their own, make it compile nothing again.
@@ -311,6 +312,6 @@ def test_skip_keys_compile_with_fullgraph_where_the_skip_set_is_new_to_the_proce
         print(sorted(moved), sorted(moved["n"][0]) == sorted(eager["n"][0]), len(compiled))
         """
     )
-    result = run_program([sys.executable, "-c", program], timeout=300)
+    result = run_program([fresh_python, "-c", program], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == "['n', 'raw', 'x'] True 1\n"

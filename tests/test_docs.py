@@ -34,7 +34,10 @@ def test_no_page_hides_setup_from_its_reader() -> None:
 
 
 def _docstring_examples() -> list[doctest.DocTest]:
-    """The examples of what the API pages show: the public names and their members."""
+    """The examples of what the API pages show: the public names and their members, once each.
+
+    --doctest-modules leaves these to this file (tests/conftest.py), so each runs once.
+    """
     finder = doctest.DocTestFinder(exclude_empty=True)
     found: list[doctest.DocTest] = []
     for module in (devicekit, devicekit.testing):
@@ -43,7 +46,12 @@ def _docstring_examples() -> list[doctest.DocTest]:
             obj = getattr(module, name)
             if callable(obj):  # functions and classes; a class brings its members
                 found += finder.find(obj, f"{module.__name__}.{name}", module=False)
-    return [test for test in found if test.examples]
+    # The errors, whose __module__ is devicekit, are found both in the module and by name.
+    once: dict[str | None, doctest.DocTest] = {}
+    for test in found:
+        if test.examples:
+            once.setdefault(test.docstring, test)
+    return list(once.values())
 
 
 EXAMPLES = _docstring_examples()
@@ -58,7 +66,9 @@ def test_a_docstring_example_needs_nothing_but_its_own_imports(example: doctest.
     # pytest's doctests run with the module's globals, where torch and the module's own
     # names are at hand; a reader's interpreter has none of them.
     example.globs = {"__name__": "__main__"}
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    # pytest's own flags (ELLIPSIS, its default doctest_optionflags): whitespace compared as
+    # --doctest-modules compares it, which leaves these examples to this test.
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     failures: list[str] = []
     runner.run(example, out=failures.append)
     assert runner.failures == 0, "".join(failures)
@@ -129,7 +139,22 @@ def test_the_sections_were_found() -> None:
     assert len(SECTIONS) > 40
 
 
-@pytest.mark.parametrize(("name", "intro", "section"), SECTIONS, ids=[s[0] for s in SECTIONS])
+# A section that runs a command as a process of its own is in the slow tier
+# (tests/conftest.py), marked here since its code, not the test's, starts Python.
+_STARTS_PYTHON = re.compile(r"\bsys\.executable\b")
+
+
+@pytest.mark.parametrize(
+    ("name", "intro", "section"),
+    [
+        pytest.param(
+            *section,
+            id=section[0],
+            marks=[pytest.mark.slow] if _STARTS_PYTHON.search(section[1] + section[2]) else [],
+        )
+        for section in SECTIONS
+    ],
+)
 def test_a_section_runs_on_its_own_after_its_page_s_introduction(
     name: str, intro: str, section: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

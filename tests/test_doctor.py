@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -594,24 +593,35 @@ def test_look_takes_the_process_s_environment_and_backends(monkeypatch: pytest.M
     ]
 
 
-def _doctor_command(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if key not in VARIABLES}
-    return subprocess.run(
-        [sys.executable, "-m", "devicekit", "doctor", *args],
-        capture_output=True,
-        text=True,
-        env={**env, **environ},
-        check=False,
-        timeout=120,
+def _doctor_command(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *args: str,
+    **environ: str,
+) -> subprocess.CompletedProcess[str]:
+    """``devicekit doctor`` run in this process, where only ``environ`` of VARIABLES is set.
+
+    Its status and output in the record a finished process gives.
+    """
+    for name in (*VARIABLES, "DEVICEKIT_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    status = _devicekit_cli.main(["doctor", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["devicekit", "doctor", *args], status, out, err)
+
+
+def test_the_command_exits_1_naming_what_breaks_a_run_and_0_otherwise(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = _doctor_command(
+        monkeypatch, capsys, LOCAL_RANK="two", DEVICEKIT_CLAIM_DIR=str(tmp_path)
     )
-
-
-def test_the_command_exits_1_naming_what_breaks_a_run_and_0_otherwise(tmp_path: Any) -> None:
-    broken = _doctor_command(LOCAL_RANK="two", DEVICEKIT_CLAIM_DIR=str(tmp_path))
     assert broken.returncode == 1, broken.stderr
     assert broken.stdout.startswith("error: LOCAL_RANK='two' is no rank: ")
     assert "Fix: let torchrun set it" in broken.stdout
-    clean = _doctor_command(DEVICEKIT_CLAIM_DIR=str(tmp_path))
+    clean = _doctor_command(monkeypatch, capsys, DEVICEKIT_CLAIM_DIR=str(tmp_path))
     assert clean.returncode == 0, clean.stdout + clean.stderr
     machine = look()
     expected = [finding.line() for finding in diagnose(machine)] or ["No problem found."]
@@ -628,8 +638,12 @@ def test_the_command_exits_1_naming_what_breaks_a_run_and_0_otherwise(tmp_path: 
     assert lines[-1] == "Variables: DEVICEKIT_CLAIM_DIR=" + str(tmp_path)
 
 
-def test_the_command_s_json_is_its_findings_and_what_it_saw(tmp_path: Any) -> None:
-    result = _doctor_command("--json", DEVICEKIT_DEVICE="cuda:7", DEVICEKIT_CLAIM_DIR=str(tmp_path))
+def test_the_command_s_json_is_its_findings_and_what_it_saw(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = _doctor_command(
+        monkeypatch, capsys, "--json", DEVICEKIT_DEVICE="cuda:7", DEVICEKIT_CLAIM_DIR=str(tmp_path)
+    )
     report = json.loads(result.stdout)
     assert result.returncode == 1
     assert set(report) == {"findings", "environment"}

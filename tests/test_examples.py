@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,25 +15,27 @@ from .programs import run_program
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-def _run(*command: str) -> str:
-    result = run_program([sys.executable, *command], timeout=300)
+def _run(python: str, *command: str) -> str:
+    result = run_program([python, *command], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
-def test_tensors_and_models() -> None:
-    out = _run(str(EXAMPLES / "tensors_and_models.py"), "--device", "cpu")
+def test_tensors_and_models(fresh_python: str) -> None:
+    out = _run(fresh_python, str(EXAMPLES / "tensors_and_models.py"), "--device", "cpu")
     assert "x is on cpu; its copy is on cpu" in out
     assert "back on the host: [[" in out
 
 
-def test_linear_regression_learns_the_weights() -> None:
-    out = _run(str(EXAMPLES / "linear_regression.py"), "--epochs", "5", "--device", "cpu")
+def test_linear_regression_learns_the_weights(fresh_python: str) -> None:
+    out = _run(
+        fresh_python, str(EXAMPLES / "linear_regression.py"), "--epochs", "5", "--device", "cpu"
+    )
     assert out.splitlines()[-1] == "learned weight 2.00, -3.00 and bias 0.50"
 
 
-def test_cnn_learns() -> None:
-    out = _run(str(EXAMPLES / "cnn.py"), "--epochs", "2", "--device", "cpu")
+def test_cnn_learns(fresh_python: str) -> None:
+    out = _run(fresh_python, str(EXAMPLES / "cnn.py"), "--epochs", "2", "--device", "cpu")
     accuracy = float(out.splitlines()[-1].rsplit(" ", 1)[-1].rstrip("%"))
     assert accuracy > 80
 
@@ -48,10 +49,10 @@ _GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 @pytest.mark.parametrize("epochs", ["2"])
-def test_distributed_runs_under_torchrun(epochs: str) -> None:
+def test_distributed_runs_under_torchrun(epochs: str, fresh_python: str) -> None:
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     command = [*launch, str(EXAMPLES / "distributed.py"), "--epochs", epochs]
-    result = run_program([sys.executable, *command], timeout=300)
+    result = run_program([fresh_python, *command], timeout=300)
     out = result.stdout
     assert "rank 0: " in out
     assert "rank 1: " in out
@@ -62,11 +63,11 @@ def test_distributed_runs_under_torchrun(epochs: str) -> None:
         assert "exitcode  : 1 " not in result.stderr, result.stderr[-3000:]  # no rank raised
 
 
-def test_distributed_runs_alone_as_one_process() -> None:
+def test_distributed_runs_alone_as_one_process(fresh_python: str) -> None:
     torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     environ = {key: value for key, value in os.environ.items() if key not in torchrun}
     result = run_program(
-        [sys.executable, str(EXAMPLES / "distributed.py"), "--epochs", "2"],
+        [fresh_python, str(EXAMPLES / "distributed.py"), "--epochs", "2"],
         timeout=300,
         env=environ,
     )
@@ -84,8 +85,10 @@ def test_distributed_runs_alone_as_one_process() -> None:
     assert said == (fell_back and has_one), result.stderr[-3000:]
 
 
-def test_the_demo_trains_for_one_epoch() -> None:
-    out = _run("-m", "devicekit", "demo", "--epochs", "1", "--steps", "2", "--device", "cpu")
+def test_the_demo_trains_for_one_epoch(fresh_python: str) -> None:
+    out = _run(
+        fresh_python, "-m", "devicekit", "demo", "--epochs", "1", "--steps", "2", "--device", "cpu"
+    )
     lines = out.splitlines()
     assert lines[1] == "device: cpu (asked for cpu)"
     assert lines[2].startswith("epoch 1/1  loss ")
@@ -93,10 +96,10 @@ def test_the_demo_trains_for_one_epoch() -> None:
     assert lines[-1].startswith("Last epoch: The loop waited for data ")
 
 
-def test_the_demo_reports_json() -> None:
+def test_the_demo_reports_json(fresh_python: str) -> None:
     # 4 steps an epoch: the loss falls from 2.302 to 2.255 by the second (seeded).
     demo = ("-m", "devicekit", "demo", "--epochs", "2", "--steps", "4", "--json")
-    report = json.loads(_run(*demo, "--device", "cpu"))
+    report = json.loads(_run(fresh_python, *demo, "--device", "cpu"))
     assert report["device"] == "cpu"
     losses = [epoch["loss"] for epoch in report["epochs"]]
     assert len(losses) == 2
@@ -104,7 +107,7 @@ def test_the_demo_reports_json() -> None:
     assert losses[1] < losses[0]
 
 
-def test_bench_prints_its_table() -> None:
-    out = _run("-m", "devicekit", "bench")
+def test_bench_prints_its_table(fresh_python: str) -> None:
+    out = _run(fresh_python, "-m", "devicekit", "bench")
     assert out.startswith("to_device vs the handwritten comprehension")
     assert "meta (a real move)" in out

@@ -34,7 +34,7 @@ from devicekit._memory import _fit_batch as _memory
 from devicekit._memory import _restore
 
 from .helpers import CPU
-from .programs import run_two_ranks
+from .programs import TwoRanks
 
 MiB = 2**20
 
@@ -1142,13 +1142,16 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+def two_ranks(
+    tmp_path_factory: pytest.TempPathFactory,
+    start_two_ranks: TwoRanks,
+) -> dict[str, list[dict[str, Any]]]:
     """What each of two ranks found in each of :data:`SCENARIOS`, run in order."""
     folder = tmp_path_factory.mktemp("ranks")
     script = folder / "ranks.py"
     script.write_text(RANKS_SCRIPT)
     scenarios = json.dumps({name: list(specs) for name, specs in SCENARIOS.items()})
-    result = run_two_ranks(script, folder, scenarios, timeout=120)
+    result = start_two_ranks(script, folder, scenarios, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
     return {name: [ranks[0][name], ranks[1][name]] for name in SCENARIOS}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import time
 import traceback
@@ -227,11 +226,11 @@ print("batches after:", sum(1 for _ in loader))
 """
 
 
-def test_a_dead_worker_surfaces_and_the_loader_recovers() -> None:
+def test_a_dead_worker_surfaces_and_the_loader_recovers(fresh_python: str) -> None:
     # In a process of its own: PyTorch reports a dead worker from a SIGCHLD handler
     # that raises in whatever the main thread runs when a signal comes, and in a shared
     # process that was, once in a while, pytest's own code after the test had ended.
-    result = run_program([sys.executable, "-c", DEAD_WORKER], timeout=120)
+    result = run_program([fresh_python, "-c", DEAD_WORKER], timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert re.fullmatch(r"error: DataLoader worker .* exited unexpectedly.*", lines[0])

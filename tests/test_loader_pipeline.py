@@ -15,7 +15,6 @@ import queue
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -440,13 +439,13 @@ print("stuck", flush=True)
 
 
 @pytest.mark.parametrize("ending", ["pass", "del epoch"], ids=["epoch-live", "epoch-left"])
-def test_the_interpreter_exits_while_a_source_is_stuck(ending: str) -> None:
+def test_the_interpreter_exits_while_a_source_is_stuck(ending: str, fresh_python: str) -> None:
     script = _EXITS_WITH_A_STUCK_SOURCE.format(ending=ending)
     # The child imports PyTorch, which under load took longer than the watchdog: the
     # run's own timeout bounds it instead (a hang still fails, by killing the child).
     signal.setitimer(signal.ITIMER_REAL, 0)
     result = subprocess.run(
-        [sys.executable, "-c", script],
+        [fresh_python, "-c", script],
         check=False,
         capture_output=True,
         text=True,
@@ -492,10 +491,12 @@ print(statuses)
     [("sys.exit(3)", 3), ("raise KeyError('the loop failed')", 1)],
     ids=["sys.exit", "an error"],
 )
-def test_a_loop_that_exits_mid_epoch_ends_with_its_own_status(leave: str, status: int) -> None:
+def test_a_loop_that_exits_mid_epoch_ends_with_its_own_status(
+    leave: str, status: int, fresh_python: str
+) -> None:
     signal.setitimer(signal.ITIMER_REAL, 0)  # the run's own timeout bounds it, as above
     result = subprocess.run(
-        [sys.executable, "-c", _LEAVES_MID_EPOCH.format(leave=leave)],
+        [fresh_python, "-c", _LEAVES_MID_EPOCH.format(leave=leave)],
         check=False,
         capture_output=True,
         text=True,

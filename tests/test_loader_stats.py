@@ -319,6 +319,28 @@ HEAD = "The loop waited for data 60% of this epoch (600.0 ms of 1.0 s): it is in
             "transform=.",
             id="copy-pinned",
         ),
+        # One worker is said in the singular.
+        pytest.param(
+            INPUT_BOUND,
+            Setup("DataLoader", 1, False, True, False, 16),
+            "The DataLoader has 1 worker on a 16-core machine; try num_workers=8.",
+            id="one-worker",
+        ),
+        pytest.param(
+            SLOW_FIRST,
+            Setup("DataLoader", 1, False, True, False, 16),
+            "Most of it was the first batch, while the DataLoader's 1 worker started: "
+            "persistent_workers=True keeps it from one epoch to the next.",
+            id="one-worker-starting",
+        ),
+        pytest.param(
+            INPUT_BOUND,
+            Setup("DataLoader", 1, True, True, False, 1),
+            "The DataLoader's 1 worker already has the machine's 1 core: make each sample "
+            "cheaper to load (decoded once and cached, lighter transforms, or augmentation "
+            "on the device with transform=).",
+            id="one-worker-every-core",
+        ),
     ],
 )
 def test_each_advice_follows_from_the_figures(
@@ -859,33 +881,3 @@ def test_a_loop_over_cheap_batches_from_a_generator_is_not_told_to_add_workers()
     stats = loader.stats
     assert stats.batches == 500
     assert "num_workers" not in stats.verdict, stats.verdict
-
-
-@pytest.mark.parametrize(
-    ("stats", "setup", "advice"),
-    [
-        pytest.param(
-            INPUT_BOUND,
-            Setup("DataLoader", 1, False, True, False, 16),
-            "The DataLoader has 1 worker on a 16-core machine; try num_workers=8.",
-            id="few-workers",
-        ),
-        pytest.param(
-            SLOW_FIRST,
-            Setup("DataLoader", 1, False, True, False, 16),
-            "Most of it was the first batch, while the DataLoader's 1 worker started: "
-            "persistent_workers=True keeps it from one epoch to the next.",
-            id="workers-starting",
-        ),
-        pytest.param(
-            INPUT_BOUND,
-            Setup("DataLoader", 1, True, True, False, 1),
-            "The DataLoader's 1 worker already has the machine's 1 core: make each sample "
-            "cheaper to load (decoded once and cached, lighter transforms, or augmentation "
-            "on the device with transform=).",
-            id="every-core",
-        ),
-    ],
-)
-def test_one_worker_is_one_worker(stats: LoaderStats, setup: Setup, advice: str) -> None:
-    assert verdict(stats, setup) == HEAD + advice

@@ -19,7 +19,7 @@ from torch import nn
 
 import devicekit as dk
 
-from .programs import run_program, run_two_ranks
+from .programs import TwoRanks, run_program
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -573,10 +573,12 @@ FSDP_SCRIPT = textwrap.dedent(
     not torch.distributed.is_available() or sys.platform == "win32",
     reason="needs torch.distributed with gloo",
 )
-def test_fsdp2_shards_built_on_meta_are_materialized_on_each_rank(tmp_path: Path) -> None:
+def test_fsdp2_shards_built_on_meta_are_materialized_on_each_rank(
+    tmp_path: Path, start_two_ranks: TwoRanks
+) -> None:
     script = tmp_path / "fsdp.py"
     script.write_text(FSDP_SCRIPT)
-    result = run_two_ranks(script, tmp_path, timeout=300)
+    result = start_two_ranks(script, tmp_path, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     found: list[dict[str, Any]] = [
         json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)
@@ -703,12 +705,12 @@ AGREE_SCRIPT = textwrap.dedent(
     reason="needs torch.distributed with gloo",
 )
 def test_sharded_ranks_agree_when_one_rank_s_initialiser_writes_less_or_raises(
-    tmp_path: Path,
+    tmp_path: Path, start_two_ranks: TwoRanks
 ) -> None:
     script = tmp_path / "agree.py"
     script.write_text(AGREE_SCRIPT)
     # A rank left waiting in a collective fails the test at the timeout (both ranks killed).
-    result = run_two_ranks(script, tmp_path, timeout=240)
+    result = start_two_ranks(script, tmp_path, timeout=240)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     found: list[dict[str, Any]] = [
         json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)
@@ -762,10 +764,12 @@ DTENSOR_TO_CUDA = textwrap.dedent(
 
 
 @pytest.mark.cuda
-def test_a_dtensor_is_refused_a_device_type_other_than_its_mesh_s(tmp_path: Path) -> None:
+def test_a_dtensor_is_refused_a_device_type_other_than_its_mesh_s(
+    tmp_path: Path, fresh_python: str
+) -> None:
     script = tmp_path / "to_cuda.py"
     script.write_text(DTENSOR_TO_CUDA)
-    result = run_program([sys.executable, str(script)], timeout=120)
+    result = run_program([fresh_python, str(script)], timeout=120)
     assert result.stdout.strip() == (
         "Cannot move data['w'] to cuda:0: it is a DTensor ([Shard(dim=0)] on a 1-rank cpu "
         "mesh), whose shards live on its mesh's cpu devices; moved, it would hold a cuda "

@@ -8,7 +8,6 @@ import inspect
 import io
 import re
 import subprocess
-import sys
 import types
 import typing
 from collections.abc import Callable
@@ -71,11 +70,9 @@ def test_the_error_rule_as_the_api_page_states_it(tmp_path: Path) -> None:
     assert "an argument of the wrong\ntype is a :class:`TypeError`" in page
 
 
-def test_importing_devicekit_creates_no_cuda_context() -> None:
+def test_importing_devicekit_creates_no_cuda_context(fresh_python: str) -> None:
     code = "import devicekit, torch; print(torch.cuda.is_initialized())"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    )
+    result = subprocess.run([fresh_python, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,11 @@ def test_the_readme_has_its_snippets() -> None:
     ("code", "output"), SNIPPETS, ids=[f"snippet-{n}" for n in range(len(SNIPPETS))]
 )
 def test_a_snippet_runs_in_a_fresh_interpreter(
-    code: str, output: str | None, tmp_path: Path
+    code: str, output: str | None, tmp_path: Path, fresh_python: str
 ) -> None:
     # A fresh interpreter in an empty directory: what a reader gets who pastes it.
     result = subprocess.run(
-        [sys.executable, "-c", code],
+        [fresh_python, "-c", code],
         capture_output=True,
         text=True,
         timeout=300,

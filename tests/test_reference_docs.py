@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -74,25 +72,24 @@ def test_every_exit_status_is_in_the_table(status: int) -> None:
     ids=["unknown device", "bad LOCAL_RANK", "capitals", "meta", "no CUDA build"],
 )
 def test_the_error_lines_shown_are_the_ones_printed(
-    args: tuple[str, ...], environ: dict[str, str]
+    args: tuple[str, ...],
+    environ: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    unset = ("DEVICEKIT_DEVICE", "LOCAL_RANK")
-    environment = {k: v for k, v in os.environ.items() if k not in unset}
-    result = subprocess.run(
-        [sys.executable, "-m", "devicekit", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**environment, **environ},
-    )
-    assert result.returncode == 2
-    (line,) = result.stderr.splitlines()
+    # The command in this process; the usage error below runs as a process of its own.
+    for name in ("DEVICEKIT_DEVICE", "LOCAL_RANK", "DEVICEKIT_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert _devicekit_cli.main(list(args)) == 2
+    (line,) = capsys.readouterr().err.splitlines()
     assert f"   {line}\n" in CLI_PAGE
 
 
-def test_a_usage_error_shows_the_command_s_usage_as_the_page_does() -> None:
+def test_a_usage_error_shows_the_command_s_usage_as_the_page_does(fresh_python: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "devicekit", "demo", "--epochs", "0"],
+        [fresh_python, "-m", "devicekit", "demo", "--epochs", "0"],
         capture_output=True,
         text=True,
         check=False,

@@ -411,10 +411,12 @@ except dk.TransferError as err:
 """
 
 
-def test_a_mapping_subclass_whose_check_raises_is_named_not_passed_through() -> None:
+def test_a_mapping_subclass_whose_check_raises_is_named_not_passed_through(
+    fresh_python: str,
+) -> None:
     # In a fresh interpreter: such a subclass breaks every new issubclass(..., Mapping).
     root = str(Path(__file__).parent.parent)
-    result = run_program([sys.executable, "-c", _BROKEN_MAPPING.format(root=root)], timeout=120)
+    result = run_program([fresh_python, "-c", _BROKEN_MAPPING.format(root=root)], timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     said, cause = result.stdout.splitlines()
     assert said == (

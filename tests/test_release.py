@@ -9,7 +9,6 @@ builds the sdist too, checks it with twine and runs the installed command.
 from __future__ import annotations
 
 import subprocess
-import sys
 import zipfile
 from collections.abc import Iterator
 from email.parser import HeaderParser
@@ -23,10 +22,10 @@ ROOT = Path(__file__).parent.parent
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]:
+def wheel(tmp_path_factory: pytest.TempPathFactory, fresh_python: str) -> Iterator[zipfile.ZipFile]:
     out = tmp_path_factory.mktemp("wheel")
     # No build isolation: it would download hatchling into a fresh environment each run.
-    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    command = [fresh_python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     result = subprocess.run(
         [*command, "--quiet", "--wheel-dir", str(out), str(ROOT)],
         capture_output=True,

@@ -18,7 +18,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -638,7 +637,7 @@ _SLOW_SAVE = textwrap.dedent(
     ids=["main-thread-named-temporary", "main-thread-unnamed", "background-thread-unnamed"],
 )
 def test_sigterm_mid_save_leaves_no_temporary_and_ends_the_process(
-    tmp_path: Path, where: str, temporaries: str
+    tmp_path: Path, where: str, temporaries: str, fresh_python: str
 ) -> None:
     if temporaries == "unnamed" and not _unnamed_files_work(tmp_path):
         pytest.skip("this file system has no unnamed temporary files (O_TMPFILE)")
@@ -646,7 +645,7 @@ def test_sigterm_mid_save_leaves_no_temporary_and_ends_the_process(
     dk.save({"epoch": 1}, path)
     started = tmp_path.parent / f"{tmp_path.name}-started"
     job = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_SAVE, str(path), str(started), where, temporaries], cwd=ROOT
+        [fresh_python, "-c", _SLOW_SAVE, str(path), str(started), where, temporaries], cwd=ROOT
     )
     try:  # the deadlines and the final kill are this test's watchdog
         deadline = time.monotonic() + 60
@@ -705,6 +704,7 @@ _TWO_RANKS = textwrap.dedent(
 
 def test_every_rank_writes_its_shard_and_rank_0_alone_saves_without_a_hang(
     tmp_path: Path,
+    fresh_python: str,
 ) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(_TWO_RANKS)
@@ -712,7 +712,7 @@ def test_every_rank_writes_its_shard_and_rank_0_alone_saves_without_a_hang(
     folder.mkdir()
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(script), str(folder), str(rank)],
+            [fresh_python, str(script), str(folder), str(rank)],
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,

@@ -16,7 +16,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -731,6 +730,7 @@ def _pid_namespaces() -> bool:
 @pytest.mark.skipif(not _pid_namespaces(), reason="needs unshare --pid (root, or user namespaces)")
 def test_a_claim_of_a_job_in_another_container_is_named_and_refused_at_once(
     own_claims: Path,
+    fresh_python: str,
 ) -> None:
     # The look runs in a PID namespace of its own, with its own /proc, as a job in
     # another container sharing the claim directory would: since Linux 4.9 its
@@ -740,7 +740,7 @@ def test_a_claim_of_a_job_in_another_container_is_named_and_refused_at_once(
     assert claim is not None
     try:
         code = _LOOK_FROM_ANOTHER_CONTAINER.format(root=str(ROOT), path=str(claim.path))
-        command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code]
+        command = ["unshare", "--pid", "--fork", "--mount-proc", fresh_python, "-c", code]
         result = run_program(command, timeout=120)
     finally:
         claim.release()
@@ -1101,11 +1101,11 @@ time.sleep(120)
 
 @pytest.mark.parametrize("end", ["close", "kill -9"])
 def test_a_forked_child_does_not_keep_its_parent_s_claim(
-    own_claims: Path, tmp_path: Path, end: str
+    own_claims: Path, tmp_path: Path, end: str, fresh_python: str
 ) -> None:
     out = tmp_path / "job.device"
     code = _FORKING_JOB.format(root=str(ROOT), close=end == "close", out=str(out))
-    job = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    job = subprocess.Popen([fresh_python, "-c", code], start_new_session=True)
     try:
         _until(out.exists, "the job to claim its GPU and fork")
         if end == "kill -9":
@@ -1133,11 +1133,13 @@ time.sleep(120)  # holds the claim until killed
 """
 
 
-def _start_job(tmp_path: Path, name: str, wait: str | None) -> tuple[subprocess.Popen[str], Path]:
+def _start_job(
+    python: str, tmp_path: Path, name: str, wait: str | None
+) -> tuple[subprocess.Popen[str], Path]:
     out = tmp_path / f"{name}.device"
     code = _CLAIMING_JOB.format(root=str(ROOT), wait=wait, out=str(out))
     with (tmp_path / f"{name}.log").open("w") as log:  # the job writes to its own copy
-        job = subprocess.Popen([sys.executable, "-c", code], stderr=log, text=True)
+        job = subprocess.Popen([python, "-c", code], stderr=log, text=True)
     return job, out
 
 
@@ -1151,16 +1153,17 @@ def _until(condition: Any, what: str, timeout: float = 60) -> None:
 
 def test_jobs_claim_different_gpus_and_a_killed_job_s_gpu_goes_to_the_next(
     tmp_path: Path,
+    fresh_python: str,
 ) -> None:
     jobs: list[subprocess.Popen[str]] = []
     try:
-        first, first_out = _start_job(tmp_path, "first", None)
-        second, second_out = _start_job(tmp_path, "second", None)
+        first, first_out = _start_job(fresh_python, tmp_path, "first", None)
+        second, second_out = _start_job(fresh_python, tmp_path, "second", None)
         jobs += [first, second]
         _until(lambda: first_out.exists() and second_out.exists(), "the first two jobs' GPUs")
         devices = {first_out.read_text(), second_out.read_text()}
         assert devices == {"cuda:0", "cuda:1"}
-        third, third_out = _start_job(tmp_path, "third", "60s")
+        third, third_out = _start_job(fresh_python, tmp_path, "third", "60s")
         jobs.append(third)
         log = tmp_path / "third.log"
         _until(lambda: "devicekit waits up to 60 s" in log.read_text(), "the third to wait")
@@ -1212,7 +1215,7 @@ def test_more_ranks_than_gpus_stays_a_clear_error(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.cuda
-def test_on_a_gpu_the_last_rank_s_gpu_becomes_current() -> None:
+def test_on_a_gpu_the_last_rank_s_gpu_becomes_current(fresh_python: str) -> None:
     count = torch.cuda.device_count()
     program = (
         "import torch, devicekit as dk; manager = dk.DeviceManager.from_env(); "
@@ -1220,7 +1223,7 @@ def test_on_a_gpu_the_last_rank_s_gpu_becomes_current() -> None:
     )
     environ = {**os.environ, "LOCAL_RANK": str(count - 1), "LOCAL_WORLD_SIZE": str(count)}
     environ.pop("CUDA_VISIBLE_DEVICES", None)
-    result = run_program([sys.executable, "-c", program], timeout=120, env=environ)
+    result = run_program([fresh_python, "-c", program], timeout=120, env=environ)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == [f"cuda:{count - 1}", str(count - 1)]
 

@@ -297,7 +297,7 @@ def test_bad_strategy_arguments_fail_when_the_strategy_is_made(make: Any, messag
         make()  # nothing drawn: the mistake is where the strategy is written
 
 
-def test_the_assertions_import_and_work_without_hypothesis() -> None:
+def test_the_assertions_import_and_work_without_hypothesis(fresh_python: str) -> None:
     code = (
         "import sys\n"
         "class NoHypothesis:\n"
@@ -314,9 +314,7 @@ def test_the_assertions_import_and_work_without_hypothesis() -> None:
         "except ModuleNotFoundError as err:\n"
         "    print(err)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False
-    )
+    result = subprocess.run([fresh_python, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(
         "devicekit.testing.batches is a Hypothesis strategy and needs Hypothesis"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
@@ -68,19 +67,21 @@ SAMPLER_SCRIPT = textwrap.dedent(
 )
 
 
-def _torchrun(tmp_path: Path, script: str, **environ: str) -> list[Any]:
+def _torchrun(python: str, tmp_path: Path, script: str, **environ: str) -> list[Any]:
     """What each of two ranks wrote, in rank order; ``environ`` added to the launch's."""
     path = tmp_path / "script.py"
     path.write_text(script)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    launch = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, **environ}
     result = run_program([*launch, str(path), str(tmp_path)], timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def test_set_epoch_through_the_loader_reshuffles_disjoint_shards(tmp_path: Path) -> None:
-    ranks = _torchrun(tmp_path, SAMPLER_SCRIPT)
+def test_set_epoch_through_the_loader_reshuffles_disjoint_shards(
+    tmp_path: Path, fresh_python: str
+) -> None:
+    ranks = _torchrun(fresh_python, tmp_path, SAMPLER_SCRIPT)
     for epoch in ("0", "1"):
         shards = [set(rank[epoch]) for rank in ranks]
         assert not shards[0] & shards[1]
@@ -88,10 +89,12 @@ def test_set_epoch_through_the_loader_reshuffles_disjoint_shards(tmp_path: Path)
     assert any(rank["0"] != rank["1"] for rank in ranks)  # set_epoch reshuffled
 
 
-def test_each_rank_gets_the_device_of_its_local_rank(tmp_path: Path) -> None:
+def test_each_rank_gets_the_device_of_its_local_rank(tmp_path: Path, fresh_python: str) -> None:
     # Launched as inside a Slurm job: every rank inherits the batch step's SLURM_LOCALID=0,
     # and torchrun, the innermost launcher, is the one followed.
-    ranks = _torchrun(tmp_path, RANK_SCRIPT, SLURM_LOCALID="0", SLURM_NTASKS_PER_NODE="1")
+    ranks = _torchrun(
+        fresh_python, tmp_path, RANK_SCRIPT, SLURM_LOCALID="0", SLURM_NTASKS_PER_NODE="1"
+    )
     assert [(entry["rank"], entry["local_rank"]) for entry in ranks] == [(0, 0), (1, 1)]
     assert [entry["stand_in"] for entry in ranks] == [
         ["cuda:0", "LOCAL_RANK=0 (torchrun inside Slurm) selects it"],
