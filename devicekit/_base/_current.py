@@ -9,9 +9,8 @@ A manager is *open* from the end of its constructor until :meth:`close` (which l
 its outermost ``with`` block calls) or its collection: :func:`mark_open` keeps a weak
 reference to it, whose callback marks it closed, so a manager nobody holds stops counting
 as soon as Python frees it. The mover, the loader and the checkpoints read the default
-here, without knowing how devices are selected: the manager registers how the process
-default is found (:func:`register_process_default`) when it is imported, which importing
-devicekit does.
+here, not knowing how devices are selected: the manager, imported with devicekit,
+registers how the process default is found (:func:`register_process_default`).
 
 No lock guards the table of open managers: a fork can leave no lock of it held in the
 child. Each change is one dict operation, atomic under the GIL, followed by a new

@@ -30,8 +30,6 @@ _WHEELS: Final = "https://download.pytorch.org/whl/"
 _CUDA_BUILDS: Final = ((13, 0), (12, 8), (12, 6))
 _ROCM_BUILD: Final = "rocm6.4"
 _MPS_MACOS: Final = (14, 0)  # the oldest macOS whose MPS PyTorch 2.10 and later start on
-_NO_HARDWARE: Final = Hardware()
-_CPU_BUILD: Final = Build(torch.__version__)
 
 
 # NamedTuples, not dataclasses: the manager imports this with devicekit, and two frozen
@@ -64,8 +62,8 @@ class Machine(NamedTuple):
     claim_problem: str | None = None  # what is wrong with the claim directory
     loaded: Callable[[str], bool] = lambda device_type: False
     """Whether PyTorch has a backend for a device type no family lists (torch_xla's)."""
-    hardware: Hardware = _NO_HARDWARE  # drivers and device files: none, unless given
-    build: Build = _CPU_BUILD  # what PyTorch was built for: the CPU only, unless given
+    hardware: Hardware = Hardware()  # drivers and device files: none, unless given
+    build: Build = Build(torch.__version__)  # built for the CPU only, unless given
 
     @property
     def rocm(self) -> bool:
