@@ -16,8 +16,8 @@ from unittest import mock
 import torch
 
 import devicekit as dk
-from devicekit._doctor._findings import Machine, diagnose
-from devicekit._select import _hardware, _manager
+from devicekit._doctor import diagnose
+from devicekit._select import Machine, _hardware, _manager
 from devicekit._select._backends import CpuBackend, DeviceInfo, Family
 from devicekit._select._hardware import Build, Hardware
 

@@ -1,6 +1,6 @@
 """``devicekit doctor``: each environment mistake a row of a table, then the command itself.
 
-:func:`devicekit._doctor._findings.diagnose` is pure (a :class:`Machine` snapshot in, findings
+:func:`devicekit._doctor.diagnose` is pure (a :class:`Machine` snapshot in, findings
 out), so every rule is tested on fake machines here: GPUs of any model and number,
 launcher variables, a CUDA started or not, a ROCm build, a claim directory's problem.
 """
@@ -22,10 +22,9 @@ import torch
 import _devicekit_cli
 import devicekit as dk
 from devicekit._base._devices import has_backend
-from devicekit._doctor import _findings as _doctor
-from devicekit._doctor._findings import Finding, Machine, diagnose, look, why_cpu
+from devicekit._doctor import diagnose, look
 from devicekit._doctor._report import VARIABLES
-from devicekit._select import _hardware
+from devicekit._select import Finding, Machine, _hardware, why_cpu
 from devicekit._select._backends import CpuBackend, CudaBackend, DeviceInfo, Family
 from devicekit._select._hardware import Build, Hardware, probe
 from devicekit._select._launch import LAUNCHERS, VISIBILITY_VARIABLES
@@ -648,7 +647,7 @@ def test_the_command_s_json_is_its_findings_and_what_it_saw(
     assert result.returncode == 1
     assert set(report) == {"findings", "environment"}
     assert [Finding(**each) for each in report["findings"]] == diagnose(
-        _doctor.Machine(
+        Machine(
             {"DEVICEKIT_DEVICE": "cuda:7"},
             look().families,
             hardware=probe(),
@@ -852,8 +851,8 @@ def test_a_repeated_gpu_in_cuda_visible_devices_hides_every_gpu_for_both(
     assert manager.device == torch.device("cpu")
     seen_by_cuda = [info for info in manager.devices if info.device.type == "cuda"]
     assert seen_by_cuda == []
-    machine = dataclasses.replace(
-        look(backends), environ=environ, cuda_started=True, cuda_count=len(seen_by_cuda)
+    machine = look(backends)._replace(
+        environ=environ, cuda_started=True, cuda_count=len(seen_by_cuda)
     )
     findings = diagnose(machine)
     assert [f.code for f in findings if f.code != "claim-directory"] == [
@@ -868,7 +867,7 @@ def test_a_repeated_gpu_is_named_with_the_value_meant_and_not_as_a_timing_proble
     # the job with none, since CUDA shows no GPU where one is listed twice.
     environ = {"CUDA_VISIBLE_DEVICES": "0,1,0"}
     machine = on(TWO, environ=environ, cuda_started=True, cuda_count=2, hardware=NVIDIA)
-    (finding,) = diagnose(dataclasses.replace(machine, build=CUDA_BUILD))
+    (finding,) = diagnose(machine._replace(build=CUDA_BUILD))
     assert finding.line() == (
         "error: CUDA_VISIBLE_DEVICES='0,1,0' lists GPU 0 twice: CUDA shows no GPU at all where "
         "one is listed twice (PyTorch counts none too), so the job trains on the CPU, or fails "

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from devicekit._doctor._findings import look, why_cpu
+from devicekit._doctor import look
+from devicekit._select import why_cpu
 
 from .programs import run_program
 

@@ -12,8 +12,7 @@ import torch
 
 import devicekit as dk
 from devicekit._base import _units
-from devicekit._doctor._findings import Machine, why_cpu
-from devicekit._select import _claims, _hardware, _launch, _manager
+from devicekit._select import Machine, _claims, _hardware, _launch, _manager, why_cpu
 from devicekit._select._hardware import Build, Hardware
 
 from .fakes import FakeGpus, machine

@@ -29,7 +29,14 @@ from devicekit._base._compat import (
     weights_only_refused_globals,
     weights_only_said,
 )
-from devicekit._base._current import current_device
+from devicekit._base._current import (
+    current_device,
+    enter_block,
+    leave_block,
+    mark_closed,
+    mark_open,
+    register_process_default,
+)
 from devicekit._base._devices import (
     HOST_TYPES,
     DeviceLike,
@@ -82,6 +89,7 @@ __all__ = [
     "current_device",
     "ddp_forward_syncs",
     "duration",
+    "enter_block",
     "gib",
     "has_backend",
     "independent_pieces",
@@ -89,7 +97,10 @@ __all__ = [
     "is_library",
     "is_out_of_memory",
     "is_unreadable_archive",
+    "leave_block",
     "listing",
+    "mark_closed",
+    "mark_open",
     "mesh_of",
     "meta_fix",
     "milliseconds",
@@ -104,6 +115,7 @@ __all__ = [
     "profiler_running",
     "raise_past_the_compiler",
     "recomputed_attributes",
+    "register_process_default",
     "registered_table",
     "resolve_device",
     "run_while_tracing",

@@ -6,11 +6,11 @@ default, in every thread, refused where they disagree; with none open,
 ``DeviceManager.from_env()``'s process default.
 
 A manager is *open* from the end of its constructor until :meth:`close` (which leaving
-its outermost ``with`` block calls) or its collection: :func:`adopt` keeps a weak
-reference to it, whose callback forgets it, so a manager nobody holds stops counting as
-soon as Python frees it. The mover, the loader and the checkpoints read the default here,
-without knowing how devices are selected: the manager registers how the process default
-is found (:data:`process_default`) when it is imported, which importing devicekit does.
+its outermost ``with`` block calls) or its collection: :func:`mark_open` keeps a weak
+reference to it, whose callback marks it closed, so a manager nobody holds stops counting
+as soon as Python frees it. The mover, the loader and the checkpoints read the default
+here, not knowing how devices are selected: the manager, imported with devicekit,
+registers how the process default is found (:func:`register_process_default`).
 
 No lock guards the table of open managers: a fork can leave no lock of it held in the
 child. Each change is one dict operation, atomic under the GIL, followed by a new
@@ -29,7 +29,14 @@ import torch
 from devicekit._base._errors import DeviceKitError
 from devicekit._base._warnings import caller
 
-__all__ = ["adopt", "current_device", "enter", "forget", "leave"]
+__all__ = [
+    "current_device",
+    "enter_block",
+    "leave_block",
+    "mark_closed",
+    "mark_open",
+    "register_process_default",
+]
 
 # The `with manager:` blocks open in this thread or task, innermost last: each entry is
 # (the manager, its device), so a manager leaving removes its own entry, not the last.
@@ -51,16 +58,21 @@ def _unset() -> torch.device:
     raise RuntimeError(msg)
 
 
-process_default: Callable[[], torch.device] = _unset
-"""The device of the process-wide manager, found once; set by devicekit._select._manager."""
+_process_default: Callable[[], torch.device] = _unset
 
 
-def enter(owner: object, device: torch.device) -> None:
+def register_process_default(find: Callable[[], torch.device]) -> None:
+    """Find the device of the process-wide manager with ``find`` (devicekit._select's manager)."""
+    global _process_default  # noqa: PLW0603 - set once, as the manager is imported
+    _process_default = find
+
+
+def enter_block(owner: object, device: torch.device) -> None:
     """Make ``device`` the default of this thread or task, until ``owner`` leaves."""
     _active.set((*_active.get(), (owner, device)))
 
 
-def leave(owner: object) -> bool:
+def leave_block(owner: object) -> bool:
     """End ``owner``'s innermost block; whether it has another one open here still."""
     active = _active.get()
     for position in range(len(active) - 1, -1, -1):
@@ -71,22 +83,22 @@ def leave(owner: object) -> bool:
     return any(entry[0] is owner for entry in active)
 
 
-def adopt(manager: object, device: torch.device) -> weakref.ref[object]:
-    """Count ``manager`` open, with its ``device``, until :func:`forget` or its collection.
+def mark_open(manager: object, device: torch.device) -> weakref.ref[object]:
+    """Count ``manager`` open, with its ``device``, until :func:`mark_closed` or its collection.
 
     Returns:
-        The weak reference that names it here: pass it to :func:`forget`.
+        The weak reference that names it here: pass it to :func:`mark_closed`.
     """
     global _change  # noqa: PLW0603 - the token of the table's state, see the module
-    reference = weakref.ref(manager, forget)
+    reference = weakref.ref(manager, mark_closed)
     _open[reference] = (device, caller())
     _change = object()
     return reference
 
 
-def forget(reference: weakref.ref[object]) -> None:
+def mark_closed(reference: weakref.ref[object]) -> None:
     """Count the manager behind ``reference`` closed (a second call does nothing)."""
-    global _change  # noqa: PLW0603 - see adopt
+    global _change  # noqa: PLW0603 - see mark_open
     _open.pop(reference, None)
     _change = object()
 
@@ -151,4 +163,4 @@ def current_device() -> torch.device:
     change, device = _found
     if change is not _change:
         device = _agreed()
-    return process_default() if device is None else device
+    return _process_default() if device is None else device

@@ -8,13 +8,11 @@ report pasted with these lines says what the machine was.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import platform
 from typing import Any, Final
 
-from devicekit._doctor._findings import Finding, Machine
-from devicekit._select import LAUNCHERS, VISIBILITY_VARIABLES, Hardware, describe
+from devicekit._select import LAUNCHERS, VISIBILITY_VARIABLES, Finding, Hardware, Machine, describe
 
 __all__ = ["environment", "report_json", "report_lines"]
 
@@ -58,8 +56,7 @@ def environment(machine: Machine) -> dict[str, Any]:
 def report_lines(machine: Machine) -> list[str]:
     """What was seen, in a few lines.
 
-    >>> from devicekit._select._backends import Family
-    >>> from devicekit._select._hardware import Build
+    >>> from devicekit._select import Build, Family
     >>> machine = Machine({"LOCAL_RANK": "1"}, (Family("cuda", "cuda", (), "no driver"),),
     ...                   build=Build("2.13.0+cu128", cuda="12.8"))
     >>> for line in report_lines(machine)[1:]:
@@ -91,7 +88,7 @@ def report_lines(machine: Machine) -> list[str]:
 def report_json(findings: list[Finding], machine: Machine) -> str:
     """``devicekit doctor --json``: ``{"findings": [...], "environment": {...}}``."""
     report = {
-        "findings": [dataclasses.asdict(finding) for finding in findings],
+        "findings": [finding._asdict() for finding in findings],
         "environment": environment(machine),
     }
     return json.dumps(report, indent=2)

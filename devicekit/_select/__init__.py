@@ -1,8 +1,9 @@
 """Choosing a device: look, choose, wait, claim, explain.
 
 What each backend lists (backends, nvml, hardware), what the launcher and the claim
-files say (launch, claims, file locks), a pure ``choose()`` (selection), and the
-DeviceManager that acts on it. It stands on the base alone: selection never moves data.
+files say (launch, claims, file locks), a pure ``choose()`` (selection), the DeviceManager
+that acts on it, and the words of its CPU fallback (fallback), which the doctor builds on.
+It stands on the base alone: selection never moves data.
 """
 
 from devicekit._select._backends import (
@@ -16,6 +17,7 @@ from devicekit._select._backends import (
     who_uses,
 )
 from devicekit._select._claims import Holder, directory_problem
+from devicekit._select._fallback import Finding, Machine, why_cpu
 from devicekit._select._hardware import Build, Hardware, probe
 from devicekit._select._launch import (
     LAUNCHERS,
@@ -46,10 +48,12 @@ __all__ = [
     "DeviceInfo",
     "DeviceManager",
     "Family",
+    "Finding",
     "GpuProcess",
     "Hardware",
     "Holder",
     "LocalRank",
+    "Machine",
     "Outcome",
     "RankProblem",
     "Refused",
@@ -65,4 +69,5 @@ __all__ = [
     "probe",
     "repeated_visible_device",
     "who_uses",
+    "why_cpu",
 ]

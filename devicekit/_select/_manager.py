@@ -6,7 +6,7 @@ is), asks :func:`devicekit._select._selection.choose` to *choose* among them (a 
 then *waits* and looks again where it was told to wait, or *claims* the device chosen,
 and keeps what it saw to *explain* the choice. From its constructor's end until
 :meth:`~DeviceManager.close` it is *open*: the default of devicekit calls given no device
-(:mod:`devicekit._base._current`). The process-wide manager that ``current_device()`` falls
+(:func:`~devicekit.current_device`). The process-wide manager that ``current_device()`` falls
 back on, where none is open, is registered here too.
 """
 
@@ -17,8 +17,8 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any, get_args
+from types import TracebackType
+from typing import Any, get_args
 
 import torch
 
@@ -26,15 +26,19 @@ from devicekit._base import (
     HOST_TYPES,
     DeviceLike,
     DeviceUnavailableError,
-    _current,
     duration,
+    enter_block,
     has_backend,
+    leave_block,
+    mark_closed,
+    mark_open,
     parse_bytes,
     parse_seconds,
+    register_process_default,
     shown,
     warn,
 )
-from devicekit._select import _claims, _launch
+from devicekit._select import _claims, _hardware, _launch
 from devicekit._select._backends import (
     Backend,
     DeviceInfo,
@@ -43,7 +47,7 @@ from devicekit._select._backends import (
     cuda_started,
     describe,
 )
-from devicekit._select._nvml import unforked
+from devicekit._select._fallback import Finding, Machine, why_cpu
 from devicekit._select._selection import (
     Chosen,
     Fallback,
@@ -54,9 +58,6 @@ from devicekit._select._selection import (
     Wait,
     choose,
 )
-
-if TYPE_CHECKING:
-    from devicekit._doctor._findings import Finding
 
 __all__ = ["DeviceManager", "Fallback", "Policy", "claim_holders"]
 
@@ -241,7 +242,7 @@ class DeviceManager:
         self._causes: tuple[Finding, ...] = ()  # why an accelerator here is not usable
         self._device, self._reason = self._settle()
         # Open from here until close(): the default of devicekit calls given no device.
-        self._open = _current.adopt(self, self._device) if self._counts_open else None
+        self._open = mark_open(self, self._device) if self._counts_open else None
 
     _counts_open = True  # the process default (below) is what holds when none is open
 
@@ -355,7 +356,7 @@ class DeviceManager:
         Leaving ``with manager:`` closes the manager; a second call does nothing.
         """
         if self._open is not None:
-            _current.forget(self._open)
+            mark_closed(self._open)
             self._open = None
         if self._claim is not None:
             self._claim.release()
@@ -367,7 +368,7 @@ class DeviceManager:
     def __enter__(self) -> DeviceManager:
         if self._claiming and self._claim is None and self._claim_name is not None:
             self._claim_again()
-        _current.enter(self, self._device)
+        enter_block(self, self._device)
         return self
 
     def __exit__(
@@ -376,7 +377,7 @@ class DeviceManager:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if not _current.leave(self):  # its outermost block: the claim is given back
+        if not leave_block(self):  # its outermost block: the claim is given back
             self.close()
 
     def _claim_again(self) -> None:
@@ -478,24 +479,20 @@ class DeviceManager:
     def _warn_of_fallback(self, why: str) -> None:
         """Say, once a process, why the CPU: where the machine has an accelerator, it is news.
 
-        Its causes are the doctor's findings, in its words: a CPU-only PyTorch beside an
-        NVIDIA driver, a container without its GPUs. A machine without any accelerator has
-        nothing to say: its CPU was the only choice.
+        Its causes are :func:`why_cpu`'s findings, which the doctor says too: a CPU-only
+        PyTorch beside an NVIDIA driver, a container without its GPUs. A machine without any
+        accelerator has nothing to say: its CPU was the only choice. Nothing is imported
+        here: a fork amid an import would leave its lock held in the child, whose first
+        fallback would then wait for it forever.
         """
-        # Imported on a fallback only: the doctor and its probe are ~3 ms of the ~27 ms
-        # that import devicekit takes (python -X importtime, self times). With no fork
-        # while it imports: a fork amid it would leave the module's import lock held in
-        # the child, whose first fallback would then wait for it forever.
-        _doctor, _hardware = unforked(_doctor_modules)
-
-        machine = _doctor.Machine(
+        machine = Machine(
             os.environ,
             self._seen.families,
             loaded=has_backend,
             hardware=_hardware.probe(),
             build=_hardware.Build.of_torch(),
         )
-        self._causes = tuple(_doctor.why_cpu(machine))
+        self._causes = tuple(why_cpu(machine))
         passed_over = any(info.device.type not in HOST_TYPES for info in self._seen.devices)
         if not (self._causes or passed_over) or not _fallback_warned.first():
             return
@@ -512,17 +509,10 @@ class _ProcessDefault(DeviceManager):
     _counts_open = False
 
 
-def _doctor_modules() -> tuple[ModuleType, ModuleType]:
-    from devicekit._doctor import _findings as _doctor  # noqa: PLC0415 - see _warn_of_fallback
-    from devicekit._select import _hardware  # noqa: PLC0415
-
-    return _doctor, _hardware
-
-
 @functools.cache
 def _process_default() -> DeviceManager:
     return _ProcessDefault.from_env()
 
 
 # current_device()'s fallback: the process-wide manager, made on first use.
-_current.process_default = lambda: _process_default().device
+register_process_default(lambda: _process_default().device)
