@@ -100,7 +100,8 @@ def violations(sources: dict[str, str]) -> list[str]:
 
 def _modules_of(sources: dict[str, str], part: str) -> set[str]:
     """The names of ``part``'s modules: ``_tree`` for ``devicekit._core._tree``."""
-    return {name.split(".")[2] for name in sources if name.count(".") == 2 and part_of(name) == part}
+    inside = (name for name in sources if name.count(".") == 2 and part_of(name) == part)
+    return {name.split(".")[2] for name in inside}
 
 
 def circles(sources: dict[str, str]) -> list[list[str]]:
@@ -169,14 +170,18 @@ def test_the_imports_run_in_no_circle() -> None:
         (
             "devicekit._core._tree",
             "from devicekit._select import DeviceManager",
-            "devicekit._core._tree:1 imports devicekit._select.DeviceManager: _core is not "
-            "above _select",
+            (
+                "devicekit._core._tree:1 imports devicekit._select.DeviceManager: _core is not "
+                "above _select"
+            ),
         ),
         (
             "devicekit._select._manager",
             "def fallback():\n    from devicekit._doctor import _findings",
-            "devicekit._select._manager:2 imports devicekit._doctor._findings: _select is not "
-            "above _doctor",
+            (
+                "devicekit._select._manager:2 imports devicekit._doctor._findings: _select is "
+                "not above _doctor"
+            ),
         ),
         (
             "devicekit._loader._loader",
@@ -212,5 +217,7 @@ def test_a_planted_circle_is_found() -> None:
 
 
 def test_a_type_checker_s_import_is_no_arrow() -> None:
-    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from devicekit._select import X\n"
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from devicekit._select import X\n"
+    )
     assert imports(source, "devicekit._core._tree") == []
