@@ -414,10 +414,10 @@ def test_moving_a_meta_model_names_its_meta_tensors_and_materialize() -> None:
     with pytest.raises(dk.TransferError) as caught:
         dk.to_device({"model": model}, "cpu")
     assert str(caught.value) == (
-        "Cannot move data['model'] to cpu: 8 of its tensors are on the meta device, which has "
-        "shapes but no data (scale, embed.weight, norm.weight, norm.bias, rotary.inv_freq "
-        "and 3 more). Give them storage and initialise them with dk.materialize(module, "
-        "'cpu'), which names whatever no initialiser writes."
+        "Cannot move data['model'] to cpu: 8 of its tensors are on the meta device (scale, "
+        "embed.weight, norm.weight and 5 more), and tensors on the meta device have shapes but "
+        "no data: give the model storage with devicekit.materialize(model, 'cpu'), which "
+        "initialises it and names whatever no initialiser writes."
     )
     assert all(t.is_meta for t in model.state_dict().values())  # nothing half-moved
     assert dk.to_device(model, "meta") is model  # to meta itself: nothing to refuse

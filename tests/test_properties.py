@@ -99,13 +99,13 @@ def test_the_accelerator_path_keeps_structure_shapes_dtypes_and_aliases(batch: A
 @given(batches(), st.sampled_from(["meta", "accelerator"]))
 def test_the_movers_list_form_moves_as_the_mover_does_leaf_by_leaf(batch: Any, how: str) -> None:
     # move_all is move applied at every active leaf, with fewer calls: compare the two.
-    from devicekit._core import _call, _transfer, _tree  # noqa: PLC0415 - the two forms are private
+    from devicekit._core import _transfer, _tree  # noqa: PLC0415 - the two forms are private
 
     def both() -> tuple[list[Any], list[Any]]:
         plan = _transfer._plan(META, _transfer._DEFAULTS)
         flat = _tree.flatten(batch)
-        listed = plan.move_all(flat.leaves, flat.active, _call.Call(plan, []))
-        call = _call.Call(plan, [])
+        listed = plan.move_all(flat.leaves, flat.active, _transfer.Call(plan, []))
+        call = _transfer.Call(plan, [])
         one_by_one = list(flat.leaves)
         for index in flat.active:
             one_by_one[index] = plan.move(flat.leaves[index], call)

@@ -29,7 +29,7 @@ import torch
 
 import devicekit as dk
 from devicekit._base import _units
-from devicekit._core import _call, _transfer
+from devicekit._core import _transfer
 from devicekit._select import _claims, _file_locks, _manager, _nvml
 from devicekit._select._backends import CpuBackend
 from devicekit.cli import _info_json, _info_table
@@ -1301,14 +1301,14 @@ def test_devicekit_info_shows_utilization_processes_and_claims(own_claims: Path)
 @pytest.mark.parametrize("non_blocking", ["auto", True, False])
 def test_copies_to_and_from_mps_are_blocking(non_blocking: bool | str) -> None:
     mps = torch.device("mps")
-    plan = _transfer._Plan(mps, _transfer.Options(non_blocking=non_blocking))  # type: ignore[arg-type]
+    plan = _transfer.Plan(mps, _transfer.Options(non_blocking=non_blocking))  # type: ignore[arg-type]
     assert plan.told is False  # what objects moving themselves are told
-    call = _call.Call(plan, [])
+    call = _transfer.Call(plan, [])
     assert call.non_blocking(torch.zeros(2), mps) is False
 
 
 def test_copies_from_mps_block_under_auto() -> None:
     from_mps = SimpleNamespace(device=torch.device("mps"), is_cpu=False, is_meta=False)
-    to_host = _call.Call(_transfer._Plan(CPU, _transfer.Options()), [])
+    to_host = _transfer.Call(_transfer.Plan(CPU, _transfer.Options()), [])
     assert to_host.non_blocking(from_mps, CPU) is False  # type: ignore[arg-type]
     assert to_host.waits is None  # nothing to wait for at the end

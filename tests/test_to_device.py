@@ -1003,8 +1003,8 @@ def test_deeper_than_ten_thousand_levels_is_refused_without_recursion_error() ->
 
 def test_a_meta_tensor_cannot_move_to_a_real_device() -> None:
     msg = (
-        "Cannot move data['weights'][0] to cpu: it is a tensor on the meta device, which has a "
-        "shape but no data."
+        "Cannot move data['weights'][0] to cpu: it is a tensor on the meta device, and tensors "
+        "on the meta device have shapes but no data."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
         dk.to_device({"weights": [torch.ones(2, device="meta")]}, CPU)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit._core import _call, _transfer
+from devicekit._core import _transfer
 from devicekit._core._transfer import as_accelerator
 
 from .helpers import CPU, META, Pair
@@ -77,7 +77,7 @@ def test_a_model_and_its_optimizer_move_in_one_call_that_waits_once(
     optimizer.step()
     calls: list[object] = []
     waits: list[set[torch.device]] = []
-    init = _call.Call.__init__
+    init = _transfer.Call.__init__
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> None:
         calls.append(self)
@@ -87,9 +87,9 @@ def test_a_model_and_its_optimizer_move_in_one_call_that_waits_once(
         self.waits = (self.waits or set()) | {torch.device("cuda", 0)}
         return False
 
-    monkeypatch.setattr(_call.Call, "__init__", counted)
-    monkeypatch.setattr(_call.Call, "non_blocking", needs_the_wait)
-    monkeypatch.setattr(_call.Call, "finish", lambda self: waits.append(set(self.waits)))
+    monkeypatch.setattr(_transfer.Call, "__init__", counted)
+    monkeypatch.setattr(_transfer.Call, "non_blocking", needs_the_wait)
+    monkeypatch.setattr(_transfer.Call, "finish", lambda self: waits.append(set(self.waits)))
     model, optimizer = dk.to_device([model, optimizer], META)
     state = optimizer.state[model.weight]
     assert state["exp_avg"].is_meta
@@ -121,11 +121,12 @@ def test_one_rule_says_whether_a_copy_is_asynchronous(
     source: str, target: str, non_blocking: Any, asynchronous: bool
 ) -> None:
     options = _transfer.Options(non_blocking=non_blocking)
-    plan = _transfer._Plan(_device(target), options)
-    assert plan.asynchronous(_device(source), _device(target)) is asynchronous
-    traced = _transfer._Plan(_device(target), options, traced=True)
+    plan = _transfer.Plan(_device(target), options)
+    waited = asynchronous and plan.host and non_blocking == "auto"  # once, before the return
+    assert plan.copy(_device(source).type, _device(target)) == (asynchronous, waited)
+    traced = _transfer.Plan(_device(target), options, traced=True)
     in_a_graph = asynchronous and not (traced.host and non_blocking == "auto")
-    assert traced.asynchronous(_device(source), _device(target)) is in_a_graph
+    assert traced.copy(_device(source).type, _device(target)) == (in_a_graph, False)
 
 
 def test_a_device_without_an_index_is_resolved_on_every_call(

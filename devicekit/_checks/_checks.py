@@ -226,7 +226,7 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
         for path, tensor in tensor_paths(item, root):
             # A DTensor is named with its placements and mesh: the table's row for its type
             # says whether it lives on one.
-            _, meshed = leaf_how(type(tensor))
+            meshed = leaf_how(type(tensor)).meshed
             found.setdefault(tensor.device, []).append(
                 f"{path} ({mesh_of(tensor)})" if meshed else path
             )

@@ -1,7 +1,7 @@
 """The mover: how any data is walked and moved to a device.
 
 THE table of per-type decisions (kinds), typed keys (nodes), THE walk (tree), one
-to_device call (transfer, call), how non-tensor leaves move (moves), packed copies, and
+to_device call (transfer), how non-tensor leaves move (moves), packed copies, and
 what ``Module.to()`` leaves behind (unmoved). It stands on the base alone and knows
 nothing of how a device was chosen.
 """
@@ -18,7 +18,7 @@ from devicekit._core._kinds import (
 )
 from devicekit._core._nodes import ATTRIBUTE, ITEM, LIST, SET, TUPLE, Key, Node, mapping_items
 from devicekit._core._packing import PACK_MAX_BYTES
-from devicekit._core._transfer import NonBlocking, in_line_mover, to_device
+from devicekit._core._transfer import NonBlocking, check_non_blocking, in_line_mover, to_device
 from devicekit._core._tree import contents, flatten, keys_of, map_leaves, paths, walk
 from devicekit._core._unmoved import Stray, read_again, strays
 
@@ -37,6 +37,7 @@ __all__ = [
     "Node",
     "NonBlocking",
     "Stray",
+    "check_non_blocking",
     "contents",
     "decide",
     "flatten",

@@ -68,8 +68,8 @@ class Leaf(enum.Enum):
     MODULE = enum.auto()  # moved in place and returned, nn.Module.to semantics
     OPTIMIZER = enum.auto()  # its state follows its parameters
     CACHE = enum.auto()  # a transformers cache: in place, its layers by prefetch() and attribute
-    RULE = enum.auto()  # registered with register_transfer; detail: the rule
-    TO_METHOD = enum.auto()  # its own .to(), on a copy; detail: takes non_blocking
+    RULE = enum.auto()  # registered with register_transfer (Decision.rule)
+    TO_METHOD = enum.auto()  # its own .to(), on a copy (Decision.takes_non_blocking)
     ARRAY = enum.auto()  # a numpy array: kept, unless it holds tensors
     KEPT = enum.auto()  # a scalar's subclass, an enum member: kept, strict or not
     OTHER = enum.auto()  # anything else: kept, or refused with strict=True
@@ -164,7 +164,9 @@ class Decision(NamedTuple):
     cast: Any
     read: Any
     leaf: Leaf | None  # None for containers and inert types
-    detail: Any = None  # (class registered, its rule), or whether a .to() takes non_blocking
+    rule: tuple[type, Any] | None = None  # RULE: the class registered, and its rule
+    meshed: bool = False  # TENSOR: on a device mesh (a DTensor), whose device type it keeps
+    takes_non_blocking: bool = False  # TO_METHOD: whether its .to() takes non_blocking
 
 
 def _decide(cls: type) -> Decision:
@@ -180,18 +182,16 @@ def _decide(cls: type) -> Decision:
             "abstract base class does. Fix that check, or register how to move it with "
             f"@devicekit.register_transfer({cls.__name__})."
         )
-        return Decision(LEAF, LEAF, LEAF, Leaf.RULE, (cls, Unanswered(msg, err)))
+        return Decision(LEAF, LEAF, LEAF, Leaf.RULE, rule=(cls, Unanswered(msg, err)))
 
 
 def _decide_checked(cls: type) -> Decision:
     rule = _rule_for(cls)
     if rule is not None:
-        return Decision(LEAF, LEAF, contents_node(cls), Leaf.RULE, rule)
+        return Decision(LEAF, LEAF, contents_node(cls), Leaf.RULE, rule=rule)
     if issubclass(cls, torch.Tensor):
-        parameter = issubclass(cls, torch.nn.Parameter)
-        # detail: whether it lives on a device mesh (a DTensor), whose device type it keeps.
-        meshed = hasattr(cls, "device_mesh")
-        return Decision(LEAF, LEAF, LEAF, Leaf.PARAMETER if parameter else Leaf.TENSOR, meshed)
+        how = Leaf.PARAMETER if issubclass(cls, torch.nn.Parameter) else Leaf.TENSOR
+        return Decision(LEAF, LEAF, LEAF, how, meshed=hasattr(cls, "device_mesh"))
     if issubclass(cls, torch.nn.Module):
         return Decision(LEAF, LEAF, MODULE_CONTENTS, Leaf.MODULE)
     if issubclass(cls, torch.optim.Optimizer):
@@ -215,7 +215,9 @@ def _decide_checked(cls: type) -> Decision:
     if moves_itself:
         contents = contents_node(cls)
         read = PACKED_SEQUENCE if issubclass(cls, torch.nn.utils.rnn.PackedSequence) else contents
-        return Decision(LEAF, contents, read, Leaf.TO_METHOD, _takes_non_blocking(cls))
+        return Decision(
+            LEAF, contents, read, Leaf.TO_METHOD, takes_non_blocking=_takes_non_blocking(cls)
+        )
     array = cls.__module__ == "numpy" and cls.__name__ == "ndarray"  # numpy is not imported
     return Decision(LEAF, LEAF, LEAF, Leaf.ARRAY if array else Leaf.OTHER)
 
@@ -281,7 +283,7 @@ def _decided(cls: type) -> Row:
         if found is None:  # else decided by another thread while this one waited
             decision = _decide(cls)
             found = decision.move, decision.cast, decision.read, decision
-            if decision.leaf is Leaf.RULE and type(decision.detail[1]) is Unanswered:
+            if decision.rule is not None and type(decision.rule[1]) is Unanswered:
                 return found  # not kept: asked again next time
             if len(_decisions) >= TYPES_KEPT:
                 _start_over()
@@ -289,10 +291,9 @@ def _decided(cls: type) -> Row:
     return found
 
 
-def leaf_how(cls: type) -> tuple[Leaf | None, Any]:
-    """How a leaf of type ``cls`` moves: its :class:`Leaf`, and its detail."""
-    decision = (_decisions.get(cls) or row(cls))[3]
-    return decision.leaf, decision.detail
+def leaf_how(cls: type) -> Decision:
+    """How a leaf of type ``cls`` moves: its decision, read where it is found first."""
+    return (_decisions.get(cls) or row(cls))[3]
 
 
 class Kept:

@@ -1,10 +1,11 @@
 """to_device: move tensors, modules, optimizers and nested batches to a device.
 
-A call finds its :class:`_Plan` (cached per device and options, with the plan's mover)
+A call finds its :class:`Plan` (cached per device and options, with the plan's mover)
 and crosses into the engine once: ``_tree.map_leaves(plan.move, ...)`` for host targets,
 ``_tree.map_flat(plan.move_all, ...)`` for accelerators, whose small tensors go packed
-(:mod:`devicekit._core._packing`). The mover and what one call keeps are in
-:mod:`devicekit._core._call`; anything but a tensor moves as the table says its type does
+(:mod:`devicekit._core._packing`). A :class:`Call` is one to_device call: its memo (an
+object moves once a call), the ids it copied, and the devices whose copies it waits for
+before it returns. Anything but a tensor moves as the table says its type does
 (:mod:`devicekit._core._moves`).
 """
 
@@ -13,25 +14,29 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Final, Literal, NamedTuple, TypeAlias, TypeVar
 
 import torch
 
 from devicekit._base import (
     HOST_TYPES,
+    META,
     DeviceKitError,
     DeviceLike,
     DeviceUnavailableError,
+    LeafError,
     TransferError,
     current_device,
+    mesh_of,
     one_graph,
     raise_past_the_compiler,
     resolve_device,
     run_while_tracing,
 )
 from devicekit._core import _packing, _tree
-from devicekit._core._call import REMEMBER, Call, TracedCall, mover, traced_mover
+from devicekit._core._kinds import Leaf, leaf_how
+from devicekit._core._moves import MOVES, keep
 
 T = TypeVar("T")
 NonBlocking: TypeAlias = bool | Literal["auto"]
@@ -39,6 +44,9 @@ NonBlocking: TypeAlias = bool | Literal["auto"]
 
 _Tensor = torch.Tensor  # one global lookup on the hot path instead of two
 _is_compiling = torch.compiler.is_compiling  # likewise; torch.compile knows the function
+_UNSEEN: Any = object()
+REMEMBER: Final[list[int]] = []
+"""Call.notes where tensors move through the memo: a call whose notes repeat, made again."""
 
 
 class Options(NamedTuple):
@@ -54,6 +62,13 @@ class Options(NamedTuple):
 _DEFAULTS: Final = Options()
 
 
+def check_non_blocking(value: object) -> None:
+    """Refuse a ``non_blocking`` other than ``"auto"``, True or False: every caller's check."""
+    if not (value is True or value is False or (value == "auto") is True):
+        msg = f"Expected non_blocking to be 'auto', True or False, got {value!r}."
+        raise ValueError(msg)
+
+
 def _check(options: Options) -> Options:
     """The options, checked; ``preserve_format`` is the same as no memory format."""
     given: tuple[object, ...] = options  # as objects: untyped callers pass anything
@@ -62,9 +77,7 @@ def _check(options: Options) -> Options:
         if value is not True and value is not False:
             msg = f"Expected {name} to be True or False, got {value!r}."
             raise TypeError(msg)
-    if not (non_blocking is True or non_blocking is False or (non_blocking == "auto") is True):
-        msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
-        raise ValueError(msg)
+    check_non_blocking(non_blocking)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         msg = (
             "Expected dtype to be None or a floating-point dtype such as torch.float16 or "
@@ -116,10 +129,11 @@ def as_accelerator(device_type: str) -> Iterator[None]:
         _plans.clear()
 
 
-class _Plan:
+class Plan:
     """What a call's device and options imply, worked out once, with its mover.
 
-    It holds the one rule for ``non_blocking`` (:meth:`asynchronous`), and whether the
+    It holds the one rule for ``non_blocking`` (:meth:`copy`), which the mover, the
+    calls, packed copies and objects moving themselves all ask, and whether the
     stand-in for an accelerator (:func:`as_accelerator`) is in use, read here once.
     """
 
@@ -141,26 +155,21 @@ class _Plan:
 
     def __init__(self, device: torch.device, options: Options, *, traced: bool = False) -> None:
         simulated = device.type in _simulated
-        to_accelerator = device.type not in HOST_TYPES or simulated
+        self.host = device.type in HOST_TYPES and not simulated
         self.device, self.options, self.pins, self.traced = device, options, not simulated, traced
         self.call: type[Call] = TracedCall if traced else Call
         self.plain = options.dtype is None and not options.copy and options.memory_format is None
         self.packs = (  # not in a compiled graph: its copies are the compiler's to plan
             not traced
-            and to_accelerator
+            and not self.host
             and options.memory_format is None
             and (_packing.packs_to(device) or (simulated and _packing.can_pack))
         )
-        auto = options.non_blocking == "auto"
-        self.host = not to_accelerator
-        # Copies to the host (not to meta, which copies nothing) that the call waits for
-        # once before it returns, under "auto" (Call.finish); none in a compiled graph.
-        self.waits = auto and self.host and device.type != "meta" and not traced
         # What objects moving themselves, modules, rules and packed copies are told: no
-        # wait can be had for them, so asynchronous only where nothing must wait.
-        self.told = device.type != "mps" and (
-            bool(options.non_blocking) if not auto else to_accelerator
-        )
+        # wait can be had for them. Whether a copy from an accelerator is waited for once
+        # before the call returns (Call.finish).
+        self.told = self.copy(None, device)[0]
+        self.waits = self.copy("cuda", device)[1]  # cuda: any accelerator
         self.move, self.move_all = (
             traced_mover(self)
             if traced
@@ -177,31 +186,34 @@ class _Plan:
             else None
         )
 
-    def asynchronous(self, source: torch.device, target: torch.device) -> bool:
-        """Whether a tensor's copy from ``source`` to ``target`` is asynchronous: the rule.
+    def copy(self, source: str | None, target: torch.device) -> tuple[bool, bool]:
+        """The non_blocking rule: whether a copy is asynchronous, and whether it is waited for.
 
-        Under ``"auto"``: to an accelerator, yes (a pinned source overlaps); to the host,
-        from an accelerator, yes, and the call waits for it once before it returns;
-        host to host, no: there is nothing to overlap. True and False apply as asked.
-        Copies to MPS, and from it under ``"auto"``, block whatever is asked, as
-        Lightning's and Ultralytics' do: PyTorch's asynchronous MPS copies can corrupt
-        data silently (pytorch#139550, #189690). In a compiled graph, a copy that would
-        be waited for is blocking: a graph holds no event to wait on.
+        ``source`` is the device type copied from; None where no wait can be had (an
+        object moving itself, a packed copy), which is taken as from the host. Under
+        ``"auto"``: to an accelerator, asynchronous (a pinned source overlaps); to the
+        host, from an accelerator, asynchronous, and the call waits for it once before
+        it returns; host to host, blocking: there is nothing to overlap. True and False
+        apply as asked, with no wait. Copies to MPS, and from it under ``"auto"``, block
+        whatever is asked, as Lightning's and Ultralytics' do: PyTorch's asynchronous
+        MPS copies can corrupt data silently (pytorch#139550, #189690). In a compiled
+        graph, a copy that would be waited for is blocking: a graph holds no event to
+        wait on.
         """
         if target.type == "mps":
-            return False
+            return False, False
         if self.options.non_blocking != "auto":
-            return bool(self.options.non_blocking)
-        host = self.host if target.type == self.device.type else target.type in HOST_TYPES
-        return not host or (
-            not self.traced and source.type not in HOST_TYPES and source.type != "mps"
-        )
+            return bool(self.options.non_blocking), False
+        if not (self.host if target.type == self.device.type else target.type in HOST_TYPES):
+            return True, False
+        waited = not self.traced and source not in HOST_TYPES and source not in (None, "mps")
+        return waited, waited and target.type != "meta"
 
 
-_plans: dict[object, _Plan] = {}
+_plans: dict[object, Plan] = {}
 
 
-def _plan(device: DeviceLike | None, options: Options) -> _Plan:
+def _plan(device: DeviceLike | None, options: Options) -> Plan:
     defaults = options is _DEFAULTS
     # The usual call is keyed by the device alone. A torch.device found there was
     # resolved already; one without an index ("cuda": the current one) is resolved anew.
@@ -214,7 +226,7 @@ def _plan(device: DeviceLike | None, options: Options) -> _Plan:
         if plan is None:
             if len(_plans) >= 256:  # option values seen at run time must not pile up
                 _plans.clear()
-            plan = _plans[key] = _Plan(target, options)
+            plan = _plans[key] = Plan(target, options)
     return plan
 
 
@@ -311,7 +323,7 @@ def _traced(
         refused, target, *checked = _traced_settings(device, *options)
         if refused >= 0:
             raise _REFUSALS[refused](target)
-        return _run(_Plan(target, Options(*checked), traced=True), data, skip)
+        return _run(Plan(target, Options(*checked), traced=True), data, skip)
     except (DeviceKitError, ValueError, TypeError) as refusal:
         if one_graph():
             raise_past_the_compiler(type(refusal), str(refusal))
@@ -347,7 +359,7 @@ def in_line_mover(device: torch.device) -> Callable[[Any], Any]:
     return functools.partial(_run, _plan(device, _DEFAULTS))
 
 
-def _run(plan: _Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any:
+def _run(plan: Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any:
     """The call's one crossing into the engine, made again where a tensor repeats."""
     call = plan.call(plan, [], None, skip)
     while True:
@@ -366,3 +378,269 @@ def _run(plan: _Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any
     if call.waits:
         call.finish()
     return moved
+
+
+Mover: TypeAlias = Callable[[Any, "Call"], Any]
+MoveAll: TypeAlias = Callable[[list[Any], Sequence[int], "Call"], list[Any]]
+
+
+def mover(plan: Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
+    """The plan's mover, ``move(leaf, call)``, and its list form, ``move_all``.
+
+    ``move_all(leaves, active, call)`` is ``move`` at each active leaf (tests/
+    test_properties.py holds them equal), after packing what pays, with distinct plain
+    tensors copied in one comprehension: a call each costs a tenth of a small copy.
+    """
+    device, asynchronous, packs, plain = plan.device, plan.told, plan.packs, plan.plain
+    is_cpu = device.type == "cpu"
+    host = is_cpu or is_meta
+    waitless = not plan.waits  # else a copy from an accelerator goes through call.tensor
+
+    def move(obj: Any, call: Call) -> Any:
+        if type(obj) is not _Tensor:
+            return call.leaf(obj)
+        if not plain:
+            return call.tensor(obj, device)
+        if host:
+            if obj.is_cpu if is_cpu else obj.is_meta:  # already there (obj.device costs more)
+                return obj
+            if not waitless:
+                return call.tensor(obj, device)
+        notes = call.notes
+        if notes is REMEMBER:
+            return call.tensor(obj, device)
+        notes.append(id(obj))
+        try:
+            # A tensor already on the target comes back from .to() as it is. Keyword
+            # arguments cost PyTorch more to parse than a small copy to meta takes, and one
+            # operator.methodcaller per plan cost 8-13% of cpu -> meta (bench_to_device.py).
+            return obj.to(device, non_blocking=True) if asynchronous else obj.to(device)
+        except NotImplementedError:
+            if obj.is_meta:
+                raise call.meta_error() from None
+            raise
+
+    def move_all(leaves: list[Any], active: Sequence[int], call: Call) -> list[Any]:
+        tensors = {id(leaf): leaf for leaf in leaves if type(leaf) is _Tensor}
+        packed = _pack([*tensors.values()], plan) if packs and len(tensors) >= _MIN else {}
+        if len(tensors) == len(active) and call.notes is not REMEMBER:  # each once, nothing else
+            if len(packed) == len(tensors):  # all packed: placed from C
+                made = list(map(packed.__getitem__, tensors))
+                if len(made) == len(leaves):
+                    return made
+                moved = leaves.copy()
+                for index, value in zip(active, made):  # noqa: B905 - one per active leaf
+                    moved[index] = value
+                return moved
+            if not packed and plain and waitless:  # one comprehension, no call per tensor
+                try:
+                    if asynchronous:
+                        return [
+                            x.to(device, non_blocking=True) if type(x) is _Tensor else x
+                            for x in leaves
+                        ]
+                    return [x.to(device) if type(x) is _Tensor else x for x in leaves]
+                except NotImplementedError:  # a meta tensor: move says so
+                    pass
+        elif len(tensors) < list(map(type, leaves)).count(_Tensor):
+            call.notes = REMEMBER  # one tensor twice, known before any moved
+        moved = leaves.copy()
+        for index in active:
+            leaf = leaves[index]
+            moved[index] = packed[id(leaf)] if id(leaf) in packed else move(leaf, call)
+        return moved
+
+    return move, move_all
+
+
+def traced_mover(plan: Plan) -> tuple[Mover, MoveAll]:
+    """The mover of a compiled region: every tensor through the call's memo, keyed by itself.
+
+    The host path's notes of ``id(tensor)`` would make the compiler guard on each input
+    tensor's identity, and compile again for every fresh batch; a memo keyed by the
+    tensors themselves keeps repeats one tensor without that. Nothing is packed there.
+    """
+    device = plan.device
+
+    def move(obj: Any, call: Call) -> Any:
+        return call.tensor(obj, device) if type(obj) is _Tensor else call.leaf(obj)
+
+    def move_all(leaves: list[Any], active: Sequence[int], call: Call) -> list[Any]:
+        return [move(leaf, call) if index in active else leaf for index, leaf in enumerate(leaves)]
+
+    return move, move_all
+
+
+def _itself(obj: Any) -> Any:
+    return obj
+
+
+_FORMAT_DIMS: Final = {torch.channels_last: 4, torch.channels_last_3d: 5}
+_MIN: Final = _packing.MIN_TENSORS
+
+
+class Call:
+    """What one to_device call keeps: its memo, its notes, the devices to wait for.
+
+    A tensor found twice comes back as one moved tensor. A memo write per tensor costs a
+    fifth of a small copy, so the mover notes the ids it copies; a call whose notes
+    repeat is made again, ``REMEMBER``-ing every tensor (a repeat is rare). 64
+    per-image dicts of 3 tensors, cpu -> meta: 447-458 us a call with notes, 470-513
+    with a memo write per tensor (interleaved, one run; bench_to_device.py's workload).
+    Tensors with options, and objects moved by rules, ``.to()`` or in place, always use
+    the memo.
+    """
+
+    __slots__ = ("memo", "notes", "plan", "skip", "waits")
+
+    # What the memo is keyed by: an id, which any object has. A class attribute, not one
+    # set per call: a call's setup is a tenth of a small batch's host time.
+    key: Callable[[Any], Any] = staticmethod(id)
+
+    def __init__(
+        self,
+        plan: Plan,
+        notes: list[int],
+        memo: dict[Any, Any] | None = None,
+        skip: frozenset[Hashable] | None = None,
+    ) -> None:
+        self.plan, self.notes, self.skip = plan, notes, skip
+        self.memo: dict[Any, Any] = {} if memo is None else memo  # key -> what it became
+        self.waits: set[torch.device] | None = None
+
+    def tensor(
+        self, tensor: torch.Tensor, device: torch.device, dtype: Any = _UNSEEN
+    ) -> torch.Tensor:
+        """One tensor to ``device`` with the call's options, or as it is if nothing changes.
+
+        ``dtype``, where given, is the one floating-point tensors take instead of the
+        call's (an optimizer's state takes its parameter's).
+        """
+        key = self.key(tensor)
+        moved: torch.Tensor | None = self.memo.get(key)
+        if moved is not None:
+            return moved
+        if tensor.is_meta and device.type != "meta":
+            raise self.meta_error()
+        options = self.plan.options
+        asked = options.dtype if dtype is _UNSEEN else dtype
+        dtype = asked if asked is not None and tensor.is_floating_point() else None
+        memory_format = options.memory_format
+        # As nn.Module.to has it: channels_last concerns 4-d tensors (3d: 5-d), so a
+        # batch's labels and masks pass untouched next to its images.
+        if memory_format is not None and tensor.dim() != _FORMAT_DIMS.get(
+            memory_format, tensor.dim()
+        ):
+            memory_format = None
+        if (
+            not options.copy
+            and tensor.device == device
+            and (dtype is None or tensor.dtype == dtype)
+            and (memory_format is None or tensor.is_contiguous(memory_format=memory_format))
+        ):
+            return tensor
+        moved = self.memo[key] = tensor.to(
+            device,
+            dtype=dtype,
+            non_blocking=self.non_blocking(tensor, device),
+            copy=options.copy,
+            memory_format=memory_format or torch.preserve_format,
+        )
+        return moved
+
+    def non_blocking(self, tensor: torch.Tensor, device: torch.device) -> bool:
+        """Whether a copy is asynchronous (:meth:`Plan.copy`), noting the wait it needs."""
+        source = tensor.device
+        asynchronous, waited = self.plan.copy(source.type, device)
+        if waited:
+            self.waits = (self.waits or set()) | {source}  # the one wait, in finish()
+        return asynchronous
+
+    def leaf(self, obj: Any) -> Any:
+        """Move a leaf that is not an exact tensor, as the table says its type moves."""
+        decision = leaf_how(type(obj))
+        how = decision.leaf
+        if how is Leaf.KEPT or how is None:
+            return obj
+        if how is Leaf.TENSOR:
+            if decision.meshed:
+                _stays_on_its_mesh(obj, self.plan.device)
+            return self.tensor(obj, self.plan.device)
+        if how is Leaf.OTHER or how is Leaf.ARRAY:
+            return keep(obj, self.plan.options.strict, array=how is Leaf.ARRAY)
+        if _is_compiling() and how is not Leaf.PARAMETER:
+            # Branches, not a dict by Leaf: the compiler cannot guard on such a lookup.
+            if how is Leaf.RULE:
+                what = "with the rule registered for it"
+            elif how is Leaf.TO_METHOD:
+                what = "with its .to()"
+            elif how is Leaf.CACHE:
+                what = "in place, through its layers' prefetch()"
+            else:
+                what = "in place, as nn.Module.to moves it"
+            msg = (
+                f"Cannot move {{path}} inside torch.compile: a {type(obj).__name__} moves "
+                f"{what}, which a compiled graph cannot repeat as devicekit does. Move it "
+                "before the compiled region."
+            )
+            raise LeafError(msg)
+        key = self.key(obj)
+        moved = self.memo.get(key, _UNSEEN)
+        if moved is _UNSEEN:  # user code, or in-place moves: once per object
+            moved = self.memo[key] = MOVES[how](obj, self, decision)
+        return moved
+
+    def meta_error(self) -> LeafError:
+        """The error for a meta tensor asked onto a device with data."""
+        msg = (
+            f"Cannot move {{path}} to {self.plan.device}: it is a tensor on the meta device, "
+            f"and {META}. Create it on a real device instead, for example with "
+            "torch.empty_like(tensor, device=...) or module.to_empty(device=...)."
+        )
+        return LeafError(msg)
+
+    def finish(self) -> None:
+        """Wait once per source device for the asynchronous copies that need it."""
+        for device in self.waits or ():
+            event = torch.Event(device=device)
+            event.record(torch.accelerator.current_stream(device))
+            event.synchronize()
+
+
+class TracedCall(Call):
+    """A call in a compiled region: its memo keyed by the tensors themselves.
+
+    Only tensors reach it there (see traced_mover).
+    """
+
+    __slots__ = ()
+    key = staticmethod(_itself)
+
+
+def _pack(tensors: list[torch.Tensor], plan: Plan) -> dict[int, torch.Tensor]:
+    """The small host tensors among ``tensors`` sent packed, where that pays, by id."""
+    if not _packing.might_pay(tensors):
+        return {}
+    options = plan.options
+    return _packing.pack(
+        tensors, plan.device, non_blocking=plan.told, dtype=options.dtype, pin=plan.pins
+    )
+
+
+def _stays_on_its_mesh(tensor: torch.Tensor, device: torch.device) -> None:
+    """Refuse a DTensor to a device type other than its mesh's (meta, shapes only, is fine).
+
+    PyTorch moves its shard and keeps the mesh: a cuda shard on a cpu mesh, which every
+    collective then fails on, far from the move.
+    """
+    mesh_type = getattr(tensor, "device_mesh").device_type  # noqa: B009 - a DTensor's
+    if device.type in (mesh_type, "meta"):
+        return
+    msg = (
+        f"Cannot move {{path}} to {device}: it is a DTensor ({mesh_of(tensor)}), whose shards "
+        f"live on its mesh's {mesh_type} devices; moved, it would hold a {device.type} shard "
+        f"on a {mesh_type} mesh, which collectives cannot use. Distribute it on a "
+        f"{device.type} mesh (init_device_mesh({device.type!r}, ...)), or move "
+        "tensor.full_tensor() for one plain tensor."
+    )
+    raise LeafError(msg)

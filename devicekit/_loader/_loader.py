@@ -55,7 +55,7 @@ from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar
 import torch
 
 from devicekit._base import DeviceLike, current_device, resolve_device, streams_to
-from devicekit._core import NonBlocking, in_line_mover, to_device
+from devicekit._core import NonBlocking, check_non_blocking, in_line_mover, to_device
 from devicekit._loader._feed import BackgroundFeed
 from devicekit._loader._pipeline import Prefetcher, StreamPrefetcher, ahead, profiling
 from devicekit._loader._recorder import EpochRecorder
@@ -168,9 +168,7 @@ class DeviceDataLoader(Generic[B]):
         if pin_memory not in ("auto", True, False):
             msg = f"Expected pin_memory to be 'auto', True or False, got {pin_memory!r}."
             raise ValueError(msg)
-        if non_blocking not in ("auto", True, False) or type(non_blocking) not in (str, bool):
-            msg = f"Expected non_blocking to be 'auto', True or False, got {non_blocking!r}."
-            raise ValueError(msg)
+        check_non_blocking(non_blocking)
         if transform is not None and not callable(transform):  # for untyped callers
             msg = (  # type: ignore[unreachable]
                 "Expected transform to be a function of a batch (or None), got "

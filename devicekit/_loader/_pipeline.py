@@ -113,7 +113,7 @@ def _pin(batch: Any, pin: Callable[[torch.Tensor], torch.Tensor] = _page_locked)
 def _pinned(leaf: Any, state: tuple[dict[int, Any], Callable[..., Any]]) -> Any:
     if not isinstance(leaf, torch.Tensor):
         pin_memory = getattr(leaf, "pin_memory", None)
-        if not callable(pin_memory) or leaf_how(type(leaf))[0] is not Leaf.TO_METHOD:
+        if not callable(pin_memory) or leaf_how(type(leaf)).leaf is not Leaf.TO_METHOD:
             return leaf
         pinned = state[0]
         if id(leaf) not in pinned:

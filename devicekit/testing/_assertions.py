@@ -186,7 +186,7 @@ def _shown(value: Any) -> str:
 
 def _compare_leaves(got: Any, want: Any, where: str, *, values: bool) -> None:
     """Two leaves of one type, compared as the table says their kind is."""
-    how, _ = leaf_how(type(want))
+    how = leaf_how(type(want)).leaf
     if how is Leaf.TENSOR or how is Leaf.PARAMETER:
         _compare_tensors(got, want, where, values=values)
         return
