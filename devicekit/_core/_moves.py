@@ -41,6 +41,7 @@ __all__ = ["MOVES", "keep"]
 
 _Tensor = torch.Tensor
 
+
 def keep(obj: Any, strict: bool, *, array: bool) -> Any:
     """An object devicekit does not move: as it is, or refused where it must be."""
     if array and obj.dtype == object and any(isinstance(item, _Tensor) for item in obj.flat):

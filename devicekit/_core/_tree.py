@@ -31,9 +31,17 @@ _SCAN_FROM = 64  # lists at least this long are checked in one pass for leaves o
 _PATH_SHOWN = 16  # path fragments a message shows before eliding the middle
 _tuple_new = tuple.__new__  # a NamedTuple's own __new__ is a Python frame
 
-# Per container, in the order they close (children first): (leaves seen when it
-# closed, its rules, the container, its number of children).
-Spec: TypeAlias = list[tuple[int, Node, Any, int]]
+
+class Closed(NamedTuple):
+    """A container in a :data:`Spec`, in the order they close (children first)."""
+
+    end: int  # the leaves seen when it closed
+    node: Node  # its rules
+    container: Any
+    children: int  # how many it has
+
+
+Spec: TypeAlias = list[Closed]
 MoveAll: TypeAlias = Callable[[list[Any], Sequence[int], Any], list[Any]]
 
 
@@ -109,7 +117,7 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
         values = tree.values() if node is DICT else tree
         kind = _one_kind(values, nodes, learn, view)
         if kind is not False:  # scalars only, or leaves only: taken whole
-            spec.append((len(values), node, tree, len(values)))
+            spec.append(_tuple_new(Closed, (len(values), node, tree, len(values))))
             return _tuple_new(
                 Flat, ([*values], spec, [] if kind is INERT else [*range(len(values))])
             )
@@ -136,16 +144,16 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
                 if kind is None:  # its elements become leaves in one step
                     active += range(len(leaves), len(leaves) + len(child))
                     leaves += child
-                    spec.append((len(leaves), child_node, child, len(child)))
+                    spec.append(_tuple_new(Closed, (len(leaves), child_node, child, len(child))))
                     continue
             stack.append((node, container, children, count))
-            if len(stack) >= MAX_DEPTH:
-                _too_deep(tree, nodes, learn, view)
+            if len(stack) >= MAX_DEPTH:  # a cycle, or honest depth: walk says which, and raises
+                path_to(_NOWHERE, tree, _expand(nodes, learn, view))
             node, container, count = child_node, child, 0
             children = iter(node.children(child))
             break
         else:
-            spec.append((len(leaves), node, container, count))
+            spec.append(_tuple_new(Closed, (len(leaves), node, container, count)))
             if not stack:
                 return _tuple_new(Flat, (leaves, spec, active))
             node, container, children, count = stack.pop()
@@ -213,9 +221,8 @@ def unflatten(spec: Spec, leaves: list[Any]) -> Any:
             try:
                 values.append(node.rebuild(container, children))
             except Exception as err:
-                where = next(i for i, entry in enumerate(spec) if entry[2] is container)
-                path = paths(Flat(leaves, spec, []))[1][where]
-                _raise(_with_path(err, "data" + path, container))
+                path = path_to(container, spec[-1].container, _expand_by(_nodes_of(spec)))
+                _raise(_with_path(err, path, container))
     return values[0]
 
 
@@ -251,7 +258,7 @@ def map_flat(
             try:
                 moved = move_all([*values], range(len(values)), state)
             except Exception as err:
-                _raise(_located_again(err, move_all, state, flatten(tree)))
+                _raise(_located_again(err, move_all, state, tree, skip))
             if kind is dict:
                 return dict(zip(tree, moved))  # noqa: B905 - its own values, checked: 1/3 faster
             return moved if kind is list else tuple(moved)
@@ -259,21 +266,32 @@ def map_flat(
     try:
         moved = move_all(flat.leaves, flat.active, state)
     except Exception as err:
-        _raise(_located_again(err, move_all, state, flat))
+        _raise(_located_again(err, move_all, state, tree, skip))
     return unflatten(flat.spec, moved)
 
 
-def _located_again(err: Exception, move_all: MoveAll, state: Any, flat: Flat) -> Exception:
+def _nodes_of(spec: Spec) -> Callable[[Any], Node | None]:
+    """The rules of each container a spec holds, by the container: a walk's ``node_of``."""
+    nodes = {id(entry.container): entry.node for entry in spec}
+    return lambda container: nodes.get(id(container))
+
+
+def _located_again(
+    err: Exception, move_all: MoveAll, state: Any, tree: Any, skip: frozenset[Hashable] | None
+) -> Exception:
     """The error of the first leaf that fails alone, with its path; else ``err``.
 
     Moving again repeats no side effect: an object moves once per call (the mover's
     memo), a tensor's copy has none.
     """
+    flat = flatten(tree, skip=skip)
+    nodes, learn = (_kinds._decisions, _kinds.row) if skip is None else _kinds.skipping(skip)
     for index in flat.active:
+        leaf = flat.leaves[index]
         try:
-            move_all([flat.leaves[index]], [0], state)
-        except Exception as again:  # noqa: PERF203 - an error path
-            return _with_path(again, "data" + paths(flat)[0][index], flat.leaves[index])
+            move_all([leaf], [0], state)
+        except Exception as again:
+            return _with_path(again, path_to(leaf, tree, _expand(nodes, learn, MOVE)), leaf)
     return err
 
 
@@ -354,7 +372,7 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
                 try:
                     results.append(fn(child, state))
                 except Exception as err:
-                    _raise(_located(err, tree, child, view, skip, root))
+                    _raise(_located(err, tree, child, _expand(nodes, learn, view), root))
             elif child_node is INERT:
                 results.append(child)
             elif (
@@ -366,8 +384,8 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
             else:
                 stack.append((node, container, children, results))
                 if len(stack) > max_depth:
-                    if max_depth == MAX_DEPTH:
-                        flatten(tree, view=view, skip=skip)  # raises, with the path
+                    if max_depth == MAX_DEPTH:  # a cycle, or honest depth: walk raises which
+                        path_to(_NOWHERE, tree, _expand(nodes, learn, view), root or "data")
                     raise _too_deep_to_trace(max_depth)
                 node, container, results = child_node, child, []
                 children = iter(node.children(child))
@@ -390,32 +408,14 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
                 try:
                     result = node.rebuild(container, results)
                 except Exception as err:
-                    _raise(_located(err, tree, container, view, skip, root))
+                    _raise(_located(err, tree, container, _expand(nodes, learn, view), root))
             node, container, children, results = stack.pop()
             results.append(result)
 
 
-def _located(  # noqa: PLR0917 - map_leaves' own arguments
-    err: Exception,
-    tree: Any,
-    where: Any,
-    view: int,
-    skip: frozenset[Hashable] | None,
-    root: str | None,
-) -> Exception:
-    """``err``, raised for ``where`` (the first leaf or container that is it), with its path.
-
-    A walk with no root does not walk again.
-    """
-    if root is None:
-        return err
-    flat = flatten(tree, view=view, skip=skip)
-    leaf_paths, container_paths = paths(flat)
-    found = [path for leaf, path in zip(flat.leaves, leaf_paths, strict=True) if leaf is where]
-    found += [
-        path for (*_, c, _), path in zip(flat.spec, container_paths, strict=True) if c is where
-    ]
-    return _with_path(err, root + (found[0] if found else ""), where)
+def _located(err: Exception, tree: Any, where: Any, expand: Expand, root: str | None) -> Exception:
+    """``err``, raised for ``where``, with its path; a walk with no root does not walk again."""
+    return err if root is None else _with_path(err, path_to(where, tree, expand, root), where)
 
 
 def _raise(err: Exception) -> NoReturn:
@@ -444,21 +444,35 @@ def _too_deep_to_trace(limit: int) -> TransferError:
     return TransferError(msg)
 
 
-def _too_deep(
-    tree: Any, nodes: dict[type, Any], learn: Callable[[type], Any], view: int
-) -> NoReturn:
-    """Raise why a walk ``MAX_DEPTH`` deep stopped: a cycle, or honest depth, as walk says."""
+def _expand(nodes: dict[type, Any], learn: Callable[[type], Any], view: int) -> Expand:
+    """Children as a walk of the table's ``view`` met them, skip_keys' overrides included."""
+    return _expand_by(lambda value: _entry(type(value), nodes, learn, view))
 
+
+def _expand_by(node_of: Callable[[Any], Any]) -> Expand:
     def expand(value: Any) -> Iterable[tuple[Key, Any]] | None:
-        node = _entry(type(value), nodes, learn, view)
+        node = node_of(value)
         if type(node) is not Node:
             return None
         return zip(node.keys(value), node.children(value), strict=True)
 
-    for _ in walk(tree, expand=expand):  # raises where flatten stopped
-        pass
-    msg = "flatten went deeper than walk, which reads the same view"
-    raise AssertionError(msg)
+    return expand
+
+
+_NOWHERE: Final = object()  # found nowhere: walk all the way, refusing where it must
+
+
+def path_to(where: Any, tree: Any, expand: Expand, root: str = "data") -> str:
+    """The path of the first value in ``tree`` that is ``where``: how a walk's errors name it.
+
+    Raises:
+        TransferError: As :func:`walk`: ``tree`` nests deeper than :data:`MAX_DEPTH`, or
+            holds a cycle (how flatten and map_leaves refuse them, from where they stopped).
+    """
+    for path, value in walk(tree, expand=expand, root=root):
+        if value is where:
+            return format_path(root, keys_of(path))
+    return root
 
 
 def too_deep_at(root: str, keys: Sequence[Key | str]) -> TransferError:

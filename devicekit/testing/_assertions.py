@@ -104,10 +104,10 @@ def _shape(data: Any) -> _Shape:
     # what they hold (a PackedSequence's fields, a TensorDict's items), never by their ==.
     flat = flatten(data, view=CAST)
     leaf_paths, container_paths = paths(flat)
-    containers = [(path, entry[2]) for path, entry in zip(container_paths, flat.spec, strict=True)]
+    containers = [(p, entry.container) for p, entry in zip(container_paths, flat.spec, strict=True)]
     containers.reverse()  # the spec closes children first
     leaves = list(zip(leaf_paths, flat.leaves, strict=True))
-    counts = {path: entry[3] for path, entry in zip(container_paths, flat.spec, strict=True)}
+    counts = {p: entry.children for p, entry in zip(container_paths, flat.spec, strict=True)}
     return _Shape(dict(containers + leaves), counts, containers + leaves, frozenset(leaf_paths))
 
 
