@@ -39,12 +39,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MOVES", "keep"]
 
-_Tensor = torch.Tensor
-
 
 def keep(obj: Any, strict: bool, *, array: bool) -> Any:
     """An object devicekit does not move: as it is, or refused where it must be."""
-    if array and obj.dtype == object and any(isinstance(item, _Tensor) for item in obj.flat):
+    if array and obj.dtype == object and any(isinstance(item, torch.Tensor) for item in obj.flat):
         msg = (
             "Cannot move {path}: it is a numpy array of objects holding tensors, which "
             "devicekit cannot move inside it. Make it a list (array.tolist()), or register "
@@ -148,7 +146,7 @@ def _moved_state(state: Any, group: Mapping[str, Any], target: tuple[Any, ...]) 
 
 def _to_parameter(leaf: Any, target: tuple[Any, ...]) -> Any:
     call, device, dtype = target
-    return call.tensor(leaf, device, dtype) if isinstance(leaf, _Tensor) else call.leaf(leaf)
+    return call.tensor(leaf, device, dtype) if isinstance(leaf, torch.Tensor) else call.leaf(leaf)
 
 
 def _move_by_rule(obj: Any, call: Call, decision: Decision) -> Any:
@@ -197,7 +195,7 @@ def _move_by_to(obj: Any, call: Call, decision: Decision) -> Any:
 
 
 def _restyle(obj: Any, call: Call) -> Any:
-    if type(obj) is _Tensor:
+    if type(obj) is torch.Tensor:
         return call.tensor(obj, obj.device)
     return call.leaf(obj) if isinstance(obj, torch.Tensor | torch.nn.Module) else obj
 
@@ -248,7 +246,7 @@ def _move_cache(cache: Any, call: Call, decision: Decision) -> Any:
         if knows:  # not initialised otherwise: it takes its device from its first keys
             for value in state.values():
                 for leaf in _tree.flatten(value, view=READ).leaves:
-                    if isinstance(leaf, _Tensor):
+                    if isinstance(leaf, torch.Tensor):
                         call.non_blocking(leaf, device)  # notes the wait prefetch's copies need
             for name in knows:
                 setattr(layer, name, device)

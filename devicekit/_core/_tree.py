@@ -14,6 +14,7 @@ one walk: values under those keys pass through as inert leaves.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Final, NamedTuple, NoReturn, TypeAlias
 
@@ -42,6 +43,7 @@ class Closed(NamedTuple):
 
 
 Spec: TypeAlias = list[Closed]
+_CLOSED: Final = itertools.repeat(Closed)  # map's first argument: Closed, as often as asked
 MoveAll: TypeAlias = Callable[[list[Any], Sequence[int], Any], list[Any]]
 
 
@@ -110,17 +112,17 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
     node = _entry(type(tree), nodes, learn, view)
     if node is None or node is INERT:
         return _tuple_new(Flat, ([tree], [], [] if node is INERT else [0]))
-    leaves: list[Any] = []
-    spec: Spec = []
-    active: list[int] = []
     if node is LIST or node is TUPLE or node is DICT:
         values = tree.values() if node is DICT else tree
         kind = _one_kind(values, nodes, learn, view)
         if kind is not False:  # scalars only, or leaves only: taken whole
-            spec.append(_tuple_new(Closed, (len(values), node, tree, len(values))))
+            spec = [_tuple_new(Closed, (len(values), node, tree, len(values)))]
             return _tuple_new(
                 Flat, ([*values], spec, [] if kind is INERT else [*range(len(values))])
             )
+    leaves: list[Any] = []
+    closed: list[tuple[int, Node, Any, int]] = []  # the spec's entries, not named yet
+    active: list[int] = []
     stack: list[tuple[Node, Any, Iterator[Any], int]] = []
     child_node: Any
     container, children, count = tree, iter(node.children(tree)), 0
@@ -144,7 +146,7 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
                 if kind is None:  # its elements become leaves in one step
                     active += range(len(leaves), len(leaves) + len(child))
                     leaves += child
-                    spec.append(_tuple_new(Closed, (len(leaves), child_node, child, len(child))))
+                    closed.append((len(leaves), child_node, child, len(child)))
                     continue
             stack.append((node, container, children, count))
             if len(stack) >= MAX_DEPTH:  # a cycle, or honest depth: walk says which, and raises
@@ -153,9 +155,9 @@ def flatten(  # noqa: PLR0912 - one loop on purpose: a call per container costs 
             children = iter(node.children(child))
             break
         else:
-            spec.append(_tuple_new(Closed, (len(leaves), node, container, count)))
-            if not stack:
-                return _tuple_new(Flat, (leaves, spec, active))
+            closed.append((len(leaves), node, container, count))
+            if not stack:  # named at the end, in one pass from C: a call each costs more
+                return _tuple_new(Flat, (leaves, [*map(_tuple_new, _CLOSED, closed)], active))
             node, container, children, count = stack.pop()
 
 
