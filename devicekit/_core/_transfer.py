@@ -174,11 +174,10 @@ class Plan:
         # before the call returns (Call.finish).
         self.told = self.copy(None, device)[0]
         self.waits = self.copy("cuda", device)[1]  # cuda: any accelerator
-        self.move, self.move_all = (
-            traced_mover(self)
-            if traced
-            else mover(self, is_meta=device.type == "meta" and not simulated)
-        )
+        if traced:  # nothing packed there: no list form
+            self.move = traced_mover(self)
+        else:
+            self.move, self.move_all = mover(self, is_meta=device.type == "meta" and not simulated)
         # The tensors the mover gives back as they are, read as it reads them: a flat
         # batch of them is copied without a call per tensor. In a loop of tiny steps,
         # whose PyTorch step leaves little of devicekit in the CPU's caches, to_device((x,
@@ -385,10 +384,9 @@ def _run(plan: Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any:
 
 
 Mover: TypeAlias = Callable[[Any, "Call"], Any]
-MoveAll: TypeAlias = Callable[[list[Any], Sequence[int], "Call"], list[Any]]
 
 
-def mover(plan: Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
+def mover(plan: Plan, *, is_meta: bool) -> tuple[Mover, _tree.MoveAll]:
     """The plan's mover, ``move(leaf, call)``, and its list form, ``move_all``.
 
     ``move_all(leaves, active, call)`` is ``move`` at each active leaf (tests/
@@ -457,7 +455,7 @@ def mover(plan: Plan, *, is_meta: bool) -> tuple[Mover, MoveAll]:
     return move, move_all
 
 
-def traced_mover(plan: Plan) -> tuple[Mover, MoveAll]:
+def traced_mover(plan: Plan) -> Mover:
     """The mover of a compiled region: every tensor through the call's memo, keyed by itself.
 
     The host path's notes of ``id(tensor)`` would make the compiler guard on each input
@@ -469,10 +467,7 @@ def traced_mover(plan: Plan) -> tuple[Mover, MoveAll]:
     def move(obj: Any, call: Call) -> Any:
         return call.tensor(obj, device) if type(obj) is _Tensor else call.leaf(obj)
 
-    def move_all(leaves: list[Any], active: Sequence[int], call: Call) -> list[Any]:
-        return [move(leaf, call) if index in active else leaf for index, leaf in enumerate(leaves)]
-
-    return move, move_all
+    return move
 
 
 def _itself(obj: Any) -> Any:
