@@ -47,9 +47,9 @@ def tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
     flat = flatten(data, view=READ)
     tensors = [index for index in flat.active if isinstance(flat.leaves[index], torch.Tensor)]
     modules = [
-        (number, entry.container)
-        for number, entry in enumerate(flat.spec)
-        if isinstance(entry.container, torch.nn.Module)
+        (number, container)
+        for number, (_, _, container, _) in enumerate(flat.spec)
+        if isinstance(container, torch.nn.Module)
     ]
     if not tensors and not modules:  # a million ints, a config: no path is made
         return

@@ -104,10 +104,11 @@ def _shape(data: Any) -> _Shape:
     # what they hold (a PackedSequence's fields, a TensorDict's items), never by their ==.
     flat = flatten(data, view=CAST)
     leaf_paths, container_paths = paths(flat)
-    containers = [(p, entry.container) for p, entry in zip(container_paths, flat.spec, strict=True)]
+    named = list(zip(container_paths, flat.spec, strict=True))
+    containers = [(path, container) for path, (_, _, container, _) in named]
     containers.reverse()  # the spec closes children first
     leaves = list(zip(leaf_paths, flat.leaves, strict=True))
-    counts = {p: entry.children for p, entry in zip(container_paths, flat.spec, strict=True)}
+    counts = {path: children for path, (_, _, _, children) in named}
     return _Shape(dict(containers + leaves), counts, containers + leaves, frozenset(leaf_paths))
 
 
