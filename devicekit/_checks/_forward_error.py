@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devicekit._base import DeviceKitError, DeviceMismatchError, is_device_mismatch
-from devicekit._checks._checks import PATHS_SHOWN, input_names, tensor_paths, tensors_of
+from devicekit._base import DeviceKitError, DeviceMismatchError, is_device_mismatch, listing
+from devicekit._checks._checks import input_names, tensor_paths, tensors_of
 
 __all__ = ["made_inside"]
 
@@ -223,13 +223,6 @@ def _inputs_in(module: torch.nn.Module, calls: list[_Call]) -> Iterator[tuple[st
         yield from _tensors_named(name, own.frame.f_locals.get(name))
 
 
-def _listing(names: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 2 more``."""
-    if len(names) > PATHS_SHOWN:
-        return f"{', '.join(names[:PATHS_SHOWN])} and {len(names) - PATHS_SHOWN} more"
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
 def _made_elsewhere(calls: list[_Call], source: str | None, home: torch.device) -> list[_Made]:
     """The tensors the failing call used that are not on ``home``, named where first seen.
 
@@ -341,7 +334,7 @@ def _named_made(
     groups: dict[_Call, list[str]] = {}
     for each in made:
         groups.setdefault(each.call, []).append(each.name)
-    subject = " and ".join(f"{_listing(names)} in {call.where}" for call, names in groups.items())
+    subject = " and ".join(f"{listing(names)} in {call.where}" for call, names in groups.items())
     devices = list(dict.fromkeys(each.device for each in made))
     one = len(made) == 1
     # Where the default device is the host: a factory called without device= made it.

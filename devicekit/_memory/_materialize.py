@@ -42,6 +42,7 @@ from devicekit._base import (
     DeviceLike,
     apply_to_own_tensors,
     current_device,
+    listing,
     own_tensors,
     registered_table,
     resolve_device,
@@ -295,12 +296,11 @@ def _refuse_lazy(slots: list[Slot]) -> None:
     ]
     if not lazy:
         return
-    paths = ", ".join(path for path, _ in lazy[:3])
-    more = f" and {len(lazy) - 3} more" if len(lazy) > 3 else ""
+    paths = listing([path for path, _ in lazy])
     kinds = ", ".join(dict.fromkeys(type(submodule).__name__ for _, submodule in lazy))
     msg = (
-        f"Expected meta tensors with a shape to give storage to, but {paths}{more} (of "
-        f"{kinds}) are uninitialized: a lazy module's shapes are set by its first forward. "
+        f"Expected meta tensors with a shape to give storage to, but {paths} (of {kinds}) "
+        "are uninitialized: a lazy module's shapes are set by its first forward. "
         "Run one forward first (inputs on meta of the right shape are enough, such as "
         "torch.empty(8, 128, device='meta')), or build the module's non-lazy form "
         "(nn.Linear for nn.LazyLinear). Nothing was changed."
