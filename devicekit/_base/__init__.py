@@ -49,7 +49,7 @@ from devicekit._base._errors import (
     LeafError,
     TransferError,
 )
-from devicekit._base._frames import is_library
+from devicekit._base._frames import is_library, warn
 from devicekit._base._text import LISTED, META, listing, meta_fix, shown, whole_number
 from devicekit._base._units import (
     count,
@@ -61,7 +61,6 @@ from devicekit._base._units import (
     parse_seconds,
     percent,
 )
-from devicekit._base._warnings import warn
 
 __all__ = [
     "HOST_TYPES",

@@ -25,7 +25,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devicekit._base import DeviceKitError, DeviceMismatchError, is_device_mismatch, listing
+from devicekit._base import (
+    DeviceKitError,
+    DeviceMismatchError,
+    is_device_mismatch,
+    is_library,
+    listing,
+)
 from devicekit._checks._checks import input_names, tensor_paths, tensors_of
 
 __all__ = ["made_inside"]
@@ -80,10 +86,6 @@ def _inside_calls(module: torch.nn.Module, error: BaseException) -> list[_Call]:
     calling it (``module(x)``); a user's method of the module that called it (a
     ``fit()``) is not inside.
     """
-    # Loaded on an error only: finding where packages are installed, as _frames does when
-    # it loads, took 3-17 ms here, a share of import devicekit's 30 ms budget.
-    from devicekit._base._frames import is_library  # noqa: PLC0415
-
     forward = getattr(type(module).forward, "__code__", None)
     calls: list[_Call] = []
     inside = False
@@ -145,8 +147,6 @@ def _functions_named(call: _Call, source: str) -> Iterator[tuple[str, FunctionTy
     Their frames are gone where the failing call used what they returned
     (``self.fc(x) + bias()``): only their code is left to read.
     """
-    from devicekit._base._frames import is_library  # noqa: PLC0415 - on an error only, as above
-
     frame = call.frame
     for name in dict.fromkeys(_NAME.findall(source)):
         function = frame.f_locals.get(name, frame.f_globals.get(name))
