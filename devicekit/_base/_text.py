@@ -74,17 +74,20 @@ def whole_number(value: object, least: int, name: str) -> int:
 
     >>> whole_number(4, 1, "prefetch")
     4
-    >>> whole_number(True, 1, "prefetch")
+    >>> whole_number(2.5, 1, "prefetch")
     Traceback (most recent call last):
     ...
-    ValueError: Expected prefetch to be a whole number of 1 or more, got True.
+    TypeError: Expected prefetch to be a whole number of 1 or more, got 2.5.
 
     Raises:
-        ValueError: ``value`` is no whole number, or one below ``least``.
+        TypeError: ``value`` is no whole number (a bool, a float, a str, ...).
+        ValueError: ``value`` is one below ``least``.
     """
-    if not isinstance(value, bool) and isinstance(value, numbers.Integral):
-        number = int(value)
-        if number >= least:
-            return number
-    msg = f"Expected {name} to be a whole number of {least} or more, got {shown(value)}."
-    raise ValueError(msg)
+    said = f"Expected {name} to be a whole number of {least} or more, got"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        msg = f"{said} {shown(value)}."
+        raise TypeError(msg)
+    if value < least:  # numpy's shown as the number it is: 0, not np.int64(0)
+        msg = f"{said} {int(value)}."
+        raise ValueError(msg)
+    return int(value)
