@@ -49,7 +49,7 @@ from devicekit._base._errors import (
     LeafError,
     TransferError,
 )
-from devicekit._base._frames import is_library, warn
+from devicekit._base._frames import is_library, user_frame, warn
 from devicekit._base._text import LISTED, META, listing, meta_fix, shown, whole_number
 from devicekit._base._units import (
     count,
@@ -110,6 +110,7 @@ __all__ = [
     "scaler_marks_kept",
     "shown",
     "streams_to",
+    "user_frame",
     "version_of",
     "warn",
     "weights_only_build_refusal",

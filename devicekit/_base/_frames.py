@@ -17,7 +17,7 @@ from types import FrameType
 
 import torch
 
-__all__ = ["caller", "is_library", "warn"]
+__all__ = ["caller", "is_library", "user_frame", "warn"]
 
 
 def _folder(path: str) -> str:
@@ -77,7 +77,7 @@ def is_library(
     return _PACKAGE_NAMES.isdisjoint(filename[len(nearest) :].split(os.sep)[:-1])
 
 
-def _outside(frame: FrameType | None) -> tuple[FrameType | None, int]:
+def user_frame(frame: FrameType | None) -> tuple[FrameType | None, int]:
     """The first frame from ``frame`` outwards that is the user's, and how many it skipped."""
     skipped = 0
     while frame is not None and is_library(frame.f_code.co_filename):
@@ -88,7 +88,7 @@ def _outside(frame: FrameType | None) -> tuple[FrameType | None, int]:
 
 def caller() -> str:
     """``file:line`` of the user's code that called into devicekit, for messages."""
-    frame, _ = _outside(sys._getframe(1))
+    frame, _ = user_frame(sys._getframe(1))
     return "an unknown place" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
@@ -99,5 +99,5 @@ def warn(message: str, category: type[Warning]) -> None:
     the process's default manager) would otherwise name devicekit's own file; users
     need the line of theirs that led there.
     """
-    _, skipped = _outside(sys._getframe(1))
+    _, skipped = user_frame(sys._getframe(1))
     warnings.warn(message, category, stacklevel=2 + skipped)  # 1 is this function
