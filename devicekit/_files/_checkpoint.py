@@ -316,7 +316,7 @@ def load(
         if without_data:
             msg = (
                 f"Expected a checkpoint with data to load onto {target}, but it holds meta "
-                f"tensors, and {META}: {listing(without_data)}. It was saved from a model that "
+                f"tensors: {listing(without_data)}; {META}. It was saved from a model that "
                 "was never given its weights (created on meta, or with to_empty() still to "
                 "come); save it after the weights are loaded."
             )
