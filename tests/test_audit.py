@@ -94,7 +94,7 @@ def test_copies_in_packages_beneath_the_standard_library_are_blamed_on_the_packa
     stdlib = tmp_path / "lib" / "python3.11"  # a system Python's layout, simulated
     monkeypatch.setattr(_frames, "_OWN_FOLDERS", (*_frames._OWN_FOLDERS, f"{stdlib}{os.sep}"))
     if packages == "vendored":  # a folder of packages known by sysconfig or site, not by name
-        folders = (*_frames._packages(), f"{stdlib / packages}{os.sep}")
+        folders = (*_frames._PACKAGE_FOLDERS, f"{stdlib / packages}{os.sep}")
         monkeypatch.setattr(_frames, "_PACKAGE_FOLDERS", folders, raising=False)
     standard = _module_at(stdlib / "standard" / "copies.py")
     installed = _module_at(stdlib / packages / "installed" / "copies.py")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import site
 import sys
+import sysconfig
 import warnings
 from types import FrameType
 
@@ -33,21 +35,19 @@ _OWN_FOLDERS = tuple(
 )
 # Except where installed packages live: a system Python (Debian's, a conda base) keeps
 # them beneath the standard library's folder (/usr/lib/python3.11/site-packages). Found
-# on first use: importing sysconfig to find them took 1-2 ms of import devicekit.
-_PACKAGE_FOLDERS: tuple[str, ...] | None = None
+# at import, not on first use: an import then, in a child forked while another thread
+# held the import lock, would hang.
+_PACKAGE_FOLDERS = tuple(
+    _folder(path)
+    for path in {
+        sysconfig.get_path("purelib"),
+        sysconfig.get_path("platlib"),
+        *site.getsitepackages(),
+        site.getusersitepackages(),
+    }
+    if path
+)
 _PACKAGE_NAMES = frozenset({"site-packages", "dist-packages"})
-
-
-def _packages() -> tuple[str, ...]:
-    global _PACKAGE_FOLDERS  # noqa: PLW0603 - found once, see above
-    if _PACKAGE_FOLDERS is None:
-        import site  # noqa: PLC0415
-        import sysconfig  # noqa: PLC0415
-
-        found = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
-        found |= {*site.getsitepackages(), site.getusersitepackages()}
-        _PACKAGE_FOLDERS = tuple(_folder(path) for path in found if path)
-    return _PACKAGE_FOLDERS
 
 
 def is_library(
@@ -71,7 +71,7 @@ def is_library(
         return False
     if any(
         len(folder) > len(nearest) and folder.startswith(nearest) and filename.startswith(folder)
-        for folder in (_packages() if packages is None else packages)
+        for folder in (_PACKAGE_FOLDERS if packages is None else packages)
     ):
         return False
     return _PACKAGE_NAMES.isdisjoint(filename[len(nearest) :].split(os.sep)[:-1])
