@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import devicekit
-from devicekit._base import DeviceKitError, count, gib
+from devicekit._base import META, DeviceKitError, count, gib
 from devicekit._commands import (
     BATCH_SIZE,
     bench_report,
@@ -102,8 +102,8 @@ def _demo(
 ) -> int:
     if manager.device.type == "meta":
         msg = (
-            "Expected a device with memory for the demo to train on, got meta, whose "
-            "tensors have shapes but no data. Choose cpu or an accelerator."
+            f"Expected a device with memory for the demo to train on, got meta: {META}. "
+            "Choose cpu or an accelerator."
         )
         raise UserError(msg)
     if not as_json:

@@ -191,8 +191,8 @@ def test_a_mismatch_lists_every_device_with_paths_and_carries_the_mapping() -> N
     model = nn.Linear(2, 2)
     batch = {"x": torch.ones(2, device="meta"), "y": torch.ones(1)}
     msg = (
-        "Expected every tensor on one device, but found 2: cpu has Linear.weight, Linear.bias, "
-        "data[1]['y']; meta has data[1]['x']."
+        "Expected every tensor on one device, but found 2: cpu has Linear.weight, Linear.bias "
+        "and data[1]['y']; meta has data[1]['x']."
     )
     with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info:
         dk.check_same_device(model, batch)

@@ -102,8 +102,8 @@ def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
             ("demo", "--device", "meta"),
             {},
             (
-                "Expected a device with memory for the demo to train on, got meta, whose "
-                "tensors have shapes but no data. Choose cpu or an accelerator.\n"
+                "Expected a device with memory for the demo to train on, got meta: tensors on "
+                "the meta device have shapes but no data. Choose cpu or an accelerator.\n"
             ),
         ),
         (

@@ -350,20 +350,28 @@ def test_explain_lists_every_try_and_the_choice(memory: Memory) -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("options", "error", "message"),
     [
-        ({"start": 0}, "Expected start to be a whole number of 1 or more, got 0."),
-        ({"limit": 2.5}, "Expected limit to be a whole number of 1 or more, got 2.5."),
-        ({"target": True}, "Expected target to be a whole number of 1 or more, got True."),
-        ({"start": 16, "limit": 8}, "Expected limit to be at least start (16), got 8."),
-        ({"headroom": 1.0}, "Expected headroom to be a share between 0 and 1 (0.1: 10%), got"),
+        ({"start": 0}, ValueError, "Expected start to be a whole number of 1 or more, got 0."),
+        ({"limit": 2.5}, TypeError, "Expected limit to be a whole number of 1 or more, got 2.5."),
+        (
+            {"target": True},
+            TypeError,
+            "Expected target to be a whole number of 1 or more, got True.",
+        ),
+        ({"start": 16, "limit": 8}, ValueError, "Expected limit to be at least start (16), got 8."),
+        (
+            {"headroom": 1.0},
+            ValueError,
+            "Expected headroom to be a share between 0 and 1 (0.1: 10%), got",
+        ),
     ],
 )
 def test_options_out_of_range_are_refused_before_any_step(
-    options: dict[str, object], message: str
+    options: dict[str, object], error: type[Exception], message: str
 ) -> None:
     step = Step(None)
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(error, match=re.escape(message)):
         dk.fit_batch(step, device="cpu", **options)  # type: ignore[arg-type]
     assert step.sizes == []
 

@@ -305,6 +305,11 @@ def test_closing_the_feed_early_ends_its_thread_over_fifty_epochs() -> None:
             "Expected prefetch to be a whole number of 0 or more, got -1.",
         ),
         (
+            {"prefetch": 2.5},
+            TypeError,
+            "Expected prefetch to be a whole number of 0 or more, got 2.5.",
+        ),
+        (
             {"pin_memory": "yes"},
             ValueError,
             "Expected pin_memory to be 'auto', True or False, got 'yes'.",

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import devicekit as dk
 from devicekit._core._tree import MAX_DEPTH
 from devicekit._loader import _loader
-from devicekit._loader._recorder import PER_BATCH_KEPT, samples_in
-from devicekit._loader._stats import HANDOVER_S, Counting, LoaderStats, Setup, verdict
+from devicekit._loader._recorder import PER_BATCH_KEPT
+from devicekit._loader._stats import HANDOVER_S, Counting, LoaderStats, Setup, samples_in, verdict
 
 from .helpers import META
 
@@ -685,17 +685,17 @@ def test_images_beside_one_element_values_count_the_images() -> None:
 @pytest.mark.parametrize(
     ("returned", "error", "message"),
     [
-        (2.5, TypeError, " as an int, got float 2.5."),
+        (2.5, TypeError, " to be a whole number of 0 or more, got 2.5."),
         (
             torch.tensor(3),
             TypeError,
             (
-                " as an int, got Tensor tensor(3) (.item() makes a Python int of a one-element "
-                "tensor)."
+                " to be a whole number of 0 or more, got tensor(3) (.item() makes a Python int "
+                "of a one-element tensor)."
             ),
         ),
-        (True, TypeError, " as an int, got bool True."),
-        (-1, ValueError, ", 0 or more, got -1."),
+        (True, TypeError, " to be a whole number of 0 or more, got True."),
+        (-1, ValueError, " to be a whole number of 0 or more, got -1."),
     ],
     ids=["float", "tensor", "bool", "negative"],
 )
@@ -707,8 +707,8 @@ def test_a_samples_function_that_returns_no_count_is_named_with_its_batch(
 
     loader = dk.DeviceDataLoader([torch.tensor(float(i)) for i in range(4)], "cpu", samples=tokens)
     where = (
-        "Expected samples=test_a_samples_function_that_returns_no_count_is_named_with_its_batch"
-        ".<locals>.tokens to return the samples of batch 2 of this epoch (numbered from 0, as "
+        "Expected what samples=test_a_samples_function_that_returns_no_count_is_named_with_its"
+        "_batch.<locals>.tokens returned for batch 2 of this epoch (numbered from 0, as "
         "enumerate() numbers them)"
     )
     seen: list[float] = []
@@ -723,7 +723,7 @@ def test_a_samples_function_that_returns_no_count_is_named_with_its_batch(
 @pytest.mark.parametrize(
     ("samples", "error", "message"),
     [
-        (0, ValueError, "Expected samples to be a number of samples per batch, 1 or more, got 0."),
+        (0, ValueError, "Expected samples to be a whole number of 1 or more, got 0."),
         (
             "dim1",
             ValueError,
@@ -784,7 +784,7 @@ def test_samples_as_a_numpy_integer_is_a_count_per_batch() -> None:
     assert (counted.samples, counted.samples_rule) == (200, "20 samples a batch (samples=20)")
     assert _counted([torch.zeros(2)] * 3, np.uint8(4)).samples == 12
     # Still whole numbers of 1 or more, and numpy's bools and floats are no counts.
-    zero = "Expected samples to be a number of samples per batch, 1 or more, got 0."
+    zero = "Expected samples to be a whole number of 1 or more, got 0."
     with pytest.raises(ValueError, match=re.escape(zero)):
         dk.DeviceDataLoader([torch.zeros(2)], "cpu", samples=np.int64(0))
     for refused, shown in ((np.bool_(True), "bool"), (np.float64(4.0), "float64")):

@@ -392,7 +392,7 @@ def test_a_lazy_module_built_on_meta_is_refused_with_what_to_do() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.LazyLinear(3), nn.ReLU())
     expected = (
-        "Expected meta tensors with a shape to give storage to, but 0.weight, 0.bias (of "
+        "Expected meta tensors with a shape to give storage to, but 0.weight and 0.bias (of "
         "LazyLinear) are uninitialized: a lazy module's shapes are set by its first forward. "
         "Run one forward first (inputs on meta of the right shape are enough, such as "
         "torch.empty(8, 128, device='meta')), or build the module's non-lazy form "
@@ -427,13 +427,13 @@ def test_the_checks_and_guard_name_materialize_for_meta_parameters() -> None:
     model = on_meta()
     with pytest.raises(dk.DeviceMismatchError) as caught:
         dk.check_same_device(model, torch.ones(1))
-    assert "devicekit.materialize(model, device)" in str(caught.value)
+    assert "devicekit.materialize(model, 'cpu')" in str(caught.value)
     linear = nn.Linear(2, 2, device="meta")
     with dk.guard(linear), pytest.raises(dk.DeviceMismatchError) as caught:
         linear(torch.ones(2))
     message = str(caught.value)
     assert "are on meta" in message
-    assert "devicekit.materialize(model, device)" in message
+    assert "devicekit.materialize(model, 'cpu')" in message
     assert "Move the inputs with devicekit.to_device(..., 'meta')" in message
 
 

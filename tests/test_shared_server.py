@@ -131,7 +131,7 @@ def test_explain_names_the_processes_on_a_gpu_it_passed_over() -> None:
     assert manager.device == cuda(1)
     assert (
         "Skipped cuda:0: 1.0 GiB free of 80.0 GiB, less than the 8.0 GiB min_free_memory asks "
-        "(31.0 GiB used by pid 4242, used by pid 77)."
+        "(31.0 GiB used by pid 4242 and used by pid 77)."
     ) in manager.explain()
 
 

@@ -191,7 +191,7 @@ def test_deques_and_user_lists_are_rebuilt_and_seen() -> None:
     assert users[0].device == CPU
     found = dk.find_devices({"window": window, "users": users})
     assert found == {CPU: ["['window'][0]", "['window'][1]", "['users'][0]"]}
-    msg = "cpu has data['window'][0], data['window'][1]."
+    msg = "cpu has data['window'][0] and data['window'][1]."
     with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
         dk.check_same_device({"window": window}, device="meta")
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 import devicekit as dk
-from devicekit._base import _compat
+from devicekit._base import _compat, listing
 from devicekit._checks import _guard
 from devicekit._core import _tree
 
@@ -399,7 +399,7 @@ def test_a_list_deeper_than_the_stack_is_walked_as_a_shallow_one(depth: int) -> 
     assert dk.find_unmoved(model) == dict.fromkeys(expected, CPU)
     assert list(dk.find_unmoved(model)) == expected  # in the order the lists hold them
     assert dk.find_devices(model) == {META: ["lin.weight", "lin.bias", "offset"], CPU: expected}
-    shown = ", ".join(f"Deep.{path}" for path in expected[:3])
+    shown = listing([f"Deep.{path}" for path in expected])
     with pytest.raises(dk.DeviceMismatchError, match=re.escape(f"cpu has {shown}")) as info:
         dk.check_same_device(model)
     assert info.value.devices[CPU] == [f"Deep.{path}" for path in expected]
@@ -408,9 +408,9 @@ def test_a_list_deeper_than_the_stack_is_walked_as_a_shallow_one(depth: int) -> 
         with pytest.raises(dk.DeviceMismatchError) as info:
             model(x)
         assert str(info.value).startswith(
-            f"Deep.deep[0] is on cpu but the parameters of Deep (e.g. lin.weight, lin.bias) "
-            f"are on meta (and {depth - 1} more{':' if depth - 1 <= 3 else ', among them'} "
-            "Deep.deep[1][0], Deep.deep[1][1][0]"
+            "Deep.deep[0] is on cpu but the parameters of Deep (e.g. lin.weight, lin.bias) "
+            "are on meta. Off meta too: Deep.deep[1][0]"
+            + (" and Deep.deep[1][1][0]." if depth == 3 else ", Deep.deep[1][1][0], ")
         )
         model.deep = dk.to_device(model.deep, META)  # fixed in place: read again, not walked
         assert model(x).is_meta

@@ -56,7 +56,7 @@ from devicekit._base._errors import (
     LeafError,
     TransferError,
 )
-from devicekit._base._frames import is_library
+from devicekit._base._frames import is_library, user_frame, warn
 from devicekit._base._text import LISTED, META, listing, meta_fix, shown, whole_number
 from devicekit._base._units import (
     count,
@@ -68,7 +68,6 @@ from devicekit._base._units import (
     parse_seconds,
     percent,
 )
-from devicekit._base._warnings import warn
 
 __all__ = [
     "HOST_TYPES",
@@ -123,6 +122,7 @@ __all__ = [
     "scaler_marks_kept",
     "shown",
     "streams_to",
+    "user_frame",
     "version_of",
     "warn",
     "weights_only_build_refusal",

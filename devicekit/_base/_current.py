@@ -27,7 +27,7 @@ from contextvars import ContextVar
 import torch
 
 from devicekit._base._errors import DeviceKitError
-from devicekit._base._warnings import caller
+from devicekit._base._frames import caller
 
 __all__ = [
     "current_device",

@@ -1,9 +1,10 @@
 """Whose line is it: a frame of the user's code, or of PyTorch, devicekit or the standard library.
 
-A message that points at "your line" (each of track_transfers' events, guard's account
-of a failed forward) skips the frames of the libraries beneath it. The rule, in one
-place for both: the nearest folder around a file decides, and installed packages are
-the user's, even where a system Python keeps them inside the standard library's folder.
+A message that points at "your line" (a warning, each of track_transfers' events,
+guard's account of a failed forward, where a manager was opened) skips the frames of
+the libraries beneath it. The rule, in one place for all: the nearest folder around a
+file decides, and installed packages are the user's, even where a system Python keeps
+them inside the standard library's folder.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 import site
+import sys
 import sysconfig
+import warnings
+from types import FrameType
 
 import torch
 
-__all__ = ["is_library"]
+__all__ = ["caller", "is_library", "user_frame", "warn"]
 
 
 def _folder(path: str) -> str:
@@ -30,7 +34,9 @@ _OWN_FOLDERS = tuple(
     if path is not None
 )
 # Except where installed packages live: a system Python (Debian's, a conda base) keeps
-# them beneath the standard library's folder (/usr/lib/python3.11/site-packages).
+# them beneath the standard library's folder (/usr/lib/python3.11/site-packages). Found
+# at import, not on first use: an import then, in a child forked while another thread
+# held the import lock, would hang.
 _PACKAGE_FOLDERS = tuple(
     _folder(path)
     for path in {
@@ -60,13 +66,38 @@ def is_library(
     [True, False, True]
     """
     own = _OWN_FOLDERS if own is None else own
-    packages = _PACKAGE_FOLDERS if packages is None else packages
     nearest = max((folder for folder in own if filename.startswith(folder)), key=len, default="")
     if not nearest:
         return False
     if any(
         len(folder) > len(nearest) and folder.startswith(nearest) and filename.startswith(folder)
-        for folder in packages
+        for folder in (_PACKAGE_FOLDERS if packages is None else packages)
     ):
         return False
     return _PACKAGE_NAMES.isdisjoint(filename[len(nearest) :].split(os.sep)[:-1])
+
+
+def user_frame(frame: FrameType | None) -> tuple[FrameType | None, int]:
+    """The first frame from ``frame`` outwards that is the user's, and how many it skipped."""
+    skipped = 0
+    while frame is not None and is_library(frame.f_code.co_filename):
+        frame = frame.f_back
+        skipped += 1
+    return frame, skipped
+
+
+def caller() -> str:
+    """``file:line`` of the user's code that called into devicekit, for messages."""
+    frame, _ = user_frame(sys._getframe(1))
+    return "an unknown place" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """Warn with the user's frame as the place of the warning.
+
+    A warning raised deep inside (the CPU fallback, reached from ``to_device`` through
+    the process's default manager) would otherwise name devicekit's own file; users
+    need the line of theirs that led there.
+    """
+    _, skipped = user_frame(sys._getframe(1))
+    warnings.warn(message, category, stacklevel=2 + skipped)  # 1 is this function

@@ -9,6 +9,8 @@ from these where it says one of these things, so that every message says it one 
 from __future__ import annotations
 
 import numbers
+import reprlib
+import sys
 from collections.abc import Sequence
 from typing import Final
 
@@ -21,13 +23,31 @@ META: Final = "tensors on the meta device have shapes but no data"
 """What a meta tensor is, for a message that found some where data is needed."""
 
 
+class _Brief(reprlib.Repr):
+    """``repr`` with 8 members a container and 4 levels (sets nested thousands deep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdict = 8
+        self.maxdeque = 8
+        self.maxstring = self.maxlong = self.maxother = sys.maxsize  # shown cuts these
+
+    def repr_instance(self, x: object, level: int) -> str:
+        return repr(x)  # a __repr__ that raises: shown's placeholder, not reprlib's
+
+
+_BRIEF: Final = _Brief()
+
+
 def shown(value: object, limit: int | None = 60) -> str:
     """``repr(value)`` for a message, cut short where it is long (a limit of None: never).
 
-    A ``__repr__`` that raises gives a placeholder, never its error in the message's place.
+    A container shows its first 8 members and 4 levels. A ``__repr__`` that raises gives
+    a placeholder, never its error in the message's place.
 
-    >>> shown("cuda:0"), shown("x" * 100, limit=12)
-    ("'cuda:0'", "'xxxxxxxxx... (100 characters)")
+    >>> shown("cuda:0"), shown("x" * 100, limit=12), shown([*range(10)])
+    ("'cuda:0'", "'xxxxxxxxx... (100 characters)", '[0, 1, 2, 3, 4, 5, 6, 7, ...]')
     >>> class Key:
     ...     def __repr__(self):
     ...         raise ValueError("no repr")
@@ -35,7 +55,7 @@ def shown(value: object, limit: int | None = 60) -> str:
     '<unprintable Key: its __repr__ raised ValueError>'
     """
     try:
-        text = repr(value)
+        text = _BRIEF.repr(value)
     except Exception as err:  # the user's __repr__: a message must still be made
         text = f"<unprintable {type(value).__name__}: its __repr__ raised {type(err).__name__}>"
     if limit is None or len(text) <= limit:
@@ -74,17 +94,20 @@ def whole_number(value: object, least: int, name: str) -> int:
 
     >>> whole_number(4, 1, "prefetch")
     4
-    >>> whole_number(True, 1, "prefetch")
+    >>> whole_number(2.5, 1, "prefetch")
     Traceback (most recent call last):
     ...
-    ValueError: Expected prefetch to be a whole number of 1 or more, got True.
+    TypeError: Expected prefetch to be a whole number of 1 or more, got 2.5.
 
     Raises:
-        ValueError: ``value`` is no whole number, or one below ``least``.
+        TypeError: ``value`` is no whole number (a bool, a float, a str, ...).
+        ValueError: ``value`` is one below ``least``.
     """
-    if not isinstance(value, bool) and isinstance(value, numbers.Integral):
-        number = int(value)
-        if number >= least:
-            return number
-    msg = f"Expected {name} to be a whole number of {least} or more, got {shown(value)}."
-    raise ValueError(msg)
+    said = f"Expected {name} to be a whole number of {least} or more, got"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        msg = f"{said} {shown(value)}."
+        raise TypeError(msg)
+    if value < least:  # numpy's shown as the number it is: 0, not np.int64(0)
+        msg = f"{said} {int(value)}."
+        raise ValueError(msg)
+    return int(value)

@@ -13,12 +13,11 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
-from types import FrameType
 from typing import Any
 
 import torch
 
-from devicekit._base import DispatchMode, TransferError, is_library, nbytes
+from devicekit._base import DispatchMode, TransferError, nbytes, user_frame
 
 __all__ = ["TransferEvent", "TransferLog", "track_transfers"]
 
@@ -91,9 +90,7 @@ class TransferLog:
 
 
 def _user_frame() -> tuple[str, int, str]:
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None and is_library(frame.f_code.co_filename):
-        frame = frame.f_back
+    frame, _ = user_frame(sys._getframe(2))
     if frame is None:
         return "<unknown>", 0, "<unknown>"
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name

@@ -13,28 +13,32 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from devicekit._base import DeviceLike, DeviceMismatchError, mesh_of, resolve_device, shown
+from devicekit._base import (
+    META,
+    DeviceLike,
+    DeviceMismatchError,
+    listing,
+    mesh_of,
+    meta_fix,
+    resolve_device,
+    shown,
+)
 from devicekit._core import READ, flatten, leaf_how, paths, strays
 
 __all__ = [
-    "PATHS_SHOWN",
     "check_same_device",
     "describe_devices",
     "find_devices",
     "find_unmoved",
     "input_names",
-    "meta_fix",
     "tensor_paths",
     "tensors_of",
 ]
-
-PATHS_SHOWN = 3
-"""How many paths a message lists per device before it only counts the rest."""
 
 
 def tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -150,28 +154,8 @@ def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
 
 
 def describe_devices(found: dict[torch.device, list[str]]) -> str:
-    """``cuda:0 has a, b; cpu has c and 4 more`` for a message."""
-    parts = []
-    for device, where in found.items():
-        shown = ", ".join(where[:PATHS_SHOWN])
-        more = len(where) - PATHS_SHOWN
-        parts.append(f"{device} has {shown}" + (f" and {more} more" if more > 0 else ""))
-    return "; ".join(parts)
-
-
-def meta_fix(devices: Iterable[torch.device]) -> str:
-    """The fix for tensors on the meta device, after a message naming them; else "".
-
-    >>> meta_fix([torch.device("meta")])[:40]
-    ' Tensors on meta have shapes but no data'
-    """
-    if all(device.type != "meta" for device in devices):
-        return ""
-    return (
-        " Tensors on meta have shapes but no data: give a model built there storage and "
-        "initialise it with devicekit.materialize(model, device), which names whatever no "
-        "initialiser writes."
-    )
+    """``cuda:0 has a and b; cpu has c, d, e and 4 more`` for a message."""
+    return "; ".join(f"{device} has {listing(where)}" for device, where in found.items())
 
 
 def _root_name(data: Any, index: int, count: int) -> str:
@@ -242,7 +226,11 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
         msg = f"Expected every tensor on one device, but found {len(found)}: "
     else:
         msg = f"Expected every tensor on {expected}, but found {len(found)} device(s): "
-    raise DeviceMismatchError(msg + describe_devices(found) + "." + meta_fix(found), found)
+    msg += describe_devices(found) + "."
+    if any(each.type == "meta" for each in found):
+        target = next(each for each in (expected, *found) if each and each.type != "meta")
+        msg += f" {META.capitalize()}: {meta_fix(target)}."
+    raise DeviceMismatchError(msg, found)
 
 
 @functools.cache

@@ -25,8 +25,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devicekit._base import DeviceKitError, DeviceMismatchError, is_device_mismatch
-from devicekit._checks._checks import PATHS_SHOWN, input_names, tensor_paths, tensors_of
+from devicekit._base import (
+    DeviceKitError,
+    DeviceMismatchError,
+    is_device_mismatch,
+    is_library,
+    listing,
+)
+from devicekit._checks._checks import input_names, tensor_paths, tensors_of
 
 __all__ = ["made_inside"]
 
@@ -80,10 +86,6 @@ def _inside_calls(module: torch.nn.Module, error: BaseException) -> list[_Call]:
     calling it (``module(x)``); a user's method of the module that called it (a
     ``fit()``) is not inside.
     """
-    # Loaded on an error only: finding where packages are installed, as _frames does when
-    # it loads, took 3-17 ms here, a share of import devicekit's 30 ms budget.
-    from devicekit._base._frames import is_library  # noqa: PLC0415
-
     forward = getattr(type(module).forward, "__code__", None)
     calls: list[_Call] = []
     inside = False
@@ -145,8 +147,6 @@ def _functions_named(call: _Call, source: str) -> Iterator[tuple[str, FunctionTy
     Their frames are gone where the failing call used what they returned
     (``self.fc(x) + bias()``): only their code is left to read.
     """
-    from devicekit._base._frames import is_library  # noqa: PLC0415 - on an error only, as above
-
     frame = call.frame
     for name in dict.fromkeys(_NAME.findall(source)):
         function = frame.f_locals.get(name, frame.f_globals.get(name))
@@ -221,13 +221,6 @@ def _inputs_in(module: torch.nn.Module, calls: list[_Call]) -> Iterator[tuple[st
         return
     for name in input_names(type(module).forward)[0]:
         yield from _tensors_named(name, own.frame.f_locals.get(name))
-
-
-def _listing(names: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 2 more``."""
-    if len(names) > PATHS_SHOWN:
-        return f"{', '.join(names[:PATHS_SHOWN])} and {len(names) - PATHS_SHOWN} more"
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _made_elsewhere(calls: list[_Call], source: str | None, home: torch.device) -> list[_Made]:
@@ -341,7 +334,7 @@ def _named_made(
     groups: dict[_Call, list[str]] = {}
     for each in made:
         groups.setdefault(each.call, []).append(each.name)
-    subject = " and ".join(f"{_listing(names)} in {call.where}" for call, names in groups.items())
+    subject = " and ".join(f"{listing(names)} in {call.where}" for call, names in groups.items())
     devices = list(dict.fromkeys(each.device for each in made))
     one = len(made) == 1
     # Where the default device is the host: a factory called without device= made it.

@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
-from devicekit._base import DeviceMismatchError, registered_table, shown
+from devicekit._base import META, DeviceMismatchError, listing, meta_fix, registered_table, shown
 from devicekit._checks._checks import (
     describe_devices,
     input_names,
-    meta_fix,
     tensor_paths,
     tensors_of,
 )
@@ -202,8 +201,10 @@ def _check_inputs(
     seen = describe_devices({home: [f"the parameters of {label}"], **where})
     fix = (
         f" Move the inputs with devicekit.to_device(..., {str(home)!r}), or the module to the "
-        "inputs' device." + meta_fix([home])
+        "inputs' device."
     )
+    if home.type == "meta":  # the module was built there: it needs storage, not a move
+        fix += f" {META.capitalize()}: {meta_fix(device)}."
     msg = (
         f"{paths[0]} is on {device} but the parameters of {label} (e.g. "
         f"{', '.join(params[:2])}) are on {home}. Devices seen: {seen}.{fix}"
@@ -221,16 +222,10 @@ def _check_strays(
     stray, device = elsewhere[0]
     params = [name for name, t in tensors_of(module, own=own) if t.device == home]
     named = [f"{label}.{each.path}" for each, _ in elsewhere]
-    others = named[1:]
-    if not others:
-        more = ""
-    elif len(others) <= 3:
-        more = f" (and {len(others)} more: {', '.join(others)})"
-    else:  # "and 5 more: a, b, c" would read as if all five were listed
-        more = f" (and {len(others)} more, among them {', '.join(others[:3])})"
+    more = f" Off {home} too: {listing(named[1:])}." if len(named) > 1 else ""
     msg = (
         f"{label}.{stray.path} is on {device} but the parameters of {label} (e.g. "
-        f"{', '.join(params[:2])}) are on {home}{more}. {stray.fix()}."
+        f"{', '.join(params[:2])}) are on {home}.{more} {stray.fix()}."
     )
     found: dict[torch.device, list[str]] = {home: [f"{label}.{name}" for name in params]}
     for each, where in elsewhere:

@@ -23,10 +23,12 @@ from typing import IO, Any, cast
 import torch
 
 from devicekit._base import (
+    META,
     DeviceLike,
     TransferError,
     current_device,
     is_unreadable_archive,
+    listing,
     resolve_device,
     shown,
     weights_only_said,
@@ -38,7 +40,6 @@ from devicekit._files._weights_only import (
     allowing,
     checked_pickle,
     first_sentence,
-    listed,
     load_refusal,
     save_refusal,
 )
@@ -273,8 +274,8 @@ def load(
             on this machine.
         pickle.UnpicklingError: The checkpoint holds an object a weights-only load does
             not build; the message names it and how to allow it.
-        TransferError: The checkpoint holds tensors on the meta device (a shape and no
-            data), which no map_location can give data to; the message names them.
+        TransferError: The checkpoint holds tensors on the meta device, which no
+            map_location can give data to; the message names them.
     """
     _check_weights_only(weights_only, "False runs the code a pickle holds")
     _check_binary(f, "load from")
@@ -313,14 +314,11 @@ def load(
     if target.type != "meta":
         without_data = find_devices(loaded).get(torch.device("meta"))
         if without_data:
-            listed = ", ".join(without_data[:3]) + (
-                f" and {len(without_data) - 3} more" if len(without_data) > 3 else ""
-            )
             msg = (
-                f"Expected a checkpoint with data to load onto {target}, but it holds "
-                f"tensors on the meta device, which have a shape and no data: {listed}. It "
-                "was saved from a model that was never given its weights (created on meta, "
-                "or with to_empty() still to come); save it after the weights are loaded."
+                f"Expected a checkpoint with data to load onto {target}, but it holds meta "
+                f"tensors: {listing(without_data)}; {META}. It was saved from a model that "
+                "was never given its weights (created on meta, or with to_empty() still to "
+                "come); save it after the weights are loaded."
             )
             raise TransferError(msg)
     return loaded
@@ -463,7 +461,7 @@ def _other_archive(
     return (
         f"Expected a file written by torch.save, but {name} is a zip archive without the "
         f"{lacks} record{'s' if len(missing) > 1 else ''} that torch.save writes and "
-        f"torch.load reads first: it holds {listed([repr(each) for each in records])}."
+        f"torch.load reads first: it holds {listing([repr(each) for each in records])}."
     )
 
 

@@ -29,6 +29,7 @@ import torch
 
 from devicekit._base import (
     TransferError,
+    listing,
     shown,
     weights_only_build_refusal,
     weights_only_refusal,
@@ -42,7 +43,6 @@ __all__ = [
     "allowing",
     "checked_pickle",
     "first_sentence",
-    "listed",
     "load_refusal",
     "save_refusal",
 ]
@@ -176,7 +176,7 @@ def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = Non
         every = f" The load refuses {'both' if len(names) == 2 else f'all {len(names)}'} of "
         every += f"these: {', '.join(names)}."
     held = [_qualified(value if _by_reference(value) else type(value)) or "?" for _, value in found]
-    at = listed(
+    at = listing(
         [
             f"{path} is {name}" if path else f"the object at the top level is {name}"
             for (path, _), name in zip(found, held, strict=True)
@@ -216,17 +216,6 @@ def save_refusal(obj: Any, refusal: str, where: str, pickled: bytes | None = Non
     )
 
 
-# How many values a refusal names where it lists them; the rest are counted.
-_SHOWN: Final = 3
-
-
-def listed(items: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``, ``a, b, c and 4 more``."""
-    if len(items) > _SHOWN:
-        return f"{', '.join(items[:_SHOWN])} and {len(items) - _SHOWN} more"
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
-
-
 def _kind_of(value: object) -> str:
     """How to save ``value`` as data: by name, its state_dict, as a dict, or its fields."""
     if _by_reference(value):
@@ -254,7 +243,7 @@ def _fix(kind: str, paths: list[str], obj: Any, *, alone: bool) -> str:
     """The way out that keeps the checkpoint weights-only for ``paths`` (``alone``: all refused)."""
     one, several = _FIXES[kind]
     if not alone:
-        return f"For {listed(paths)}, {several if len(paths) > 1 else one}."
+        return f"For {listing(paths)}, {several if len(paths) > 1 else one}."
     if kind == "state_dict" and not paths[0]:  # the object saved: the code to write
         name = _name_for(obj)
         return f"Save its state_dict() instead: dk.save({name}.state_dict(), path)."

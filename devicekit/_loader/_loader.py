@@ -54,7 +54,7 @@ from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar
 
 import torch
 
-from devicekit._base import DeviceLike, current_device, resolve_device, streams_to
+from devicekit._base import DeviceLike, current_device, resolve_device, streams_to, whole_number
 from devicekit._core import NonBlocking, check_non_blocking, in_line_mover, to_device
 from devicekit._loader._feed import BackgroundFeed
 from devicekit._loader._pipeline import Prefetcher, StreamPrefetcher, ahead, profiling
@@ -140,8 +140,9 @@ class DeviceDataLoader(Generic[B]):
         ValueError: ``prefetch`` is negative, ``pin_memory`` or ``non_blocking`` is
             not True, False or "auto", or ``samples`` is an integer below 1 or a
             string other than ``"dim=N"``.
-        TypeError: ``loader`` is neither iterable nor a function, ``transform`` is
-            not a function, ``samples`` is none of an int, a string or a function, or
+        TypeError: ``loader`` is neither iterable nor a function, ``prefetch`` is no
+            whole number, ``transform`` is not a function, ``samples`` is none of an
+            int, a string or a function, or
             ``device`` is of the wrong type. While iterating: a ``samples`` function
             returned something other than an int (ValueError: a negative one), or a
             wrapped iterator, used up or left early, is asked for another epoch.
@@ -162,9 +163,7 @@ class DeviceDataLoader(Generic[B]):
         transform: Callable[[Any], Any] | None = None,
         samples: SampleCount = None,
     ) -> None:
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            msg = f"Expected prefetch to be a whole number of 0 or more, got {prefetch!r}."
-            raise ValueError(msg)
+        prefetch = whole_number(prefetch, 0, "prefetch")
         if pin_memory not in ("auto", True, False):
             msg = f"Expected pin_memory to be 'auto', True or False, got {pin_memory!r}."
             raise ValueError(msg)

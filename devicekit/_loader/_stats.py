@@ -10,13 +10,13 @@ A :class:`LoaderStats` holds an epoch's figures (measured as it runs by
 :class:`~devicekit._loader._recorder.EpochRecorder`). Its ``verdict`` (:func:`verdict`) reads
 them with what the loader knows of its source (:class:`Setup`, and how its samples are
 counted, :class:`Counting`) and says which side the loop is bound by, and what to
-change, only where the figures say so.
+change, only where the figures say so. Counting samples is here in whole: what
+``samples=`` asks for (:func:`counting`) and what a batch holds (:func:`samples_in`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 import re
 from collections.abc import Callable
@@ -24,7 +24,8 @@ from typing import Any, Final, NamedTuple, SupportsIndex, TypeAlias
 
 import torch
 
-from devicekit._base import count, milliseconds
+from devicekit._base import TransferError, count, milliseconds, whole_number
+from devicekit._core import ITEM, LIST, READ, TUPLE, Node, decide, flatten
 
 COMPUTE_BOUND: Final = 0.10
 """Below this share of the epoch spent waiting, the loop is compute-bound: input as fast
@@ -49,6 +50,9 @@ SampleCount: TypeAlias = int | SupportsIndex | str | Callable[[Any], int] | None
 DEFAULT_RULE: Final = "dimension 0 of the batch's tensors (the default rule)"
 """``LoaderStats.samples_rule`` where the batches' tensors were counted by the default rule."""
 _DIMENSION = re.compile(r"dim\s*=\s*(-?\d+)")
+_Tensor = torch.Tensor  # one global lookup a batch instead of two (samples_in, per batch)
+WHOLE: Final = object()  # where samples are read: the batch itself
+NOWHERE: Final = object()  # no entry of the batch reads them: each batch looked at whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,14 +151,6 @@ def counting(samples: SampleCount) -> Counting | None:
     """
     if samples is None:
         return None
-    if whole_number(samples):
-        number = int(samples)  # type: ignore[arg-type]  # an Integral, as whole_number says
-        if number < 1:
-            msg = f"Expected samples to be a number of samples per batch, 1 or more, got {number}."
-            raise ValueError(msg)
-        return Counting(
-            per_batch=number, rule=f"{count(number, 'sample')} a batch (samples={number})"
-        )
     if isinstance(samples, str):
         match = _DIMENSION.fullmatch(samples.strip())
         if match is None:
@@ -171,21 +167,116 @@ def counting(samples: SampleCount) -> Counting | None:
     if callable(samples):
         name = getattr(samples, "__qualname__", None) or repr(samples)
         return Counting(function=samples, rule=f"{name}(batch) (samples={name})")
-    msg = (  # for untyped callers
-        "Expected samples to be a number of samples per batch (an int), a dimension such as "
-        "'dim=1', or a function of the batch returning its count, got "
-        f"{type(samples).__name__} {samples!r}."
-    )
-    raise TypeError(msg)
+    try:
+        number = whole_number(samples, 1, "samples")
+    except TypeError:  # for untyped callers
+        msg = (
+            "Expected samples to be a number of samples per batch (an int), a dimension "
+            "such as 'dim=1', or a function of the batch returning its count, got "
+            f"{type(samples).__name__} {samples!r}."
+        )
+        raise TypeError(msg) from None
+    return Counting(per_batch=number, rule=f"{count(number, 'sample')} a batch (samples={number})")
 
 
-def whole_number(value: object) -> bool:
-    """Whether ``value`` is an integer as a count is: an int or numpy's, never a bool.
+def returned_count(number: object, function: object, batch: int) -> int:
+    """``number`` as ``samples=function`` returned it for a batch, where it is a count.
 
-    >>> whole_number(4), whole_number(True), whole_number(4.0)
-    (True, False, False)
+    Raises:
+        TypeError: It is no whole number (a bool, a float, a tensor, ...).
+        ValueError: It is negative.
     """
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    name = getattr(function, "__qualname__", None) or repr(function)
+    what = (
+        f"what samples={name} returned for batch {batch} of this epoch (numbered from 0, "
+        "as enumerate() numbers them)"
+    )
+    try:
+        return whole_number(number, 0, what)
+    except TypeError as err:
+        if not isinstance(number, torch.Tensor):
+            raise
+        msg = f"{str(err)[:-1]} (.item() makes a Python int of a one-element tensor)."
+        raise TypeError(msg) from None
+
+
+def _per_sample(value: Any) -> bool:
+    """Whether ``value`` is a list or tuple of per-sample tensors (images of any size)."""
+    return (
+        type(value) in (list, tuple)
+        and len(value) >= 2
+        and all(type(item) is _Tensor for item in value)
+        and len({item.dim() for item in value}) == 1
+    )
+
+
+def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
+    """A batch's samples by the default rule, and where batches of its structure hold them.
+
+    The rule is :attr:`LoaderStats.samples <devicekit.LoaderStats.samples>`'s, read along
+    dimension ``dim`` (from the last where negative, as PyTorch indexes) of the tensors
+    that have it, as the type table sees them (the READ view, which
+    also looks inside objects that move themselves); a one-element tensor is left out of
+    the sharing, so that two of them never outvote the batch's tensors.
+    Where: the batch's entry (a key or an index, :data:`WHOLE` for the batch itself) and
+    whether its length counts, else its dimension ``dim``; :data:`NOWHERE` where the
+    count comes from deeper, and each batch is then looked at whole.
+
+    The batch is walked once, by :func:`~devicekit._core._tree.flatten`: iteratively, and
+    refused where :func:`~devicekit.to_device` refuses it (deeper than
+    :data:`~devicekit._core._tree.MAX_DEPTH`, or a cycle), which counts as telling no samples.
+
+    >>> import torch
+    >>> number, key, length = samples_in({"image": torch.zeros(8, 3), "label": torch.zeros(8)})
+    >>> number, key, length
+    (8, 'image', False)
+    >>> samples_in((torch.zeros(64, 3), torch.zeros(1), torch.zeros(1)))[0]
+    64
+    >>> samples_in((torch.zeros(35, 20), torch.zeros(700)), dim=1)[0]
+    20
+    >>> samples_in((torch.zeros(35, 20), torch.zeros(7, 20)), dim=-1)[0]
+    20
+    """
+    # A tensor has dimension dim where its rank is above this: dim=-1 needs one dimension.
+    below = dim if dim >= 0 else -dim - 1
+    if type(batch) is _Tensor:
+        return (batch.shape[dim], WHOLE, False) if batch.dim() > below else (None, NOWHERE, False)
+    node = decide(type(batch)).read
+    if not isinstance(node, Node):
+        return None, NOWHERE, False
+    try:
+        leaves = flatten(batch, view=READ).leaves
+    except TransferError:
+        return None, NOWHERE, False
+    sequence = node is LIST or node is TUPLE
+    # The children with the key or index each is read by again (NOWHERE: none): only an
+    # item is, not a dataclass's fields, a namedtuple's attributes or an object's contents.
+    entries = [
+        (key.name if key.form == ITEM else NOWHERE, child)
+        for key, child in zip(node.keys(batch), node.children(batch), strict=True)
+    ]
+    # (a per-sample list's length, its entry)
+    lengths = [(len(child), key) for key, child in entries if dim == 0 and _per_sample(child)]
+    if sequence and dim == 0 and _per_sample(batch):
+        lengths.insert(0, (len(batch), WHOLE))
+    # The entries that are tensors themselves, by identity: the first entry that holds one.
+    direct = {id(child): key for key, child in reversed(entries) if isinstance(child, _Tensor)}
+    # (a size along dim, the entry it is read from, whether it may share)
+    sizes = [
+        (leaf.shape[dim], direct.get(id(leaf), NOWHERE), leaf.numel() != 1)
+        for leaf in leaves
+        if isinstance(leaf, _Tensor) and leaf.dim() > below
+    ]
+    voters = [size for size, _, votes in sizes if votes]
+    shared = [size for size in set(voters) if voters.count(size) >= 2]
+    found = max(shared or [size for size, _, _ in sizes], default=None)
+    longest = max((length for length, _ in lengths), default=None)
+    if longest is not None and (found is None or longest > found):
+        return longest, next(key for length, key in lengths if length == longest), True
+    if found is None:
+        return None, NOWHERE, False
+    key = next((key for size, key, _ in sizes if size == found and key is not NOWHERE), NOWHERE)
+    return found, key, False
 
 
 def dataloader_counting(loader: object) -> Counting:

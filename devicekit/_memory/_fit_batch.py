@@ -41,6 +41,7 @@ from devicekit._base import (
     nbytes,
     resolve_device,
     shown,
+    whole_number,
 )
 from devicekit._memory._ranks import AGREED, Ranks, Watch, ddp_wrappers
 from devicekit._memory._restore import Kept, restorable
@@ -253,9 +254,10 @@ def fit_batch(
             where the step synchronises the gradients of a DistributedDataParallel
             named in ``restore``.
         ValueError: An option is out of range.
-        TypeError: ``step`` is not callable, or ``restore`` holds something that
-            cannot be put back (a module whose parameters are not initialised yet: a lazy
-            module before its first forward); or ``device`` is of the wrong type.
+        TypeError: ``step`` is not callable, ``start``, ``limit`` or ``target`` is no whole
+            number, or ``restore`` holds something that cannot be put back (a module
+            whose parameters are not initialised yet: a lazy module before its first
+            forward); or ``device`` is of the wrong type.
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
     """
     ranks = Ranks()
@@ -320,9 +322,7 @@ def _check(step: object, start: object, limit: object, target: object, headroom:
     for name, value in (("start", start), ("limit", limit), ("target", target)):
         if value is None and name != "start":
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            msg = f"Expected {name} to be a whole number of 1 or more, got {shown(value)}."
-            raise ValueError(msg)
+        whole_number(value, 1, name)
     if isinstance(limit, int) and isinstance(start, int) and limit < start:
         msg = f"Expected limit to be at least start ({start}), got {limit}."
         raise ValueError(msg)

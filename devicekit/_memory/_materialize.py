@@ -42,6 +42,7 @@ from devicekit._base import (
     DeviceLike,
     apply_to_own_tensors,
     current_device,
+    listing,
     own_tensors,
     registered_table,
     resolve_device,
@@ -295,12 +296,11 @@ def _refuse_lazy(slots: list[Slot]) -> None:
     ]
     if not lazy:
         return
-    paths = ", ".join(path for path, _ in lazy[:3])
-    more = f" and {len(lazy) - 3} more" if len(lazy) > 3 else ""
+    paths = listing([path for path, _ in lazy])
     kinds = ", ".join(dict.fromkeys(type(submodule).__name__ for _, submodule in lazy))
     msg = (
-        f"Expected meta tensors with a shape to give storage to, but {paths}{more} (of "
-        f"{kinds}) are uninitialized: a lazy module's shapes are set by its first forward. "
+        f"Expected meta tensors with a shape to give storage to, but {paths} (of {kinds}) "
+        "are uninitialized: a lazy module's shapes are set by its first forward. "
         "Run one forward first (inputs on meta of the right shape are enough, such as "
         "torch.empty(8, 128, device='meta')), or build the module's non-lazy form "
         "(nn.Linear for nn.LazyLinear). Nothing was changed."
@@ -648,23 +648,28 @@ def _count_sentinel(tensor: torch.Tensor) -> torch.Tensor:
     return torch.eq(tensor, _sentinel(tensor.dtype) or 0).sum()
 
 
+def _one_a_line(items: list[str]) -> str:
+    """A line an item, the first :data:`_SHOWN`, the rest counted: a report, not a listing."""
+    more = [f"and {len(items) - _SHOWN} more"] if len(items) > _SHOWN else []
+    return "\n".join(f"  {item}" for item in [*items[:_SHOWN], *more])
+
+
 def _message(
     unwritten: dict[str, tuple[int, int, str]], made: int, found: _Found, device: torch.device
 ) -> str:
     parts = []
     if unwritten:
-        lines = [
-            f"  {path}: {count} of {total} elements{on}" if count < total else f"  {path}{on}"
-            for path, (count, total, on) in list(unwritten.items())[:_SHOWN]
-        ]
-        more = len(unwritten) - len(lines)
-        if more:
-            lines.append(f"  and {more} more")
+        lines = _one_a_line(
+            [
+                f"{path}: {count} of {total} elements{on}" if count < total else f"{path}{on}"
+                for path, (count, total, on) in unwritten.items()
+            ]
+        )
         parts.append(
             f"Expected every tensor given storage on {device} to be written by an initialiser, "
             f"but {len(unwritten)} of {made} hold what the empty storage held (checked by "
             "filling it with NaN, or an integer type's largest value, first):\n"
-            + "\n".join(lines)
+            + lines
             + "\nNo module's reset_parameters() wrote them. Pass init=, a function of each "
             "submodule that sets them (a buffer computed in __init__ is computed again "
             "there), or give their modules a reset_parameters()."
@@ -682,9 +687,7 @@ def _left_message(found: _Found, device: torch.device) -> str:
             f"Expected every tensor of the module on {device} once the initialisers ran, but "
             f"rank {rank} has {count} still on the meta device; its own error names them."
         )
-    lines = [f"  {path}: {what}" for path, what in found.left_here[:_SHOWN]]
-    if len(found.left_here) > _SHOWN:
-        lines.append(f"  and {len(found.left_here) - _SHOWN} more")
+    lines = _one_a_line([f"{path}: {what}" for path, what in found.left_here])
     fixes = []
     said = {what for _, what in found.left_here}
     if _PLAIN_SAID in said:
@@ -703,7 +706,7 @@ def _left_message(found: _Found, device: torch.device) -> str:
     return (
         f"Expected every tensor of the module on {device} once the initialisers ran, but "
         f"{count} {'is' if count == 1 else 'are'} still on the meta device:\n"
-        + "\n".join(lines)
+        + lines
         + "\n"
         + " ".join(fixes)
     )

@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from devicekit._base import accelerator_type, gib, shown
+from devicekit._base import accelerator_type, gib, listing, shown
 from devicekit._select._nvml import NvmlGpu, read_nvml, unforked, visible_gpus
 
 __all__ = [
@@ -85,18 +85,16 @@ class GpuProcess(NamedTuple):
 
 
 def who_uses(info: DeviceInfo) -> str:
-    """Who uses a GPU, as NVML lists them: ``31.0 GiB used by pid 4242, pid 77``."""
-    if not info.processes:
-        return ""
-    ordered = sorted(info.processes, key=lambda process: -(process.used_memory or 0))
-    named = [
-        f"{gib(process.used_memory)} used by pid {process.pid}"
-        if process.used_memory is not None
-        else f"used by pid {process.pid}"
-        for process in ordered[:3]
-    ]
-    more = len(ordered) - len(named)
-    return ", ".join(named) + (f" and {more} more" if more else "")
+    """Who uses a GPU, as NVML lists them: ``31.0 GiB used by pid 4242 and used by pid 77``."""
+    ordered = sorted(info.processes or (), key=lambda process: -(process.used_memory or 0))
+    return listing(
+        [
+            f"{gib(process.used_memory)} used by pid {process.pid}"
+            if process.used_memory is not None
+            else f"used by pid {process.pid}"
+            for process in ordered
+        ]
+    )
 
 
 def describe(info: DeviceInfo) -> str:

@@ -9,13 +9,12 @@ and values on any device, numpy arrays by value, the rest by ``==``).
 from __future__ import annotations
 
 import collections
-import reprlib
 from collections.abc import Generator
 from typing import Any, Final, NamedTuple, TypeAlias
 
 import torch
 
-from devicekit._base import DeviceLike, resolve_device
+from devicekit._base import DeviceLike, resolve_device, shown
 from devicekit._checks import describe_devices, find_devices
 from devicekit._core import CAST, SET, Leaf, decide, flatten, leaf_how, mapping_items, paths
 
@@ -162,27 +161,12 @@ def _comparison(actual: Any, expected: Any, *, values: bool) -> _Comparison:
             # Python's dicts compare equal in any order; OrderedDicts do not.
             ordered = isinstance(want, collections.OrderedDict)
             if keys != got_keys if ordered else _differ_unordered(keys, got_keys):
-                msg = f"{where}: expected keys {_shown(keys)}, got {_shown(got_keys)}."
+                expected, found = shown(keys, limit=200), shown(got_keys, limit=200)
+                msg = f"{where}: expected keys {expected}, got {found}."
                 raise AssertionError(msg)
         elif theirs.counts[path] != mine.counts[path]:
             msg = f"{where}: expected {theirs.counts[path]} items, got {mine.counts[path]}."
             raise AssertionError(msg)
-
-
-# Values in messages are shortened as reprlib shortens them: a few members a container,
-# a few levels (sets nested thousands deep), long strings and reprs cut in the middle.
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 4, 200, 200
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdict = 8
-
-
-def _shown(value: Any) -> str:
-    """``repr(value)``, of bounded length.
-
-    >>> _shown([*range(10)]), _shown("x" * 1000)[:12]
-    ('[0, 1, 2, 3, 4, 5, 6, 7, ...]', "'xxxxxxxxxxx")
-    """
-    return _REPR.repr(value)
 
 
 def _compare_leaves(got: Any, want: Any, where: str, *, values: bool) -> None:
@@ -192,7 +176,7 @@ def _compare_leaves(got: Any, want: Any, where: str, *, values: bool) -> None:
         _compare_tensors(got, want, where, values=values)
         return
     if not (_equal_arrays(got, want) if how is Leaf.ARRAY else got is want or _equal(got, want)):
-        msg = f"{where}: expected {_shown(want)}, got {_shown(got)}."
+        msg = f"{where}: expected {shown(want, limit=200)}, got {shown(got, limit=200)}."
         raise AssertionError(msg)
 
 
@@ -248,9 +232,8 @@ def _compare_members(got: Any, want: Any, where: str, *, values: bool) -> _Compa
                 match = candidate
                 break
         if match is _NO_MATCH:
-            msg = (
-                f"{where}: expected a member like {_shown(member)}, found none among {_shown(got)}."
-            )
+            like, among = shown(member, limit=200), shown(got, limit=200)
+            msg = f"{where}: expected a member like {like}, found none among {among}."
             raise AssertionError(msg)
         left.remove(match)
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from devicekit._base import HOST_TYPES, available_devices
+from devicekit._base import HOST_TYPES, available_devices, whole_number
 from devicekit.testing._containers import CONTAINER_KINDS, FrozenRecord, Pair, Record
 
 __all__ = ["batches", "devices", "tensors"]
@@ -150,9 +150,10 @@ def batches(
     if unknown or not kinds:
         msg = f"Expected containers among {CONTAINER_KINDS}, got {kinds!r}."
         raise ValueError(msg)
-    if not isinstance(max_leaves, int) or isinstance(max_leaves, bool) or max_leaves < 1:
-        msg = f"Expected max_leaves to be a whole number of 1 or more, got {max_leaves!r}."
-        raise InvalidArgument(msg)
+    try:
+        whole_number(max_leaves, 1, "max_leaves")
+    except (TypeError, ValueError) as err:  # as Hypothesis's own strategies say it
+        raise InvalidArgument(str(err)) from None
     if leaves is not None and not isinstance(leaves, st.SearchStrategy):  # untyped callers
         msg = (  # type: ignore[unreachable]
             "Expected leaves to be a Hypothesis strategy such as devicekit.testing.tensors(), "
