@@ -19,7 +19,7 @@ from torch import nn
 import devicekit as dk
 from devicekit._base import _compat
 from devicekit._checks import _checks
-from devicekit._core import _tree
+from devicekit._core import _tree, _unmoved
 from devicekit.testing import batches, tensors
 
 from .helpers import CPU, META
@@ -116,7 +116,7 @@ def test_the_checks_name_no_path_where_there_is_no_tensor(
     # Naming every one of a million ints took find_devices 0.7 s; to_device takes 28 ms.
     named: list[int] = []
     paths = _tree.paths
-    monkeypatch.setattr(_checks, "paths", lambda flat: named.append(1) or paths(flat))
+    monkeypatch.setattr(_unmoved, "paths", lambda flat: named.append(1) or paths(flat))
     ints = list(range(100_000))
     assert dk.find_devices(ints) == {}
     assert named == []

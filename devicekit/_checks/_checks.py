@@ -4,7 +4,7 @@
 reaching into modules (their parameters and buffers, by qualified name) and optimizers
 (their parameters and state) as well as containers; ``find_unmoved`` names what a
 module holds that ``Module.to()`` leaves behind. Every tensor is named as the user
-wrote it (:func:`tensor_paths`), a forward's inputs by its own parameter names
+wrote it (:func:`devicekit._core.tensor_paths`), a forward's inputs by its own parameter names
 (:func:`input_names`): the naming that :mod:`devicekit._checks._guard` and its explanation of
 a failed forward (:mod:`devicekit._checks._forward_error`) speak in too.
 """
@@ -28,7 +28,7 @@ from devicekit._base import (
     resolve_device,
     shown,
 )
-from devicekit._core import READ, flatten, leaf_how, paths, strays
+from devicekit._core import leaf_how, strays, tensor_paths
 
 __all__ = [
     "check_same_device",
@@ -36,38 +36,8 @@ __all__ = [
     "find_devices",
     "find_unmoved",
     "input_names",
-    "tensor_paths",
     "tensors_of",
 ]
-
-
-def tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in ``data`` with its path, as the READ view of the table sees them.
-
-    That is every tensor to_device would move, inside modules, optimizers and objects
-    that move themselves too (a PackedSequence's ``.data``, a graph's ``.x``), and the
-    tensors a module holds that Module.to() leaves behind (:func:`find_unmoved`).
-    """
-    flat = flatten(data, view=READ)
-    tensors = [index for index in flat.active if isinstance(flat.leaves[index], torch.Tensor)]
-    modules = [
-        (number, container)
-        for number, (_, _, container, _) in enumerate(flat.spec)
-        if isinstance(container, torch.nn.Module)
-    ]
-    if not tensors and not modules:  # a million ints, a config: no path is made
-        return
-    leaf_paths, container_paths = paths(flat)
-    for index in tensors:
-        yield _rooted(root, leaf_paths[index]), flat.leaves[index]
-    for number, module in modules:
-        # A refusal names the data as to_device's does where it has no name of its own.
-        for stray in strays(module, root=(root or "data") + container_paths[number]):
-            yield _rooted(root, f"{container_paths[number]}.{stray.path}"), stray.tensor
-
-
-def _rooted(root: str, path: str) -> str:
-    return root + path if root or not path.startswith(".") else path[1:]
 
 
 def find_unmoved(module: torch.nn.Module, /) -> dict[str, torch.device]:

@@ -32,7 +32,8 @@ from devicekit._base import (
     is_library,
     listing,
 )
-from devicekit._checks._checks import input_names, tensor_paths, tensors_of
+from devicekit._checks._checks import input_names, tensors_of
+from devicekit._core import tensor_paths
 
 __all__ = ["made_inside"]
 

@@ -20,14 +20,9 @@ from typing import Any
 import torch
 
 from devicekit._base import META, DeviceMismatchError, listing, meta_fix, registered_table, shown
-from devicekit._checks._checks import (
-    describe_devices,
-    input_names,
-    tensor_paths,
-    tensors_of,
-)
+from devicekit._checks._checks import describe_devices, input_names, tensors_of
 from devicekit._checks._forward_error import made_inside
-from devicekit._core import Stray, read_again, strays
+from devicekit._core import Stray, read_again, strays, tensor_paths
 
 __all__ = ["GuardHandle", "guard"]
 

@@ -20,7 +20,7 @@ from devicekit._core._nodes import ATTRIBUTE, ITEM, LIST, SET, TUPLE, Key, Node,
 from devicekit._core._packing import PACK_MAX_BYTES
 from devicekit._core._transfer import NonBlocking, check_non_blocking, in_line_mover, to_device
 from devicekit._core._tree import contents, flatten, keys_of, map_leaves, paths, walk
-from devicekit._core._unmoved import Stray, read_again, strays
+from devicekit._core._unmoved import Stray, read_again, strays, tensor_paths
 
 __all__ = [
     "ATTRIBUTE",
@@ -50,6 +50,7 @@ __all__ = [
     "read_again",
     "register_transfer",
     "strays",
+    "tensor_paths",
     "to_device",
     "unregister_transfer",
     "walk",

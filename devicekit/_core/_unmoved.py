@@ -18,17 +18,17 @@ stack, and refuses nesting deeper than to_device takes, as to_device does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
 import torch
 
 from devicekit._base import recomputed_attributes
-from devicekit._core._kinds import decide
+from devicekit._core._kinds import READ, decide
 from devicekit._core._nodes import ATTRIBUTE, SHOWN, Key, Node
-from devicekit._core._tree import Path, contents, keys_of, walk
+from devicekit._core._tree import Path, contents, flatten, keys_of, paths, walk
 
-__all__ = ["Stray", "read_again", "strays"]
+__all__ = ["Stray", "read_again", "strays", "tensor_paths"]
 
 # The tables and hooks every module has: nothing of the user's in them.
 _MODULE_OWN: Final = frozenset(vars(torch.nn.Module()))
@@ -177,3 +177,32 @@ def _inside(value: Any, registered: set[int]) -> Iterable[tuple[Key, Any]] | Non
     if isinstance(value, _DISTRIBUTIONS):
         return [(Key(ATTRIBUTE, key), child) for key, child in vars(value).items()]
     return contents(value)
+
+
+def tensor_paths(data: Any, root: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in ``data`` with its path, as the READ view of the table sees them.
+
+    That is every tensor to_device would move, inside modules, optimizers and objects
+    that move themselves too (a PackedSequence's ``.data``, a graph's ``.x``), and the
+    tensors a module holds that Module.to() leaves behind (:func:`strays`).
+    """
+    flat = flatten(data, view=READ)
+    tensors = [index for index in flat.active if isinstance(flat.leaves[index], torch.Tensor)]
+    modules = [
+        (number, container)
+        for number, (_, _, container, _) in enumerate(flat.spec)
+        if isinstance(container, torch.nn.Module)
+    ]
+    if not tensors and not modules:  # a million ints, a config: no path is made
+        return
+    leaf_paths, container_paths = paths(flat)
+    for index in tensors:
+        yield _rooted(root, leaf_paths[index]), flat.leaves[index]
+    for number, module in modules:
+        # A refusal names the data as to_device's does where it has no name of its own.
+        for stray in strays(module, root=(root or "data") + container_paths[number]):
+            yield _rooted(root, f"{container_paths[number]}.{stray.path}"), stray.tensor
+
+
+def _rooted(root: str, path: str) -> str:
+    return root + path if root or not path.startswith(".") else path[1:]

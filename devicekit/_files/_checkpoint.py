@@ -33,7 +33,7 @@ from devicekit._base import (
     shown,
     weights_only_said,
 )
-from devicekit._checks import find_devices
+from devicekit._core import tensor_paths
 from devicekit._files import _atomic
 from devicekit._files._weights_only import (
     Unloadable,
@@ -312,7 +312,7 @@ def load(
             raise
         raise ValueError(_damaged(name, weights_only_said(str(err)).reason)) from None
     if target.type != "meta":
-        without_data = find_devices(loaded).get(torch.device("meta"))
+        without_data = [path for path, tensor in tensor_paths(loaded, "") if tensor.is_meta]
         if without_data:
             msg = (
                 f"Expected a checkpoint with data to load onto {target}, but it holds meta "
