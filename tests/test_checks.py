@@ -18,7 +18,6 @@ from torch import nn
 
 import devicekit as dk
 from devicekit._base import _compat
-from devicekit._checks import _checks
 from devicekit._core import _tree, _unmoved
 from devicekit.testing import batches, tensors
 
