@@ -13,7 +13,6 @@ import contextlib
 import os
 import site
 import sys
-import sysconfig
 import warnings
 from types import FrameType
 
@@ -40,8 +39,6 @@ _OWN_FOLDERS = tuple(
 _PACKAGE_FOLDERS = tuple(
     _folder(path)
     for path in {
-        sysconfig.get_path("purelib"),
-        sysconfig.get_path("platlib"),
         *site.getsitepackages(),
         site.getusersitepackages(),
     }
@@ -57,7 +54,7 @@ def is_library(
 
     The nearest folder around the file decides: a folder of installed packages inside
     one of ``own`` (by default PyTorch's, devicekit's, the standard library's) is not
-    one of them, whether it is known (``packages``: sysconfig's and site's) or named
+    one of them, whether it is known (``packages``: site's) or named
     ``site-packages`` or ``dist-packages``.
 
     >>> own = ("/usr/lib/python3.11/", "/usr/lib/python3.11/site-packages/torch/")

@@ -50,7 +50,6 @@ SampleCount: TypeAlias = int | SupportsIndex | str | Callable[[Any], int] | None
 DEFAULT_RULE: Final = "dimension 0 of the batch's tensors (the default rule)"
 """``LoaderStats.samples_rule`` where the batches' tensors were counted by the default rule."""
 _DIMENSION = re.compile(r"dim\s*=\s*(-?\d+)")
-_Tensor = torch.Tensor  # one global lookup a batch instead of two (samples_in, per batch)
 WHOLE: Final = object()  # where samples are read: the batch itself
 NOWHERE: Final = object()  # no entry of the batch reads them: each batch looked at whole
 
@@ -205,7 +204,7 @@ def _per_sample(value: Any) -> bool:
     return (
         type(value) in (list, tuple)
         and len(value) >= 2
-        and all(type(item) is _Tensor for item in value)
+        and all(type(item) is torch.Tensor for item in value)
         and len({item.dim() for item in value}) == 1
     )
 
@@ -239,7 +238,7 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     """
     # A tensor has dimension dim where its rank is above this: dim=-1 needs one dimension.
     below = dim if dim >= 0 else -dim - 1
-    if type(batch) is _Tensor:
+    if type(batch) is torch.Tensor:
         return (batch.shape[dim], WHOLE, False) if batch.dim() > below else (None, NOWHERE, False)
     node = decide(type(batch)).read
     if not isinstance(node, Node):
@@ -260,12 +259,12 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     if sequence and dim == 0 and _per_sample(batch):
         lengths.insert(0, (len(batch), WHOLE))
     # The entries that are tensors themselves, by identity: the first entry that holds one.
-    direct = {id(child): key for key, child in reversed(entries) if isinstance(child, _Tensor)}
+    direct = {id(child): key for key, child in reversed(entries) if isinstance(child, torch.Tensor)}
     # (a size along dim, the entry it is read from, whether it may share)
     sizes = [
         (leaf.shape[dim], direct.get(id(leaf), NOWHERE), leaf.numel() != 1)
         for leaf in leaves
-        if isinstance(leaf, _Tensor) and leaf.dim() > below
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > below
     ]
     voters = [size for size, _, votes in sizes if votes]
     shared = [size for size in set(voters) if voters.count(size) >= 2]
