@@ -56,6 +56,7 @@ import torch
 
 from devicekit._base import DeviceLike, current_device, resolve_device, streams_to, whole_number
 from devicekit._core import NonBlocking, check_non_blocking, in_line_mover, to_device
+from devicekit._loader._cpus import machine_cpus
 from devicekit._loader._feed import BackgroundFeed
 from devicekit._loader._pipeline import Prefetcher, StreamPrefetcher, ahead, profiling
 from devicekit._loader._recorder import EpochRecorder
@@ -66,7 +67,6 @@ from devicekit._loader._stats import (
     Setup,
     counting,
     dataloader_counting,
-    machine_cpus,
 )
 
 __all__ = ["PREFETCHERS", "DeviceDataLoader"]

@@ -17,7 +17,6 @@ change, only where the figures say so. Counting samples is here in whole: what
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple, SupportsIndex, TypeAlias
@@ -303,12 +302,6 @@ class Setup(NamedTuple):
     accelerator: bool  # batches copied ahead on a side stream
     cpus: int
     counting: Counting = Counting()
-
-
-def machine_cpus() -> int:
-    """The cores this process may run on (its affinity, where the platform has one)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def verdict(stats: LoaderStats, setup: Setup, *, first_wait: float | None = None) -> str:
