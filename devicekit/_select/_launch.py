@@ -150,9 +150,8 @@ def _cuda_entries(value: str) -> tuple[list[int] | list[str], str | None]:
     The repeat is the first entry listed a second time, None where none is.
 
     A repeated entry hides every GPU. NVIDIA's documentation says nothing of repeats;
-    this is PyTorch's reading (``torch.cuda._parse_visible_devices``: "Repeated ordinal
-    results in empty set"), written to agree with the CUDA runtime, which then finds no
-    device.
+    this is how PyTorch's own parser of the variable reads it ("Repeated ordinal results
+    in empty set"), written to agree with the CUDA runtime, which then finds no device.
     """
     for prefix in ("GPU-", "MIG-"):
         if value.startswith(prefix):
