@@ -78,7 +78,7 @@ import devicekit as dk
 from devicekit._commands._bench import per_image_batch
 from devicekit._core import _packing
 from devicekit._core._transfer import as_accelerator
-from devicekit._loader import _loader, _pipeline
+from devicekit._loader import _loader, _staging
 
 Mover = Callable[[Any, torch.device], Any]
 BUDGET_S: dict[str, float] = {
@@ -121,17 +121,10 @@ class Setting:
 
 
 class _HostPrefetcher:
-    """The smoke run's stand-in for the side stream: copies in order on the host.
-
-    It pins through the loader's own pinning walk (with a copy for pinning, as nothing
-    can be pinned without an accelerator), so the feed thread runs what it runs on a GPU.
-    """
+    """The smoke run's stand-in for the side stream: copies in order on the host."""
 
     def __init__(self, device: torch.device, non_blocking: object) -> None:
         self.device = device
-
-    def pin(self, batch: Any) -> Any:
-        return _pipeline._pin(batch, torch.Tensor.clone)
 
     def start(self, batch: Any) -> Any:
         return dk.to_device(batch, self.device)
@@ -146,15 +139,24 @@ class _HostPrefetcher:
         return lambda wait: None  # the host copies in line: no copy time of its own
 
 
+def _pageable(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    return torch.empty(size, dtype=torch.uint8), lambda: None
+
+
 @contextlib.contextmanager
 def accelerator_on_the_cpu() -> Iterator[None]:
-    """The meta device taken as an accelerator: packing, the feed thread, the pipeline."""
+    """The meta device taken as an accelerator: packing, the feed thread, the pipeline.
+
+    The loader stages batches in ordinary memory (nothing can be pinned without an
+    accelerator), so the feed thread and its pinning threads run what they run on a GPU.
+    """
     _loader.PREFETCHERS["meta"] = _HostPrefetcher
+    _staging.ALLOCATORS["meta"] = _pageable
     try:
         with as_accelerator("meta"):
             yield
     finally:
-        del _loader.PREFETCHERS["meta"]
+        del _loader.PREFETCHERS["meta"], _staging.ALLOCATORS["meta"]
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -9,6 +9,7 @@ there a missing package fails the run instead of passing it by skipping.
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import devicekit as dk
-from devicekit._loader import _pipeline
+from devicekit._loader import _staging
 
 from .helpers import CPU, META, PinRecorder, require_package
 
@@ -390,6 +391,10 @@ def test_requiring_interop_packages_fails_where_one_is_missing(
         require_package("no_such_package_here")
 
 
+def _pageable(size: int) -> tuple[torch.Tensor, Any]:
+    return torch.empty(size, dtype=torch.uint8), lambda: None
+
+
 def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -409,12 +414,9 @@ def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
     graph_features = batches["graph"].x
     for name, batch in batches.items():
         recorder.pinned.clear()
-        pinned = _pipeline._pin(
-            {  # the feed's pinning, as StreamPrefetcher.pin runs it
-                "batch": batch,
-                "id": 3,
-            }
-        )
+        stager = _staging.Stager(_staging.StagingPool(None, 2, _pageable), threads=1)
+        # The feed's pinning: what moves itself is pinned by itself, on a shallow copy.
+        pinned = stager.stage({"batch": batch, "id": 3}, threading.Event()).batch
         assert (4, 3) in [tuple(tensor.shape) for tensor in recorder.pinned], name
         assert type(pinned["batch"]) is type(batch)
         assert pinned["batch"] is not batch

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
-from devicekit._loader._pipeline import StreamPrefetcher, _pin
+from devicekit._loader._pipeline import StreamPrefetcher
+from devicekit._loader._staging import ALLOCATORS, Stager, StagingPool
 
 pytestmark = pytest.mark.cuda
 
@@ -20,7 +23,8 @@ def cuda() -> torch.device:
 def test_pinning_keeps_structure_and_aliases() -> None:
     shared = torch.ones(1 << 16)  # 256 KiB: large enough to be pinned, not packed
     small = torch.zeros(2)
-    pinned = _pin({"a": shared, "b": [shared, small], "n": 3})
+    stager = Stager(StagingPool(None, 2, ALLOCATORS["cuda"]), threads=2)
+    pinned = stager.stage({"a": shared, "b": [shared, small], "n": 3}, threading.Event()).batch
     assert pinned["a"].is_pinned()
     assert pinned["a"] is pinned["b"][0]
     assert pinned["b"][1] is small  # small tensors travel packed through pinned staging

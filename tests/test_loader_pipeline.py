@@ -26,11 +26,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
-from devicekit._core._packing import PACK_MAX_BYTES
-from devicekit._loader import _loader, _pipeline
+from devicekit._loader import _loader, _staging
 
 from .conftest import WATCHDOG_S, Hang
-from .helpers import META, PinRecorder
+from .helpers import META
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
@@ -73,12 +72,8 @@ class StandIn:
         self.alive = 0
         self.started: list[int] = []
         self.handed: list[int] = []
-        self.pinned_in: set[str] = set()
+        self.pinned_in: set[str] = set()  # the threads that staged a batch (see _loader_for)
         self.consumer_done_since_hand_over = True
-
-    def pin(self, batch: int) -> int:
-        self.pinned_in.add(threading.current_thread().name)
-        return batch
 
     def start(self, batch: int) -> Ticket:
         assert self.alive < self.depth, "more batches in flight than prefetch allows"
@@ -133,7 +128,14 @@ def _loader_for(
         made.append(StandIn(prefetch * live))
         return made[-1]
 
+    def stage(self: _staging.Stager, batch: Any, stop: threading.Event) -> _staging.Staged:
+        for prefetcher in made[-1:]:  # none where another test's prefetcher stands in
+            prefetcher.pinned_in.add(threading.current_thread().name)
+        return staged(self, batch, stop)
+
+    staged = _staging.Stager.stage
     monkeypatch.setitem(_loader.PREFETCHERS, "meta", make)
+    monkeypatch.setattr(_staging.Stager, "stage", stage)
     loader = dk.DeviceDataLoader(source, META, prefetch=prefetch, pin_memory=pin, **options)
     return loader, made
 
@@ -418,7 +420,6 @@ from devicekit._loader import _loader
 from devicekit._core._packing import PACK_MAX_BYTES
 
 class Instant:
-    def pin(self, batch): return batch
     def start(self, batch): return batch
     def hand_over(self, ticket): return ticket
     def consumer_done(self): pass
@@ -455,6 +456,31 @@ def test_the_interpreter_exits_while_a_source_is_stuck(ending: str, fresh_python
     assert result.stdout == "stuck\n"
 
 
+_THREADS_AFTER_A_FEED = """
+import torch
+from devicekit._loader._feed import BackgroundFeed
+
+feed = BackgroundFeed(iter(range(3)), lambda item: torch.get_num_threads(), 1)
+print(torch.get_num_threads() == {expected}, list(feed))
+"""
+
+
+def test_the_feed_leaves_the_training_threads_intra_op_count_alone(fresh_python: str) -> None:
+    # In a fresh process: a thread takes, at its first parallel op, the count last set by
+    # any thread, so the feed's set_num_threads(1) must come after the training thread's.
+    signal.setitimer(signal.ITIMER_REAL, 0)  # the child's import of PyTorch: see above
+    expected = torch.get_num_threads()
+    result = subprocess.run(
+        [fresh_python, "-c", _THREADS_AFTER_A_FEED.format(expected=expected)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "True [1, 1, 1]\n"
+
+
 # Each trial forks a child that leaves its loop mid-epoch, as a training script does, while
 # the feed thread is inside PyTorch (a matrix product), and the child's interpreter ends.
 _LEAVES_MID_EPOCH = """
@@ -462,7 +488,6 @@ import os, sys, torch, devicekit as dk
 from devicekit._loader import _loader
 
 class Instant:
-    def pin(self, batch): return batch
     def start(self, batch): return batch
     def hand_over(self, ticket): return ticket
     def consumer_done(self): pass
@@ -562,49 +587,19 @@ def test_the_feed_thread_pins_on_one_core_and_leaves_the_training_thread_s(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     threads_seen: list[int] = []
+    stage = _staging.Stager.stage
 
-    def pin(self: StandIn, batch: int) -> int:
+    def counting(self: _staging.Stager, batch: Any, stop: threading.Event) -> _staging.Staged:
         threads_seen.append(torch.get_num_threads())
-        return batch
+        return stage(self, batch, stop)
 
     loader, _ = _loader_for(Source(3), 1, True, monkeypatch)
-    monkeypatch.setattr(StandIn, "pin", pin)
+    monkeypatch.setattr(_staging.Stager, "stage", counting)
     before = torch.get_num_threads()
     assert list(loader) == _expected(3, 1)
     assert threads_seen == [1, 1]  # the first batch is read (and not pinned) in this thread
     assert torch.get_num_threads() == before
     _no_thread_left()
-
-
-def test_pinning_takes_large_host_tensors_once_each_and_leaves_the_rest() -> None:
-    large = torch.zeros(PACK_MAX_BYTES // 4 + 1)  # float32: one element too many
-    small = torch.zeros(PACK_MAX_BYTES // 4)  # exactly the packing limit
-    on_meta = torch.zeros(PACK_MAX_BYTES, device="meta")
-    batch = {"a": large, "again": [large], "small": small, "meta": on_meta, "id": "x"}
-    pin = PinRecorder()
-    pinned = _pipeline._pin(batch, pin)
-    assert [id(t) for t in pin.pinned] == [id(large)]  # pinned once, although there twice
-    assert pinned["a"] is pinned["again"][0]  # aliases stay aliases
-    assert pinned["a"] is not large
-    assert torch.equal(pinned["a"], large)
-    assert pinned["small"] is small  # travels packed through a pinned staging buffer
-    assert pinned["meta"] is on_meta
-    assert pinned["id"] == "x"
-    assert batch["a"] is large  # the input is untouched
-
-
-def test_pinning_by_default_keeps_pinned_tensors_and_pins_the_others() -> None:
-    tensor = torch.zeros(PACK_MAX_BYTES)
-    calls: list[str] = []
-
-    class Pinned(torch.Tensor):
-        def is_pinned(self, device: object = None) -> bool:
-            calls.append("is_pinned")
-            return True
-
-    already = tensor.as_subclass(Pinned)
-    assert _pipeline._page_locked(already) is already
-    assert calls == ["is_pinned"]
 
 
 # Seeded runs: reading that draws random numbers never runs beside the loop's draws.

@@ -109,6 +109,7 @@ RAISES_NOTHING = frozenset(
         "Backend.devices",
         "Backend.name",
         # Readers of what a made object holds, and giving back a claim or hooks.
+        "DeviceDataLoader.close",
         "DeviceDataLoader.device",
         "DeviceDataLoader.stats",
         "DeviceManager.close",

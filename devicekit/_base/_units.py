@@ -40,8 +40,10 @@ _UNITS = {
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)", re.IGNORECASE)
 
 
-def parse_bytes(size: int | str) -> int:
+def parse_bytes(size: int | str, name: str = "min_free_memory") -> int:
     """Read a memory size: bytes as an int, or a string such as ``"8GiB"`` or ``"500 MB"``.
+
+    ``name`` is the option's, for the message.
 
     >>> parse_bytes("8GiB"), parse_bytes("1.5 GB"), parse_bytes(1024)
     (8589934592, 1500000000, 1024)
@@ -54,14 +56,14 @@ def parse_bytes(size: int | str) -> int:
     match = _SIZE.fullmatch(size.strip()) if isinstance(size, str) else None
     if match is None or match.group(2).lower() not in _UNITS:
         msg = (
-            "Expected min_free_memory as a number of bytes or a size such as '8GiB', "
+            f"Expected {name} as a number of bytes or a size such as '8GiB', "
             f"'500MB' or '1.5 GB', got {shown(size)}."
         )
         raise ValueError(msg)
     nbytes = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not nbytes < _MOST_BYTES:  # inf, where the digits outrun a float, included
         msg = (
-            f"Expected min_free_memory as a size a device can have, got {shown(size)}: "
+            f"Expected {name} as a size a device can have, got {shown(size)}: "
             "more than a yottabyte."
         )
         raise ValueError(msg)

@@ -19,7 +19,7 @@ from devicekit._core._kinds import (
 from devicekit._core._nodes import ATTRIBUTE, ITEM, LIST, SET, TUPLE, Key, Node, mapping_items
 from devicekit._core._packing import PACK_MAX_BYTES
 from devicekit._core._transfer import NonBlocking, check_non_blocking, in_line_mover, to_device
-from devicekit._core._tree import contents, flatten, keys_of, map_leaves, paths, walk
+from devicekit._core._tree import contents, flatten, keys_of, map_flat, map_leaves, paths, walk
 from devicekit._core._unmoved import Stray, read_again, strays, tensor_paths
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "in_line_mover",
     "keys_of",
     "leaf_how",
+    "map_flat",
     "map_leaves",
     "mapping_items",
     "paths",

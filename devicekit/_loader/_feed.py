@@ -48,9 +48,11 @@ class BackgroundFeed:
         prepare: Callable[[Any], Any],
         depth: int,
         device: torch.device | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self._items: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
+        # Given: the event a ``prepare`` that waits (for pinned memory) watches too.
+        self._stop = threading.Event() if stop is None else stop
         self._ended = False
         self._error: BaseException | None = None  # the source's, raised after its items
         self._device = device
@@ -60,6 +62,10 @@ class BackgroundFeed:
             target=self._run, args=(batches, prepare), name="devicekit-feed", daemon=True
         )
         _running.add(self)
+        # A thread's first parallel op takes the intra-op count last set by any thread,
+        # so the feed's set_num_threads(1) below would leave a training thread that had
+        # not yet computed in parallel on one core: its count is settled here first.
+        torch.get_num_threads()
         self._thread.start()
 
     def _put(self, item: Any) -> bool:

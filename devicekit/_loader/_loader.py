@@ -54,12 +54,26 @@ from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar
 
 import torch
 
-from devicekit._base import DeviceLike, current_device, resolve_device, streams_to, whole_number
+from devicekit._base import (
+    DeviceLike,
+    current_device,
+    parse_bytes,
+    resolve_device,
+    streams_to,
+    whole_number,
+)
 from devicekit._core import NonBlocking, check_non_blocking, in_line_mover, to_device
 from devicekit._loader._cpus import machine_cpus
 from devicekit._loader._feed import BackgroundFeed
 from devicekit._loader._pipeline import Prefetcher, StreamPrefetcher, ahead, profiling
 from devicekit._loader._recorder import EpochRecorder
+from devicekit._loader._staging import (
+    ALLOCATORS,
+    Stager,
+    StagingPool,
+    pin_threads,
+    pinned_by_torch,
+)
 from devicekit._loader._stats import (
     Counting,
     LoaderStats,
@@ -135,11 +149,15 @@ class DeviceDataLoader(Generic[B]):
             function of the batch as the loop gets it,
             returning its count. None: the default rule, which
             :attr:`LoaderStats.samples <devicekit.LoaderStats.samples>` states.
+        pin_memory_limit: The most page-locked memory the loader keeps for staging
+            batches (bytes, or a size such as ``"2GiB"``); None: what ``prefetch + 1``
+            of the largest batches need. A batch larger than it is copied from pageable
+            memory, and ``stats.unpinned`` counts it.
 
     Raises:
         ValueError: ``prefetch`` is negative, ``pin_memory`` or ``non_blocking`` is
-            not True, False or "auto", or ``samples`` is an integer below 1 or a
-            string other than ``"dim=N"``.
+            not True, False or "auto", ``samples`` is an integer below 1 or a
+            string other than ``"dim=N"``, or ``pin_memory_limit`` is not a size.
         TypeError: ``loader`` is neither iterable nor a function, ``prefetch`` is no
             whole number, ``transform`` is not a function, ``samples`` is none of an
             int, a string or a function, or
@@ -162,8 +180,12 @@ class DeviceDataLoader(Generic[B]):
         non_blocking: NonBlocking = "auto",
         transform: Callable[[Any], Any] | None = None,
         samples: SampleCount = None,
+        pin_memory_limit: int | str | None = None,
     ) -> None:
         prefetch = whole_number(prefetch, 0, "prefetch")
+        limit = (
+            None if pin_memory_limit is None else parse_bytes(pin_memory_limit, "pin_memory_limit")
+        )
         if pin_memory not in ("auto", True, False):
             msg = f"Expected pin_memory to be 'auto', True or False, got {pin_memory!r}."
             raise ValueError(msg)
@@ -191,6 +213,8 @@ class DeviceDataLoader(Generic[B]):
         self._transform = transform
         # One prefetcher (one side stream) for the loader's whole life, made on first use.
         self._prefetcher: Prefetcher | None = None
+        self._pin_memory_limit = limit
+        self._stager: Stager | None = None  # the pinned memory and threads, made on first use
         self._one_shot: Literal["fresh", "started", "used up"] = "fresh"
         # The feeds of live epochs, while their threads run (each thread holds its feed).
         self._feeds: weakref.WeakSet[BackgroundFeed] = weakref.WeakSet()
@@ -308,6 +332,9 @@ class DeviceDataLoader(Generic[B]):
         prefetcher = self._prefetcher
         if prefetcher is None:
             prefetcher = self._prefetcher = make_prefetcher(device, self._non_blocking)
+        stager = self._staging() if self._pins() else None
+        if stager is not None:
+            record.pool, record.pool_before = stager.pool, stager.pool.figures
         epoch = ahead(
             self._batches(),
             prefetcher,
@@ -315,10 +342,32 @@ class DeviceDataLoader(Generic[B]):
             record,
             depth=self._prefetch,
             finish=self._finish,
-            pins=self._pins(),
+            stage=None if stager is None else stager.stage,
             feeds=self._feeds,
         )
         return self._measured(epoch, record)
+
+    def _staging(self) -> Stager:
+        """The loader's pinned memory and pinning threads, made at its first pinned epoch."""
+        if self._stager is None:
+            allocate = ALLOCATORS.get(self._device.type, pinned_by_torch)
+            pool = StagingPool(self._pin_memory_limit, self._prefetch + 1, allocate)
+            self._stager = Stager(pool, pin_threads(machine_cpus()))
+            # Collected without close(): the memory goes back once its copies have ended.
+            weakref.finalize(self, self._stager.close)
+        return self._stager
+
+    def close(self) -> None:
+        """End the live epochs, and give back the pinned memory and pinning threads now.
+
+        Memory still read by a copy goes back as that copy ends. A later epoch makes them
+        again, as a DataLoader starts its workers again; a collected loader closes itself.
+        """
+        for feed in list(self._feeds):
+            feed.close()
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
 
     def _setup(self, *, ahead: bool) -> Setup:
         loader = self.loader

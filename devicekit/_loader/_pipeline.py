@@ -8,9 +8,9 @@ stream), and when its first stage (:mod:`devicekit._loader._feed`) may read ahea
 from __future__ import annotations
 
 import collections
-import copy
 import random
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Protocol
@@ -18,9 +18,10 @@ from typing import Any, Final, Protocol
 import torch
 
 from devicekit._base import profiler_running
-from devicekit._core import PACK_MAX_BYTES, Leaf, NonBlocking, leaf_how, map_leaves, to_device
+from devicekit._core import NonBlocking, to_device
 from devicekit._loader._feed import NOT_READY, BackgroundFeed
 from devicekit._loader._recorder import CopyTimer, EpochRecorder
+from devicekit._loader._staging import Staged, measured
 
 __all__ = ["Prefetcher", "StreamPrefetcher", "ahead", "profiling"]
 
@@ -37,9 +38,6 @@ class Prefetcher(Protocol):
     needed, :meth:`hand_over` when the consumer asks for it, and :meth:`consumer_done`
     each time the consumer comes back for the next one.
     """
-
-    def pin(self, batch: Any) -> Any:
-        """The batch with the tensors worth pinning in page-locked memory (any thread)."""
 
     def start(self, batch: Any) -> Any:
         """Issue the batch's copy to the device without waiting; return a ticket for it."""
@@ -89,45 +87,6 @@ def drew_since(before: tuple[Any, ...]) -> bool:
     return not torch.equal(before[0], after[0]) or before[1:] != after[1:]
 
 
-def _as_it_is(batch: Any) -> Any:
-    return batch
-
-
-def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.is_pinned() else tensor.pin_memory()
-
-
-def _pin(batch: Any, pin: Callable[[torch.Tensor], torch.Tensor] = _page_locked) -> Any:
-    """The batch with every large host tensor ``pin``-ned; aliases stay aliases.
-
-    Tensors of at most PACK_MAX_BYTES are left alone: they travel packed, through a
-    staging buffer that is pinned already, and pinning them first would copy them twice.
-    Objects that move themselves (a TensorDict, a graph, a PackedSequence) are pinned
-    by their own ``pin_memory()``, as torch's pin-memory thread pins them, on a shallow
-    copy (a graph's pins in place): they move with their ``.to()``, never packed.
-    ``pin`` is the seam the tests replace, on machines where nothing can be pinned.
-    """
-    return map_leaves(_pinned, batch, ({}, pin))
-
-
-def _pinned(leaf: Any, state: tuple[dict[int, Any], Callable[..., Any]]) -> Any:
-    if not isinstance(leaf, torch.Tensor):
-        pin_memory = getattr(leaf, "pin_memory", None)
-        if not callable(pin_memory) or leaf_how(type(leaf)).leaf is not Leaf.TO_METHOD:
-            return leaf
-        pinned = state[0]
-        if id(leaf) not in pinned:
-            pinned[id(leaf)] = copy.copy(leaf).pin_memory()
-        return pinned[id(leaf)]
-    if not leaf.is_cpu or leaf.nbytes <= PACK_MAX_BYTES:
-        return leaf
-    pinned, pin = state
-    copied = pinned.get(id(leaf))
-    if copied is None:
-        copied = pinned[id(leaf)] = pin(leaf)
-    return copied
-
-
 class StreamPrefetcher:
     """The accelerator side of the pipeline: one side stream for the loader's whole life."""
 
@@ -135,9 +94,6 @@ class StreamPrefetcher:
         self._device = device
         self._non_blocking = non_blocking
         self._stream = torch.Stream(device=device)
-
-    def pin(self, batch: Any) -> Any:
-        return _pin(batch)
 
     def start(self, batch: Any) -> tuple[Any, torch.Event, torch.Event]:
         # Timing events, recorded around the copy: its time, read later, costs no wait.
@@ -204,7 +160,12 @@ def _prefetched(
             item = read()
             if item is NOT_READY:
                 return False
-            in_flight.append(start(item))
+            if type(item) is Staged:  # read ahead: its slab waits for this copy
+                ticket = start(item.batch)
+                item.copy_issued(prefetcher.timer(ticket))
+                in_flight.append((ticket, item.nbytes))
+            else:
+                in_flight.append((start(item), None))
         except StopIteration:
             ended = True
             return False
@@ -222,7 +183,7 @@ def _prefetched(
     # copies after whatever the consumer queued since, as every later resume does.
     prefetcher.consumer_done()
     if first is not NOT_READY:
-        in_flight.append(start(first))
+        in_flight.append((start(first), None))
         del first
     while True:
         if not in_flight and not ended:
@@ -230,8 +191,8 @@ def _prefetched(
         top_up()
         if not in_flight:
             break
-        ticket = in_flight.popleft()
-        record.timers.append(prefetcher.timer(ticket))
+        ticket, size = in_flight.popleft()
+        record.timers.append((prefetcher.timer(ticket), size))
         batch = prefetcher.hand_over(ticket)
         del ticket
         record.read_copies()
@@ -251,13 +212,14 @@ def ahead(
     *,
     depth: int,
     finish: Callable[[Any], Any],
-    pins: bool,
+    stage: Callable[[Any, threading.Event], Staged] | None,
     feeds: weakref.WeakSet[BackgroundFeed],
 ) -> Iterator[Any]:
     """An epoch's ``batches``, copied up to ``depth`` ahead, read ahead where reads draw nothing.
 
-    The feed that reads ahead goes into ``feeds`` while it lives, and pins with the
-    prefetcher where ``pins``; ``finish`` is the transform, ``record`` the epoch's figures.
+    The feed that reads ahead goes into ``feeds`` while it lives, and pins each batch with
+    ``stage`` (None: devicekit does not pin); ``finish`` is the transform, ``record`` the
+    epoch's figures.
     """
     # Reads that draw from the global random generators (augmentation without workers,
     # a sampler's shuffle, graph sampling) are made in this thread, between the loop's
@@ -285,8 +247,10 @@ def ahead(
         del batch
     # The rest is read by a feed thread, pinned there where devicekit pins, so that a
     # batch ready on the device is handed over whatever the next one's read costs.
-    pin = _in_range("devicekit.pin", prefetcher.pin if pins else _as_it_is)
-    feed = BackgroundFeed(batches, pin, depth, device)
+    stop = threading.Event()
+    ready_it = stage or measured
+    pin = _in_range("devicekit.pin", lambda batch: ready_it(batch, stop))
+    feed = BackgroundFeed(batches, pin, depth, device, stop)
     feeds.add(feed)
     record.read_ahead = True
     pipeline = _prefetched(feed, prefetcher, depth, finish, record, ready=feed.ready, first=batch)

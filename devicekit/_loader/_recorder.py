@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Final
 
+from devicekit._loader._staging import PoolFigures, StagingPool
 from devicekit._loader._stats import (
     NOWHERE,
     WHOLE,
@@ -41,7 +42,13 @@ class EpochRecorder:
         self.steps: list[float] = []
         self.samples: int | None = 0
         self.copies: list[float] | None = [] if setup.accelerator else None
-        self.timers: list[CopyTimer] = []  # copies handed over, time not read yet
+        # Copies handed over, time not read yet, each with its bytes (None: not counted).
+        self.timers: list[tuple[CopyTimer, int | None]] = []
+        # The bytes and seconds of the copies whose bytes are known: the bandwidth.
+        self.counted_bytes = 0
+        self.counted_s = 0.0
+        self.pool: StagingPool | None = None  # the loader's, where it pins
+        self.pool_before = PoolFigures()
         self.finished = False
         # Where the loader reads this epoch's batches (see _pipeline.ahead).
         self.read_ahead = False
@@ -120,11 +127,29 @@ class EpochRecorder:
     def read_copies(self, *, wait: bool = False) -> None:
         """Take the times of the copies that have finished, in order; with ``wait``, all."""
         while self.timers and self.copies is not None:
-            seconds = self.timers[0](wait)
+            timer, size = self.timers[0]
+            seconds = timer(wait)
             if seconds is None:
                 return
             self.copies.append(seconds)
+            if size is not None:
+                self.counted_bytes += size
+                self.counted_s += seconds
             del self.timers[0]
+
+    def _pool_figures(self) -> dict[str, Any]:
+        """The staging pool's figures over this epoch (its peak and cap: the loader's so far)."""
+        if self.pool is None:
+            return {}
+        now, before = self.pool.figures, self.pool_before
+        return {
+            "pinned_bytes": now.peak_bytes,
+            "pinned_limit": self.pool.cap,
+            "pinned_batches": now.staged - before.staged,
+            "pinned_reused": now.reused - before.reused,
+            "unpinned": now.unpinned - before.unpinned,
+            "unpinned_why": self.pool.failure,
+        }
 
     def snapshot(self) -> LoaderStats:
         """The figures so far, with their verdict."""
@@ -153,9 +178,12 @@ class EpochRecorder:
             wait_per_batch=tuple(self.waits[-PER_BATCH_KEPT:]),
             step_per_batch=tuple(self.steps[-PER_BATCH_KEPT:]),
             copy_per_batch=copies,
+            copy_bytes=self.counted_bytes,
+            copy_gbps=self.counted_bytes / self.counted_s / 1e9 if self.counted_s > 0 else None,
             finished=self.finished,
             read_ahead=self.read_ahead,
             reads_draw=self.reads_draw,
+            **self._pool_figures(),
         )
         said = verdict(stats, self.setup, first_wait=self.first_wait)
         return dataclasses.replace(stats, verdict=said)

@@ -107,6 +107,27 @@ class LoaderStats:
     its last step; the latest 10,000."""
     copy_per_batch: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
     """The copies whose time is known, in order, the latest 10,000; None as ``copy_s``."""
+    copy_bytes: int = 0
+    """The host bytes of the batches read ahead whose copy time is known (the first batch
+    or two, read in the training thread, are not counted)."""
+    copy_gbps: float | None = None
+    """``copy_bytes`` over those batches' copy time, in GB/s (10**9 bytes a second): the
+    bandwidth the copies reached. None where no such copy is known."""
+    pinned_bytes: int = 0
+    """The most page-locked memory the loader's staging pool has held at once, in bytes;
+    0 where devicekit does not pin (the CPU, ``pin_memory=False``, a pinning DataLoader)."""
+    pinned_limit: int | None = None
+    """The pool's cap in bytes: ``pin_memory_limit=``, else ``prefetch + 1`` times the
+    largest batch it staged. None where devicekit does not pin."""
+    pinned_batches: int = 0
+    """This epoch's batches staged in the pool's page-locked memory."""
+    pinned_reused: int = 0
+    """Of those, the batches staged in memory the pool had page-locked for an earlier one."""
+    unpinned: int = 0
+    """This epoch's batches copied from pageable memory, which blocks the training thread:
+    larger than the pool's cap, or met after page-locking failed (``unpinned_why``)."""
+    unpinned_why: str | None = None
+    """Why page-locking failed, where it did (the loader warned once); else None."""
     finished: bool = False
     """Whether the epoch ran to its end; False while it runs, or when it was left early."""
     read_ahead: bool = False

@@ -1,0 +1,337 @@
+"""The loader's pinned staging pool and pinning threads, on the CPU through their seams.
+
+The page-locking allocator is replaced by ordinary memory (nothing can be pinned without
+an accelerator), and a copy's end by a timer the test controls, so the pool's accounting
+(exact sizes, reuse, the cap, release, the fallback) and its waits run here.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit._core._packing import PACK_MAX_BYTES
+from devicekit._loader import _loader, _staging
+from devicekit._loader._staging import ALIGN, PIECE_MIN_BYTES, Staged, Stager, StagingPool
+
+from .helpers import META
+
+pytestmark = pytest.mark.usefixtures("watchdog")
+
+LARGE = PACK_MAX_BYTES + 4  # a float32 tensor of this many bytes is staged
+
+
+class Memory:
+    """Stands in for page-locking: ordinary memory, every slab's life recorded."""
+
+    def __init__(self, fail_from: int | None = None) -> None:
+        self.sizes: list[int] = []  # each slab asked for, in bytes
+        self.live = 0  # bytes not yet given back
+        self.most = 0
+        self.fail_from = fail_from  # the slab (counted from 0) from which allocation fails
+        self.threads: set[str] = set()
+
+    def __call__(self, size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        self.threads.add(threading.current_thread().name)
+        if self.fail_from is not None and len(self.sizes) >= self.fail_from:
+            msg = "CUDA error: out of memory (cudaHostRegister)"
+            raise RuntimeError(msg)
+        self.sizes.append(size)
+        self.live += size
+        self.most = max(self.most, self.live)
+
+        def release() -> None:
+            self.live -= size
+
+        return torch.empty(size, dtype=torch.uint8), release
+
+
+class Copy:
+    """A copy's timer: running until ``end()``; waiting for it ends it, and is counted."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def end(self) -> None:
+        self.done = True
+
+    def __call__(self, wait: bool) -> float | None:
+        if wait:
+            self.waited += 1
+            self.done = True
+        return 0.001 if self.done else None
+
+
+def _floats(size: int, value: float = 0.0) -> torch.Tensor:
+    return torch.full((size // 4,), float(value))
+
+
+def _stager(memory: Memory, *, limit: int | None = None, batches: int = 2) -> Stager:
+    return Stager(StagingPool(limit, batches, memory), threads=1)
+
+
+NEVER = threading.Event()  # a stop that is never set
+
+
+def test_a_batch_is_staged_in_one_slab_of_exactly_its_bytes() -> None:
+    memory = Memory()
+    a, b = _floats(LARGE, 1.0), _floats(LARGE + 8, 2.0)
+    small = torch.ones(3)
+    staged = _stager(memory).stage({"a": a, "b": [b, a], "small": small, "n": 7}, NEVER)
+    first_end = -(-LARGE // ALIGN) * ALIGN
+    assert memory.sizes == [first_end + b.nbytes]  # not rounded to a power of two
+    batch = staged.batch
+    assert torch.equal(batch["a"], a)
+    assert torch.equal(batch["b"][0], b)
+    assert batch["b"][1] is batch["a"]  # aliases stay aliases
+    assert batch["small"] is small  # travels packed: staging it would copy it twice
+    assert batch["n"] == 7
+    assert batch["a"].untyped_storage().data_ptr() == batch["b"][0].untyped_storage().data_ptr()
+    assert staged.nbytes == a.nbytes + b.nbytes + a.nbytes + small.nbytes  # what the copy moves
+
+
+def test_a_staged_tensor_keeps_the_strides_its_copy_would_keep() -> None:
+    images = torch.randn(4, 3, 64, 64).to(memory_format=torch.channels_last)
+    every_other = torch.randn(64, 2048)[:, ::2]  # not dense: staged contiguous, as .to() makes it
+    staged = _stager(Memory()).stage([images, every_other], NEVER).batch
+    assert staged[0].stride() == images.stride()
+    assert staged[0].is_contiguous(memory_format=torch.channels_last)
+    assert staged[1].is_contiguous()
+    assert torch.equal(staged[0], images)
+    assert torch.equal(staged[1], every_other)
+
+
+def test_tensors_not_worth_staging_are_left_as_they_are() -> None:
+    class Marked(torch.Tensor):
+        pass
+
+    marked = _floats(LARGE).as_subclass(Marked)
+    on_meta = torch.empty(LARGE, device="meta")
+    memory = Memory()
+    staged = _stager(memory).stage([marked, on_meta, _floats(PACK_MAX_BYTES)], NEVER)
+    assert staged.batch[0] is marked  # a subclass moves by its own rules
+    assert staged.batch[1] is on_meta
+    assert memory.sizes == []
+    assert staged.lease is None
+
+
+def test_a_pinned_tensor_is_not_staged_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensor = _floats(LARGE)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: self is tensor)
+    memory = Memory()
+    assert _stager(memory).stage([tensor], NEVER).batch[0] is tensor
+    assert memory.sizes == []
+
+
+def test_equal_batches_reuse_one_slab_once_their_copies_end() -> None:
+    memory = Memory()
+    stager = _stager(memory)
+    for step in range(5):
+        staged = stager.stage([_floats(LARGE, step)], NEVER)
+        copy = Copy()
+        staged.copy_issued(copy)
+        copy.end()
+    assert memory.sizes == [LARGE]
+    assert stager.pool.figures == _staging.PoolFigures(
+        staged=5, reused=4, unpinned=0, peak_bytes=LARGE
+    )
+
+
+def test_varying_batches_never_hold_more_than_the_default_cap() -> None:
+    memory = Memory()
+    stager = _stager(memory, batches=2)  # prefetch 1: two batches' worth
+    sizes = [LARGE * k for k in (3, 1, 4, 2, 4, 1, 3, 5, 2, 5, 1)]
+    in_flight: list[tuple[Staged, Copy]] = []
+    for step, size in enumerate(sizes):
+        staged = stager.stage([_floats(size, step)], NEVER)
+        copy = Copy()
+        staged.copy_issued(copy)
+        in_flight.append((staged, copy))
+        if len(in_flight) > 1:  # the copy before ends while this one runs, as on a GPU
+            in_flight.pop(0)[1].end()
+        assert memory.live <= stager.pool.cap == 2 * max(sizes[: step + 1])
+        assert torch.equal(staged.batch[0], _floats(size, step))
+    assert memory.most <= 2 * max(sizes)
+    assert stager.pool.figures.unpinned == 0
+
+
+def test_a_full_pool_waits_for_the_oldest_copy_then_reuses_its_slab() -> None:
+    memory = Memory()
+    stager = _stager(memory, limit=2 * LARGE)
+    copies = []
+    for _ in range(2):
+        staged = stager.stage([_floats(LARGE)], NEVER)
+        copies.append(Copy())
+        staged.copy_issued(copies[-1])
+    stager.stage([_floats(LARGE)], NEVER)
+    assert [copy.waited for copy in copies] == [1, 0]  # only the oldest was waited for
+    assert memory.sizes == [LARGE, LARGE]
+
+
+def test_a_pool_full_of_batches_not_yet_copied_waits_until_one_is_dropped() -> None:
+    memory = Memory()
+    stager = _stager(memory, limit=LARGE)
+    queued = stager.stage([_floats(LARGE)], NEVER)  # staged, its copy not yet issued
+    got: list[Staged] = []
+    waiting = threading.Thread(target=lambda: got.append(stager.stage([_floats(LARGE)], NEVER)))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive()  # no slab free, and no copy to wait for
+    del queued  # an epoch left early drops it: its slab goes back
+    gc.collect()
+    waiting.join()
+    assert got[0].lease is not None
+    assert memory.sizes == [LARGE]
+
+
+def test_a_wait_for_a_slab_ends_when_the_feed_stops() -> None:
+    stager = _stager(Memory(), limit=LARGE)
+    queued = stager.stage([_floats(LARGE)], NEVER)
+    stop = threading.Event()
+    got: list[Staged] = []
+    waiting = threading.Thread(target=lambda: got.append(stager.stage([_floats(LARGE)], stop)))
+    waiting.start()
+    stop.set()
+    waiting.join()
+    assert got[0].lease is None  # given up: the feed drops it unread
+    assert queued.lease is not None
+
+
+def test_a_batch_larger_than_the_cap_is_copied_from_pageable_memory() -> None:
+    memory = Memory()
+    stager = _stager(memory, limit=LARGE)
+    tensor = _floats(2 * LARGE)
+    staged = stager.stage([tensor], NEVER)
+    assert staged.batch[0] is tensor
+    assert memory.sizes == []
+    assert stager.pool.figures.unpinned == 1
+
+
+def test_when_page_locking_fails_the_loader_says_so_once_and_copies_pageable() -> None:
+    memory = Memory(fail_from=1)
+    stager = _stager(memory)
+    first = stager.stage([_floats(LARGE)], NEVER)
+    first.copy_issued(Copy())
+    with pytest.warns(RuntimeWarning, match="could not pin a batch: page-locking") as said:
+        second = stager.stage([_floats(2 * LARGE)], NEVER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        third = stager.stage([_floats(LARGE)], NEVER)  # no second warning
+    assert len(said) == 1
+    assert "memlock limit (ulimit -l)" in str(said[0].message)
+    assert second.lease is None
+    assert third.lease is None
+    assert stager.pool.figures.unpinned == 2
+    assert stager.pool.failure is not None
+
+
+def test_closing_gives_back_free_slabs_now_and_copying_ones_as_they_end() -> None:
+    memory = Memory()
+    stager = _stager(memory, batches=3)
+    done, running = Copy(), Copy()
+    for copy in (done, running):
+        stager.stage([_floats(LARGE)], NEVER).copy_issued(copy)
+    done.end()
+    stager.close()
+    assert memory.live == LARGE  # the one a copy still reads
+    stager.pool.wait_for_copies()
+    assert memory.live == 0
+    assert stager.stage([_floats(LARGE)], NEVER).lease is None  # closed: no new memory
+
+
+def test_large_copies_are_cut_into_pieces_for_the_threads() -> None:
+    source = torch.randn(8, PIECE_MIN_BYTES // 4)  # 8 MiB
+    target = torch.empty_like(source)
+    pieces = list(_staging._pieces(target, source, threads=4))
+    assert len(pieces) == 4
+    assert sum(piece[1].nbytes for piece in pieces) == source.nbytes
+    small = torch.randn(PIECE_MIN_BYTES // 4)
+    assert len(list(_staging._pieces(torch.empty_like(small), small, threads=4))) == 1
+    wide = torch.randn(1, 3 * PIECE_MIN_BYTES // 4)  # cut along the first long dimension
+    assert [piece[1].shape for piece in _staging._pieces(torch.empty_like(wide), wide, 3)] == [
+        torch.Size([1, PIECE_MIN_BYTES // 4])
+    ] * 3
+
+
+def test_several_pinning_threads_copy_every_byte_in_place() -> None:
+    memory = Memory()
+    stager = Stager(StagingPool(None, 2, memory), threads=3)
+    batch = {
+        "images": torch.randn(6, 3, 128, 128),  # 1.1 MiB a 2 pieces
+        "masks": torch.randint(0, 2, (6, 1, 512, 512), dtype=torch.uint8),
+        "depth": torch.randn(6, 256, 256).transpose(1, 2),
+    }
+    try:
+        staged = stager.stage(batch, NEVER).batch
+        pinners = {t.name for t in threading.enumerate() if t.name.startswith("devicekit-pin")}
+    finally:
+        stager.close()
+    for key, tensor in batch.items():
+        assert torch.equal(staged[key], tensor), key
+    assert pinners  # the pieces went to the pinning threads
+
+
+def test_the_loader_stages_read_ahead_batches_and_reports_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    memory = Memory()
+    copies: list[Copy] = []
+
+    class HostPrefetcher:
+        def __init__(self, device: torch.device, non_blocking: object) -> None:
+            pass
+
+        def start(self, batch: Any) -> Any:
+            copies.append(Copy())
+            copies[-1].end()  # copied at once
+            return batch
+
+        def hand_over(self, ticket: Any) -> Any:
+            return ticket
+
+        def consumer_done(self) -> None:
+            pass
+
+        def timer(self, ticket: Any) -> Callable[[bool], float | None]:
+            return copies[-1]
+
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostPrefetcher)
+    monkeypatch.setitem(_staging.ALLOCATORS, "meta", memory)
+    batches = [[_floats(LARGE, i)] for i in range(8)]
+    loader = dk.DeviceDataLoader(batches, META, prefetch=2)
+    got = [batch[0].clone() for batch in loader]
+    assert all(torch.equal(g, b[0]) for g, b in zip(got, batches, strict=True))
+    stats = loader.stats
+    assert stats.pinned_batches == 7  # the first is read (and not pinned) in this thread
+    assert stats.pinned_reused == stats.pinned_batches - len(memory.sizes)
+    assert stats.pinned_bytes == memory.most <= stats.pinned_limit == 3 * LARGE
+    assert stats.unpinned == 0
+    assert stats.copy_bytes == 7 * LARGE
+    assert stats.copy_gbps == pytest.approx(LARGE / 0.001 / 1e9)
+    assert memory.threads == {"devicekit-feed"}
+    loader.close()
+    assert memory.live == 0
+
+
+def test_the_pool_limit_is_read_as_a_size() -> None:
+    with pytest.raises(ValueError, match="Expected pin_memory_limit as a number of bytes"):
+        dk.DeviceDataLoader([1], META, pin_memory_limit="lots")
+    loader = dk.DeviceDataLoader([1], META, pin_memory_limit="2GiB")
+    assert loader._pin_memory_limit == 2 << 30
+
+
+def test_a_copy_whose_timer_cannot_time_frees_its_slab_once_waited_for() -> None:
+    memory = Memory()
+    stager = _stager(memory, limit=LARGE)
+    for _ in range(3):  # a stand-in's timer says None even when waited for: no hang
+        stager.stage([_floats(LARGE)], NEVER).copy_issued(lambda wait: None)
+    assert memory.sizes == [LARGE]
+    assert stager.pool.figures.reused == 2
