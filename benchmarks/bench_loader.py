@@ -5,6 +5,11 @@ Run ``python benchmarks/bench_loader.py``. It times epochs of the wrapper agains
 ``--handover`` measures instead what the training process pays to get a batch from a
 DataLoader worker, against reading it in the process: the figure behind
 ``devicekit._loader._stats.HANDOVER_S``, below which the loader's verdict advises no workers.
+``--pinning`` times the feed thread's pinning stage on the host, on the GPU report's
+loader batches: a fresh copy per large tensor on one thread (``pin_memory()``'s host
+work, as a pinning DataLoader does it), against the loader's staging pool on one thread
+and on its pinning threads (ordinary memory stands in for page-locked memory here; the
+target: never slower than the one thread). CI runs it with ``--quick``.
 The loader's overlap and memory on a GPU, and real training loops through it, are in
 ``benchmarks/gpu_report.py``.
 """
@@ -12,9 +17,11 @@ The loader's overlap and memory on a GPU, and real training loops through it, ar
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -23,6 +30,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
+from devicekit._core import PACK_MAX_BYTES, map_leaves
+from devicekit._loader._cpus import machine_cpus
+from devicekit._loader._staging import Stager, StagingPool, pin_threads
 from devicekit._loader._stats import HANDOVER_S
 
 
@@ -117,6 +127,85 @@ def handover(repeat: int, batches: int = 1500) -> list[str]:
     return rows
 
 
+def pinning_batches(quick: bool) -> dict[str, Any]:
+    """The GPU report's loader batches (tiny where ``quick``): what the feed thread pins."""
+    scale = 8 if quick else 1
+    return {
+        "16 MiB tensor (overlap)": torch.randn((16 << 20) // 4 // scale),
+        "ResNet-18, 256 x 224 px uint8": [
+            torch.randint(0, 256, (256 // scale, 3, 224, 224), dtype=torch.uint8),
+            torch.randint(0, 10, (256 // scale,)),
+        ],
+        "small CNN, 512 x 64 px float32": [
+            torch.rand(512 // scale, 3, 64, 64),
+            torch.randint(0, 10, (512 // scale,)),
+        ],
+        "64 per-image dicts": per_image_batches(64 // scale),
+    }
+
+
+def _fresh_copy(leaf: Any, state: object) -> Any:
+    """What pinning each batch afresh did on the host: a new copy of each large tensor."""
+    if isinstance(leaf, torch.Tensor) and leaf.nbytes > PACK_MAX_BYTES:
+        return leaf.clone()
+    return leaf
+
+
+def _pageable(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    return torch.empty(size, dtype=torch.uint8), lambda: None
+
+
+def pinning(repeat: int, quick: bool) -> list[str]:
+    """The pinning stage's host time per batch, in a thread set up as the feed thread is."""
+    threads = pin_threads(machine_cpus())
+    never = threading.Event()
+    rows = [
+        f"pinning stage, ms a batch ({threads} pinning threads on {machine_cpus()} CPUs)",
+        (
+            f"{'batch':<32} {'fresh, 1 thread':>16} {'pool, 1 thread':>15} "
+            f"{f'pool, {threads} threads':>17} {'ratio':>6}"
+        ),
+    ]
+
+    def measure() -> None:
+        torch.set_num_threads(1)  # as the feed thread runs
+        for name, batch in pinning_batches(quick).items():
+            one = Stager(StagingPool(None, 2, _pageable), 1)
+            many = Stager(StagingPool(None, 2, _pageable), threads)
+
+            def fresh(batch: Any = batch) -> None:
+                map_leaves(_fresh_copy, batch)
+
+            def pooled(stager: Stager, batch: Any = batch) -> None:
+                stager.stage(batch, never).copy_issued(lambda wait: 0.0)
+
+            timings: dict[str, list[float]] = {"fresh": [], "one": [], "many": []}
+            contenders = {
+                "fresh": fresh,
+                "one": functools.partial(pooled, one),
+                "many": functools.partial(pooled, many),
+            }
+            for contender in contenders.values():
+                contender()  # warm: slabs made, threads started
+            for _ in range(repeat):  # interleaved rounds
+                for key, contender in contenders.items():
+                    started = time.perf_counter()
+                    contender()
+                    timings[key].append(time.perf_counter() - started)
+            many.close()
+            fresh_ms, one_ms, many_ms = (min(timings[key]) * 1e3 for key in contenders)
+            rows.append(
+                f"{name:<32} {fresh_ms:>16.3f} {one_ms:>15.3f} {many_ms:>17.3f} "
+                f"{many_ms / fresh_ms:>6.2f}"
+            )
+
+    feed = threading.Thread(target=measure, name="devicekit-feed")
+    feed.start()
+    feed.join()
+    rows.append("ratio: the pool on its threads / a fresh copy on one (target <= 1.00)")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -125,7 +214,15 @@ def main() -> None:
         action="store_true",
         help="what getting a batch from a DataLoader worker costs the training process",
     )
+    parser.add_argument(
+        "--pinning",
+        action="store_true",
+        help="the feed thread's pinning stage, threads against one",
+    )
     args = parser.parse_args()
+    if args.pinning:
+        print("\n".join(pinning(3 if args.quick else 15, args.quick)))
+        return
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, devicekit {dk.__version__}")
     if args.handover:

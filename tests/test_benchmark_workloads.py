@@ -155,6 +155,19 @@ def test_the_checks_benchmark_times_what_it_names() -> None:
     assert dk.find_devices(batch) == {torch.device("cpu"): ["['x']"]}  # the ints are no tensors
 
 
+loader_bench = _load_benchmark("bench_loader")
+
+
+def test_the_pinning_benchmark_times_every_loader_batch_three_ways() -> None:
+    rows = loader_bench.pinning(repeat=1, quick=True)  # what CI runs, through the pool
+    batches = loader_bench.pinning_batches(quick=True)
+    assert len(rows) == 2 + len(batches) + 1
+    for name, row in zip(batches, rows[2:-1], strict=True):
+        fresh, one, many, ratio = (float(cell) for cell in row[len(name) :].split())
+        assert fresh > 0 and one > 0 and many > 0
+        assert ratio == pytest.approx(many / fresh, rel=0.2)  # the cells are rounded
+
+
 materialize_bench = _load_benchmark("bench_materialize")
 
 

@@ -69,12 +69,16 @@ SlabAllocator = Callable[[int], tuple[torch.Tensor, Callable[[], None]]]
 
 
 def pin_threads(cpus: int) -> int:
-    """Threads that pin a batch: the CPUs this process may use, at most 8.
+    """Threads that pin a batch: half the CPUs this process may use, 1 to 8.
 
-    >>> pin_threads(1), pin_threads(6), pin_threads(64)
-    (1, 6, 8)
+    The other half is the training thread's and the DataLoader workers': on the 2-CPU CI
+    machine, with its cores busy, two pinning threads took 1.1-1.2x one's time
+    (``benchmarks/bench_loader.py --pinning``), so there a batch is pinned on one.
+
+    >>> pin_threads(1), pin_threads(2), pin_threads(12), pin_threads(64)
+    (1, 1, 6, 8)
     """
-    return max(1, min(MAX_PIN_THREADS, cpus))
+    return max(1, min(MAX_PIN_THREADS, cpus // 2))
 
 
 def _registered(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -404,12 +408,12 @@ class Stager:
         copies: dict[int, torch.Tensor] = {}
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         for tensor, offset in zip(tensors, offsets, strict=True):
-            like = torch.empty_like(tensor, device="meta")  # the strides .to() would keep
-            target = (
-                slab[offset : offset + tensor.nbytes]
-                .view(tensor.dtype)
-                .as_strided(like.shape, like.stride())
-            )
+            target = slab[offset : offset + tensor.nbytes].view(tensor.dtype)
+            if tensor.is_contiguous():
+                target = target.view(tensor.shape)
+            else:  # the strides .to() would keep (channels_last stays so); 23 us, so not always
+                like = torch.empty_like(tensor, device="meta")
+                target = target.as_strided(like.shape, like.stride())
             copies[id(tensor)] = target
             pieces += _pieces(target, tensor, self.threads)
         if len(pieces) == 1 or self.threads == 1:
