@@ -164,7 +164,7 @@ def test_the_pinning_benchmark_times_every_loader_batch_three_ways() -> None:
     assert len(rows) == 2 + len(batches) + 1
     for name, row in zip(batches, rows[2:-1], strict=True):
         fresh, one, many, ratio = (float(cell) for cell in row[len(name) :].split())
-        assert fresh > 0 and one > 0 and many > 0
+        assert min(fresh, one, many) > 0
         assert ratio == pytest.approx(many / fresh, rel=0.2)  # the cells are rounded
 
 
