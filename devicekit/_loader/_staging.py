@@ -93,7 +93,7 @@ def _registered(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
     slab = torch.empty(nbytes, dtype=torch.uint8)
     runtime = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # untyped in PyTorch
     pointer = slab.data_ptr()
-    error = runtime.cudaHostRegister(pointer, nbytes, 0)
+    error = runtime.cudaHostRegister(pointer, nbytes, 1)  # portable: pinned for every device
     if int(error) != 0:
         msg = f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(error)}."
         raise RuntimeError(msg)

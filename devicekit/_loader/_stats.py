@@ -117,8 +117,8 @@ class LoaderStats:
     """The most page-locked memory the loader's staging pool has held at once, in bytes;
     0 where devicekit does not pin (the CPU, ``pin_memory=False``, a pinning DataLoader)."""
     pinned_limit: int | None = None
-    """The pool's cap in bytes: ``pin_memory_limit=``, else ``prefetch + 1`` times the
-    largest batch it staged. None where devicekit does not pin."""
+    """The most bytes the pool may hold, as ``pin_memory_limit=`` says (else ``prefetch +
+    1`` times the largest batch it staged); None where devicekit does not pin."""
     pinned_batches: int = 0
     """This epoch's batches staged in the pool's page-locked memory."""
     pinned_reused: int = 0
