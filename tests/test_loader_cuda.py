@@ -121,3 +121,43 @@ def test_every_copy_is_timed_on_the_side_stream(cuda: torch.device) -> None:
     assert stats.samples == 64
     # Reading the DataLoader draws nothing (it does not shuffle): read ahead from batch 2.
     assert (stats.read_ahead, stats.reads_draw) == (True, False)
+
+
+def test_staged_batches_are_pinned_in_exact_slabs_outside_pytorch_s_allocator(
+    cuda: torch.device,
+) -> None:
+    size = (129 << 20) + (1 << 19)  # 129.5 MiB: PyTorch's allocator would pin 256 MiB
+    batch = torch.ones(size // 4)
+    stager = Stager(StagingPool(None, 2, ALLOCATORS["cuda"]), threads=4)
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    staged = stager.stage([batch], threading.Event())
+    assert staged.batch[0].is_pinned()
+    assert torch.equal(staged.batch[0], batch)
+    assert stager.pool.figures.peak_bytes == size  # exactly its bytes
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    prefetcher = StreamPrefetcher(cuda, "auto")
+    ticket = prefetcher.start(staged.batch)
+    staged.copy_issued(prefetcher.timer(ticket))
+    moved = prefetcher.hand_over(ticket)[0]
+    stager.close()
+    stager.pool.wait_for_copies()
+    assert moved.sum().item() == size // 4
+
+
+def test_pinned_memory_stays_within_the_cap_over_varying_batches(cuda: torch.device) -> None:
+    sizes = [(1 + (i * 7) % 5) << 20 for i in range(40)]  # 1-5 MiB, varying
+    batches = [torch.full((size // 4,), float(i)) for i, size in enumerate(sizes)]
+    loader = dk.DeviceDataLoader(batches, cuda, prefetch=2)
+    wrong = torch.zeros((), device=cuda)
+    for step, moved in enumerate(loader):
+        torch.cuda._sleep(50_000)
+        wrong += (moved != step).sum()
+    assert wrong.item() == 0
+    stats = loader.stats
+    assert stats.pinned_batches == len(batches) - 1  # the first is read in this thread
+    assert stats.pinned_bytes <= stats.pinned_limit == 3 * max(sizes)
+    assert stats.pinned_reused > 0
+    assert stats.unpinned == 0
+    assert (stats.copy_gbps or 0.0) > 1  # GB/s: a copy from pinned memory
+    loader.close()
+    assert loader._stager is None
