@@ -299,8 +299,18 @@ class LinkPeak(NamedTuple):
     54.5 of gen5 x16's 63 GB/s, 86%).
     """
 
+    @property
+    def name(self) -> str:
+        """The link without its rate: ``PCIe gen5 x16``."""
+        return f"PCIe gen{self.generation} x{self.width}"
+
+    @property
+    def rate(self) -> str:
+        """Its rate, to three figures: ``63 GB/s``."""
+        return f"{self.gb_per_s:.3g} GB/s"
+
     def __str__(self) -> str:
-        return f"PCIe gen{self.generation} x{self.width}, {self.gb_per_s:.3g} GB/s"
+        return f"{self.name}, {self.rate}"
 
 
 def _no_link_reader(device: torch.device) -> LinkPeak | None:
