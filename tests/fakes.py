@@ -1,9 +1,13 @@
-"""Fake device families for the DeviceManager tests: any number of GPUs, any free memory."""
+"""Fake device families for the DeviceManager tests: any number of GPUs, any free memory.
+
+And a stand-in for pynvml (:func:`fake_pynvml`), for what devicekit reads through NVML.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,7 +17,7 @@ from devicekit._select._backends import CpuBackend
 from .helpers import GiB
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
 
 @dataclasses.dataclass
@@ -55,3 +59,76 @@ class FakeGpus:
 def machine(*free: float | None, note: str | None = None) -> list[object]:
     """Backends for a machine with GPUs of the given free memory, and its CPU."""
     return [FakeGpus(free, note=note), CpuBackend()]
+
+
+class NvmlError(Exception):
+    """pynvml's NVMLError, as :func:`fake_pynvml` raises it (NVML_ERROR_NOT_SUPPORTED...)."""
+
+
+LINK_READERS = {
+    "max_generation": "nvmlDeviceGetMaxPcieLinkGeneration",
+    "max_width": "nvmlDeviceGetMaxPcieLinkWidth",
+    "generation": "nvmlDeviceGetCurrPcieLinkGeneration",
+    "width": "nvmlDeviceGetCurrPcieLinkWidth",
+}
+"""What each key of :func:`fake_pynvml`'s ``links`` is read with."""
+
+
+def fake_pynvml(
+    links: Sequence[Mapping[str, int]], *, migs: int = 0, calls: list[str] | None = None
+) -> SimpleNamespace:
+    """pynvml for a machine of one H100 per entry of ``links``, each a GPU's PCIe figures.
+
+    ``links[i]`` maps keys of :data:`LINK_READERS` to what NVML answers; a missing key is
+    NVML_ERROR_NOT_SUPPORTED. GPU ``i`` is ``GPU-<i>`` on PCI bus ``i + 1``; with ``migs``,
+    MIG mode is on and it has that many instances, ``MIG-<i>-<slot>``, whose link queries
+    NVML does not support. ``calls`` collects the name of each function called.
+    """
+
+    def called(name: str, answer: Any) -> Any:
+        def call(*args: Any) -> Any:
+            if calls is not None:
+                calls.append(name)
+            return answer(*args) if callable(answer) else answer
+
+        return call
+
+    def unsupported(*_: Any) -> Any:
+        raise NvmlError
+
+    def link(reader: str) -> Any:
+        def read(handle: Any) -> int:
+            if isinstance(handle, tuple) or reader not in links[handle]:
+                raise NvmlError  # a MIG instance's handle, or a figure the board lacks
+            return links[handle][reader]
+
+        return read
+
+    def uuid(handle: Any) -> bytes:
+        return (
+            f"MIG-{handle[0]}-{handle[1]}" if isinstance(handle, tuple) else f"GPU-{handle}"
+        ).encode()
+
+    functions = {
+        "nvmlInit": None,
+        "nvmlShutdown": None,
+        "nvmlDeviceGetCount": len(links),
+        "nvmlDeviceGetHandleByIndex": lambda index: index,
+        "nvmlDeviceGetMemoryInfo": SimpleNamespace(total=80 * GiB, free=70 * GiB),
+        "nvmlDeviceGetCudaComputeCapability": (9, 0),
+        "nvmlDeviceGetPciInfo": lambda handle: SimpleNamespace(
+            busId=f"00000000:{handle + 1:02x}:00.0".encode()
+        ),
+        "nvmlDeviceGetUUID": uuid,
+        "nvmlDeviceGetName": b"NVIDIA H100 80GB HBM3",
+        "nvmlDeviceGetUtilizationRates": SimpleNamespace(gpu=0, memory=0),
+        "nvmlDeviceGetComputeRunningProcesses": [],
+        "nvmlDeviceGetGraphicsRunningProcesses": [],
+        "nvmlDeviceGetMigMode": (1, 1) if migs else unsupported,
+        "nvmlDeviceGetMaxMigDeviceCount": migs,
+        "nvmlDeviceGetMigDeviceHandleByIndex": lambda handle, slot: (handle, slot),
+        **{reader: link(key) for key, reader in LINK_READERS.items()},
+    }
+    return SimpleNamespace(
+        NVMLError=NvmlError, **{name: called(name, answer) for name, answer in functions.items()}
+    )

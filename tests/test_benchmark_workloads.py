@@ -66,6 +66,7 @@ SECTION_TITLES = (
     "## Packing",
     "## Bandwidth",
     "## Loader overlap",
+    "## An input-bound loop",
     "## Real training loops",
     "## fit_batch",
     "## materialize",
@@ -110,9 +111,26 @@ def test_the_gpu_report_runs_every_section_through_the_accelerator_path(
     # Each DeviceDataLoader variant's own figures and verdict follow the table.
     assert "small CNN, 64 px float32, batch 512, DeviceDataLoader: waited " in report
     assert "verdict: The loop waited for data " in report
+    # The input-bound loop: each variant's rate against the pinning loop by hand, the
+    # copies against copy_'s (no copy is timed on the CPU), and the targets it is held to.
+    assert "| DataLoader(pin_memory=True) + .to(d, non_blocking=True) | " in report
+    assert re.search(r"\| DeviceDataLoader, prefetch 2 \| [\d,]+ \| \d+\.\d\dx \|", report)
+    assert "| DeviceDataLoader, prefetch 1 | not measured | - |" in report
+    assert "Targets (issue 48): <= 1.10 at prefetch >= 1; the input-bound loop" in report
+    assert "These loops are compute-bound: DeviceDataLoader must not make them slower." in report
     assert "- commit: " in report
     assert all(count > 0 for count in seen.values()), seen
     assert "meta" not in _loader.PREFETCHERS  # the stand-in is gone after the run
+
+
+def test_the_input_bound_loop_rates_copies_by_their_mean_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    report_script = _gpu_report(monkeypatch)
+    # 38.5 MB in 1 ms and in 3 ms: 2 ms on average.
+    assert report_script._copy_gb_per_s((0.001, 0.003), 38_500_000) == pytest.approx(19.25)
+    assert report_script._copy_gb_per_s((), 38_500_000) is None
+    assert report_script._copy_gb_per_s(None, 38_500_000) is None
 
 
 def test_a_failing_section_leaves_every_other_in_the_report(

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ import _devicekit_cli
 import devicekit
 import devicekit as dk
 from devicekit import cli
+from devicekit._base import LinkPeak
+from devicekit._commands import _bench
 from devicekit._commands._demo import Schedule, schedule_for
 from devicekit._doctor import _report as _doctor_report
 from devicekit._select._backends import CpuBackend
@@ -263,6 +266,101 @@ def test_bench_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> N
         assert row["to_device_us"] > 0
     assert (report["copies"] is None) == (not torch.cuda.is_available())
     assert report["seconds"] > 0
+
+
+GEN5_X16 = LinkPeak(5, 16, 32 * 128 / 130 / 8 * 16)
+
+
+def _bench_on(
+    monkeypatch: pytest.MonkeyPatch, accelerators: list[str], link: LinkPeak | None
+) -> list[torch.device]:
+    """Run the bench on a machine with ``accelerators``, timing nothing: the devices measured."""
+    measured: list[torch.device] = []
+
+    def copies(device: torch.device) -> list[tuple[str, float, float, float]]:
+        measured.append(device)
+        return [("1000 x 4 KiB", 9000.0, 7000.0, 200.0), ("1 x 64 MiB", 5900.0, 1300.0, 1290.0)]
+
+    def host_to_device(device: torch.device) -> tuple[float, float]:
+        measured.append(device)
+        return 52.06, 11.3
+
+    monkeypatch.setattr(_bench, "available_devices", lambda: [*accelerators, "cpu", "meta"])
+    monkeypatch.setattr(_bench, "_median_us", lambda fn, **_: 10.0)
+    monkeypatch.setattr(_bench, "_copies", copies)
+    monkeypatch.setattr(_bench, "_host_to_device", host_to_device)
+    monkeypatch.setattr(_bench, "link_peak", lambda device: measured.append(device) or link)
+    return measured
+
+
+def test_bench_sets_a_large_copy_against_the_link(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    measured = _bench_on(monkeypatch, ["cuda:0", "cuda:1"], GEN5_X16)
+    status, out, _ = _main(monkeypatch, capsys, "bench")
+    assert status == 0
+    assert measured == [torch.device("cuda", 0)] * 3  # the first accelerator, link included
+    expected = (
+        "host -> cuda:0: 52.1 GB/s pinned, 11.3 GB/s pageable, "
+        "of the link's 63 GB/s (PCIe gen5 x16)"
+    )
+    assert expected in out.splitlines()
+    status, out, _ = _main(monkeypatch, capsys, "bench", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert report["copies"]["host_to_device"] == {
+        "bytes": 64 << 20,
+        "pinned_gb_per_s": 52.06,
+        "pageable_gb_per_s": 11.3,
+        "link": {"generation": 5, "width": 16, "gb_per_s": GEN5_X16.gb_per_s},
+    }
+
+
+def test_bench_says_where_the_link_is_unknown(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _bench_on(monkeypatch, ["cuda:0"], None)  # no NVML, a ROCm or XPU device
+    status, out, _ = _main(monkeypatch, capsys, "bench")
+    assert status == 0
+    assert (
+        "host -> cuda:0: 52.1 GB/s pinned, 11.3 GB/s pageable (the link's peak is not known here)"
+        in out.splitlines()
+    )
+    status, out, _ = _main(monkeypatch, capsys, "bench", "--json")
+    assert json.loads(out)["copies"]["host_to_device"]["link"] is None
+
+
+def test_bench_without_an_accelerator_copies_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    measured = _bench_on(monkeypatch, [], GEN5_X16)
+    status, out, _ = _main(monkeypatch, capsys, "bench")
+    assert status == 0
+    assert measured == []
+    assert "No accelerator here: host -> device copies are not measured." in out.splitlines()
+    assert "GB/s" not in out
+
+
+def test_a_large_copy_s_rate_is_its_bytes_over_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    sources: list[bool] = []
+
+    def copy_once(fn: Any, **_: object) -> float:
+        fn()  # the copy runs, on the CPU here
+        return 1000.0 if len(sources) == 1 else 4000.0
+
+    real_copy = torch.Tensor.copy_
+
+    def copy_(target: torch.Tensor, source: torch.Tensor, *, non_blocking: bool = False) -> Any:
+        sources.append(non_blocking)
+        return real_copy(target, source, non_blocking=non_blocking)
+
+    # No accelerator to pin for: pinning stands in as a copy of its own.
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: tensor.clone())
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(_bench, "_median_us", copy_once)
+    pinned, pageable = _bench._host_to_device(torch.device("cpu"))
+    assert sources == [True, True]
+    assert (pinned, pageable) == pytest.approx(((64 << 20) / 1e9 / 1e-3, (64 << 20) / 1e9 / 4e-3))
 
 
 def test_ctrl_c_says_how_far_the_demo_got(fresh_python: str) -> None:

@@ -3,13 +3,19 @@
 Every devicekit function that takes ``device=`` goes through :func:`resolve_device`,
 so ``"gpu"``, ``"cuda:7"`` on a one-GPU machine and ``"cuda:-1"`` fail the same way
 everywhere, with the valid choices listed, before any data moves.
+
+:func:`link_peak` says what an accelerator's host link can carry, for the parts that judge
+a copy's speed (the loader's verdict, ``devicekit bench``) without knowing how devices are
+read: the selection part, imported with devicekit, registers the reader
+(:func:`register_link_reader`), as it registers the process default.
 """
 
 from __future__ import annotations
 
 import functools
 import numbers
-from typing import Final, TypeAlias, cast
+from collections.abc import Callable
+from typing import Final, NamedTuple, TypeAlias, cast
 
 import torch
 
@@ -20,12 +26,15 @@ from devicekit._base._text import shown
 __all__ = [
     "HOST_TYPES",
     "DeviceLike",
+    "LinkPeak",
     "accelerator_type",
     "available_devices",
     "has_backend",
+    "link_peak",
     "mesh_of",
     "no_backend",
     "parse_device",
+    "register_link_reader",
     "resolve_device",
     "streams_to",
 ]
@@ -270,3 +279,83 @@ def resolve_device(spec: DeviceLike) -> torch.device:
             _resolved.clear()  # distinct specs made at run time must not pile up
         _resolved[type(spec), spec] = device
     return device
+
+
+class LinkPeak(NamedTuple):
+    """An accelerator's host link, and the most it carries host -> device, each direction.
+
+    >>> print(LinkPeak(5, 16, 63.0))
+    PCIe gen5 x16, 63 GB/s
+    """
+
+    generation: int
+    """The PCIe generation: 5 for PCIe 5.0."""
+    width: int
+    """The lanes: 16 for x16."""
+    gb_per_s: float
+    """The link's data rate in GB/s (10**9 bytes) after line encoding, one direction.
+
+    Copies reach less: each packet's headers travel too (an H100's pinned ``copy_`` gets
+    54.5 of gen5 x16's 63 GB/s, 86%).
+    """
+
+    @property
+    def name(self) -> str:
+        """The link without its rate: ``PCIe gen5 x16``."""
+        return f"PCIe gen{self.generation} x{self.width}"
+
+    @property
+    def rate(self) -> str:
+        """Its rate, to three figures: ``63 GB/s``."""
+        return f"{self.gb_per_s:.3g} GB/s"
+
+    def __str__(self) -> str:
+        return f"{self.name}, {self.rate}"
+
+
+def _no_link_reader(device: torch.device) -> LinkPeak | None:
+    return None  # until devicekit._select registers one: nothing is known
+
+
+_link_reader: Callable[[torch.device], LinkPeak | None] = _no_link_reader
+# What the reader said of each device: a link does not change while the process runs.
+_links: dict[torch.device, LinkPeak | None] = {}
+
+
+def register_link_reader(read: Callable[[torch.device], LinkPeak | None]) -> None:
+    """Read devices' host links with ``read`` (devicekit._select's, through NVML).
+
+    ``read(device)`` returns the link of an accelerator device given with its index, or
+    None where it cannot tell; it is asked once per device, on first use.
+    """
+    global _link_reader  # noqa: PLW0603 - set once, as devicekit._select is imported
+    _link_reader = read
+    _links.clear()  # what was answered before spoke for no reader
+
+
+def link_peak(device: torch.device) -> LinkPeak | None:
+    """The host link of ``device`` and its peak; None where unknown (no NVML, not a GPU).
+
+    Read on first use for each device, then kept: where NVML reads NVIDIA GPUs, the first
+    call for a CUDA device starts it (no CUDA context; a few milliseconds), the next ones
+    read a dict. Host devices have no link.
+
+    >>> link_peak(torch.device("cpu")) is None
+    True
+
+    Args:
+        device: An accelerator device; ``"cuda"`` without an index is the current one.
+
+    Returns:
+        The link, or None.
+    """
+    if device.type in HOST_TYPES:
+        return None
+    if cast("int | None", device.index) is None:  # the current device, which may change
+        return _link_reader(device)
+    try:
+        return _links[device]
+    except KeyError:
+        pass
+    found = _links[device] = _link_reader(device)
+    return found

@@ -12,6 +12,10 @@ its own as NVML starts and stops, and NVML has its own inside; a child forked wh
 another thread held them would wait for them forever as its first read began. So reads
 (:func:`unforked`) take one lock of this module's, which each fork takes too, made anew
 in the child.
+
+Each GPU's PCIe link is read too, and :func:`pcie_peak` turns it into what the link
+carries, so that a copy's speed can be judged against it (:func:`read_link`, which
+devicekit._base's :func:`~devicekit._base.link_peak` asks).
 """
 
 from __future__ import annotations
@@ -20,11 +24,23 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
+import torch
+
+from devicekit._base import LinkPeak, register_link_reader
 from devicekit._select._launch import parse_visible_devices
 
-__all__ = ["NvmlGpu", "read_driver", "read_nvml", "unforked", "visible_gpus"]
+__all__ = [
+    "NvmlGpu",
+    "gpu_of",
+    "pcie_peak",
+    "read_driver",
+    "read_link",
+    "read_nvml",
+    "unforked",
+    "visible_gpus",
+]
 
 _T = TypeVar("_T")
 
@@ -45,13 +61,49 @@ class NvmlGpu(NamedTuple):
     """The share of the last sample period a kernel ran, 0-1; None where NVML cannot tell."""
     processes: tuple[tuple[int, int | None], ...] | None = None
     """(pid, bytes used) of each process using it; None where NVML cannot tell."""
+    link: LinkPeak | None = None
+    """Its PCIe link to the host (see :func:`_read_link`); None where NVML cannot tell, or
+    was not asked (``read_nvml(links=True)`` asks). A MIG instance's is its GPU's: the
+    slices share one link.
+    """
+
+
+# PCIe's transfer rate per lane in GT/s, and the share of the bits that are data once the
+# line code is taken off: 8b/10b up to gen2, 128b/130b for gen3-5; gen6 sends 256-byte
+# FLITs (PAM4) of which 242 bytes are packets and their link-layer words (the 8 CRC and
+# 6 FEC bytes are not), the efficiency PCI-SIG quotes. Packet headers cost more still, on
+# every generation: no copy reaches these figures.
+_PCIE_LANE: dict[int, tuple[float, float]] = {
+    1: (2.5, 8 / 10),
+    2: (5.0, 8 / 10),
+    3: (8.0, 128 / 130),
+    4: (16.0, 128 / 130),
+    5: (32.0, 128 / 130),
+    6: (64.0, 242 / 256),
+}
+
+
+def pcie_peak(generation: int, width: int) -> float | None:
+    """What a PCIe link carries in GB/s (10**9 bytes), one direction; None for an unknown one.
+
+    Per lane: the transfer rate times the line code's efficiency, over 8 bits a byte.
+
+    >>> [round(pcie_peak(generation, 16), 2) for generation in range(1, 7)]
+    [4.0, 8.0, 15.75, 31.51, 63.02, 121.0]
+    >>> pcie_peak(4, 8), pcie_peak(7, 16), pcie_peak(5, 0)
+    (15.753846153846155, None, None)
+    """
+    if generation not in _PCIE_LANE or width <= 0:
+        return None
+    rate, efficiency = _PCIE_LANE[generation]
+    return rate * efficiency / 8 * width
 
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value  # older bindings give bytes
 
 
-def _read_gpu(nvml: Any, handle: Any) -> NvmlGpu:
+def _read_gpu(nvml: Any, handle: Any, *, links: bool = False) -> NvmlGpu:
     memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     capability: tuple[int, int] | None = None
     try:
@@ -72,7 +124,36 @@ def _read_gpu(nvml: Any, handle: Any) -> NvmlGpu:
         capability=capability,
         utilization=_utilization(nvml, handle),
         processes=_processes(nvml, handle),
+        link=_read_link(nvml, handle) if links else None,
     )
+
+
+def _asked(nvml: Any, reader: str, handle: Any) -> int | None:
+    try:
+        return int(getattr(nvml, reader)(handle))
+    except nvml.NVMLError:  # NotSupported: some boards, vGPUs, MIG handles
+        return None
+
+
+def _read_link(nvml: Any, handle: Any) -> LinkPeak | None:
+    """A GPU's PCIe link at the most that both the GPU and its slot support.
+
+    Not the link's current state: at idle the GPU lowers its link's generation to save
+    power (many show gen1 then), and raises it again as soon as a copy starts; the
+    current figures would judge a copy against a link that is not the one it runs on.
+    NVML's maximum is the device's and the system's both (a gen5 GPU in a gen4 slot says
+    4). Where NVML does not give it (some boards), the current figure is taken.
+    """
+    generation = _asked(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", handle) or _asked(
+        nvml, "nvmlDeviceGetCurrPcieLinkGeneration", handle
+    )
+    width = _asked(nvml, "nvmlDeviceGetMaxPcieLinkWidth", handle) or _asked(
+        nvml, "nvmlDeviceGetCurrPcieLinkWidth", handle
+    )
+    if generation is None or width is None:
+        return None
+    peak = pcie_peak(generation, width)
+    return None if peak is None else LinkPeak(generation, width, peak)
 
 
 def _utilization(nvml: Any, handle: Any) -> float | None:
@@ -173,16 +254,17 @@ def unforked(read: Callable[[], _T]) -> _T:
         return read()
 
 
-def read_nvml() -> list[NvmlGpu] | None:
+def read_nvml(*, links: bool = False) -> list[NvmlGpu] | None:
     """Every GPU NVML sees, in NVML's (PCI bus) order; None where NVML cannot be read.
 
     Needs the ``nvidia-ml-py`` package (the ``nvml`` extra) and an NVIDIA
-    driver. Creates no CUDA context, and no fork happens while it reads.
+    driver. Creates no CUDA context, and no fork happens while it reads. With ``links``,
+    each GPU's PCIe link too: four calls more per GPU, which listing devices does without.
     """
-    return unforked(lambda: _read(_binding()))
+    return unforked(lambda: _read(_binding(), links=links))
 
 
-def _read(pynvml: Any) -> list[NvmlGpu] | None:
+def _read(pynvml: Any, *, links: bool = False) -> list[NvmlGpu] | None:
     if pynvml is None:
         return None
     try:
@@ -193,7 +275,7 @@ def _read(pynvml: Any) -> list[NvmlGpu] | None:
         gpus = []
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            gpu = _read_gpu(pynvml, handle)
+            gpu = _read_gpu(pynvml, handle, links=links)
             gpus.append(gpu._replace(mig=_read_mig(pynvml, handle, gpu)))
     except pynvml.NVMLError:
         return None
@@ -272,3 +354,50 @@ def visible_gpus(gpus: Sequence[NvmlGpu], environ: Mapping[str, str]) -> list[Nv
         if token.startswith("MIG-"):
             break  # CUDA shows a process one MIG instance at most: the first it is given
     return visible
+
+
+def gpu_of(
+    index: int, gpus: Sequence[NvmlGpu], environ: Mapping[str, str], uuid: str | None = None
+) -> NvmlGpu | None:
+    """The GPU (or MIG instance) behind ``cuda:<index>``; None where none is.
+
+    By ``uuid``, CUDA's own for the index where CUDA has started; else by CUDA's rules
+    for the environment (:func:`visible_gpus`).
+
+    >>> a, b = NvmlGpu("GPU-aa", "A", 8, 4, "0000:01"), NvmlGpu("GPU-bb", "B", 8, 6, "0000:02")
+    >>> gpu_of(0, [a, b], {"CUDA_VISIBLE_DEVICES": "1"}).uuid, gpu_of(1, [a, b], {}).uuid
+    ('GPU-bb', 'GPU-bb')
+    >>> gpu_of(0, [a, b], {}, uuid="bb").uuid, gpu_of(2, [a, b], {})
+    ('GPU-bb', None)
+    """
+    if uuid is not None:
+        every = [*gpus, *(mig for gpu in gpus for mig in gpu.mig)]
+        return next((gpu for gpu in every if gpu.uuid in (f"GPU-{uuid}", f"MIG-{uuid}")), None)
+    visible = visible_gpus(gpus, environ)
+    return visible[index] if 0 <= index < len(visible) else None
+
+
+def read_link(device: torch.device) -> LinkPeak | None:
+    """The PCIe link of a CUDA device, as NVML reports it; None where it cannot tell.
+
+    None for other devices, for ROCm's (which NVML does not see), and where NVML cannot be
+    read. Creates no CUDA context: CUDA is asked which GPU an index is only where this
+    process already started it (``CUDA_VISIBLE_DEVICES`` says otherwise).
+    """
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    started = bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+    index = cast("int | None", device.index)  # None for "cuda", whatever the stubs say
+    if index is None:
+        index = torch.cuda.current_device() if started else 0  # CUDA's, before it starts
+    gpus = read_nvml(links=True)
+    if not gpus:
+        return None
+    uuid = None
+    if started and 0 <= index < torch.cuda.device_count():
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    found = gpu_of(index, gpus, os.environ, uuid)
+    return None if found is None else found.link
+
+
+register_link_reader(read_link)  # devicekit._base's link_peak asks it
