@@ -24,8 +24,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import devicekit as dk
+from devicekit._base import LinkPeak
 from devicekit._core._tree import MAX_DEPTH
-from devicekit._loader import _loader
+from devicekit._loader import _loader, _stats
 from devicekit._loader._recorder import PER_BATCH_KEPT
 from devicekit._loader._stats import HANDOVER_S, Counting, LoaderStats, Setup, samples_in, verdict
 
@@ -246,8 +247,60 @@ def test_what_the_verdict_knows_is_read_from_the_dataloader() -> None:
     inner = DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=2)
     loader = dk.DeviceDataLoader(inner, "cpu")
     counting = Counting(per_batch=2, epoch=8, rule="the DataLoader's batch_size (2)")
-    setup = Setup("DataLoader", 0, False, False, False, 16, counting)
+    setup = Setup("DataLoader", 0, False, False, False, 16, counting, torch.device("cpu"))
     assert loader._setup(ahead=False) == setup
+
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    ("link", "said"),
+    [
+        (None, " The copy ran at 11.2 GB/s."),
+        (
+            LinkPeak(5, 16, 63.0),
+            " The copy ran at 11.2 GB/s of the link's 63 GB/s (PCIe gen5 x16).",
+        ),
+    ],
+    ids=["link-unknown", "pcie-gen5-x16"],
+)
+def test_a_copy_bound_verdict_names_the_copy_s_bandwidth_against_the_link(
+    link: LinkPeak | None, said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[torch.device] = []
+
+    def read(device: torch.device) -> LinkPeak | None:
+        asked.append(device)
+        return link
+
+    monkeypatch.setattr(_stats, "link_peak", read)
+    stats = dataclasses.replace(SLOW_COPIES, copy_gbps=11.2)
+    told = verdict(stats, Setup("DataLoader", 8, False, True, True, 16, device=GPU))
+    assert told.endswith("normalised on the device with transform=." + said)
+    assert asked == [GPU]
+    # Unknown bandwidth says nothing of it; a loop that is not copy-bound asks no link.
+    assert verdict(SLOW_COPIES, Setup("DataLoader", 8, False, True, True, 16)).endswith(
+        "transform=."
+    )
+    asked.clear()
+    verdict(
+        dataclasses.replace(INPUT_BOUND, copy_gbps=11.2),
+        Setup("list", None, False, True, True, 16, device=GPU),
+    )
+    assert asked == []
+
+
+def test_a_copy_bound_epoch_with_unpinned_batches_says_why_they_were_not_pinned() -> None:
+    stats = dataclasses.replace(SLOW_COPIES, unpinned=3, pinned_limit=2 << 30)
+    setup = Setup("DataLoader", 8, False, True, True, 16)
+    assert verdict(stats, setup) == HEAD + (
+        "Copying a batch to the device takes 200.0 ms, longer than a step (100.0 ms), and 3 "
+        "of this epoch's batches were not pinned: they were larger than the 2.0 GiB the "
+        "loader may pin: raise pin_memory_limit=."
+    )
+    failed = dataclasses.replace(stats, unpinned_why="page-locking 1.0 GiB failed (...)")
+    assert verdict(failed, setup).endswith("were not pinned: page-locking 1.0 GiB failed (...).")
 
 
 # Each piece of advice, from the figures that call for it.

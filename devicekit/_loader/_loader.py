@@ -380,6 +380,7 @@ class DeviceDataLoader(Generic[B]):
             accelerator=ahead,
             cpus=machine_cpus(),
             counting=self._how_counted(),
+            device=self._device,
         )
 
     def _how_counted(self) -> Counting:

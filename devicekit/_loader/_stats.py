@@ -23,7 +23,7 @@ from typing import Any, Final, NamedTuple, SupportsIndex, TypeAlias
 
 import torch
 
-from devicekit._base import TransferError, count, milliseconds, whole_number
+from devicekit._base import TransferError, count, link_peak, milliseconds, nbytes, whole_number
 from devicekit._core import ITEM, LIST, READ, TUPLE, Node, decide, flatten
 
 COMPUTE_BOUND: Final = 0.10
@@ -323,6 +323,7 @@ class Setup(NamedTuple):
     accelerator: bool  # batches copied ahead on a side stream
     cpus: int
     counting: Counting = Counting()
+    device: torch.device | None = None  # where batches go: its link rates the copy
 
 
 def verdict(stats: LoaderStats, setup: Setup, *, first_wait: float | None = None) -> str:
@@ -371,14 +372,24 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
     copies, steps = stats.copy_per_batch, stats.step_per_batch
     if copies and steps and sum(copies) / len(copies) >= sum(steps) / len(steps):
         copy, step = milliseconds(sum(copies) / len(copies)), milliseconds(sum(steps) / len(steps))
+        ran = _bandwidth(stats, setup)
         if not setup.pinned:
             return (
                 f"Copying a batch to the device takes {copy}, longer than a step ({step}), "
-                "from memory that is not pinned: pin_memory=True makes the copy faster."
+                f"from memory that is not pinned: pin_memory=True makes the copy faster.{ran}"
+            )
+        if stats.unpinned:
+            why = stats.unpinned_why or (
+                f"they were larger than the {nbytes(stats.pinned_limit or 0)} the loader may "
+                "pin: raise pin_memory_limit="
+            )
+            return (
+                f"Copying a batch to the device takes {copy}, longer than a step ({step}), "
+                f"and {stats.unpinned} of this epoch's batches were not pinned: {why}.{ran}"
             )
         return (
             f"Copying a batch to the device takes {copy}, longer than a step ({step}): send "
-            "fewer bytes, for example uint8 images normalised on the device with transform=."
+            f"fewer bytes, for example uint8 images normalised on the device with transform=.{ran}"
         )
     # The wait a batch after the first (which starts workers up): the most that reading a
     # batch costs the loop, and all that worker processes could take off it.
@@ -420,6 +431,19 @@ def _advice(stats: LoaderStats, setup: Setup, first_wait: float | None = None) -
         f"{'has' if workers == 1 else 'have'} the machine's {count(cpus, 'core')}: make "
         "each sample cheaper to load (decoded once and cached, lighter transforms, or "
         "augmentation on the device with transform=)."
+    )
+
+
+def _bandwidth(stats: LoaderStats, setup: Setup) -> str:
+    """`` The copy ran at 11 GB/s of the link's 63 GB/s (PCIe gen5 x16).``, as far as known."""
+    if stats.copy_gbps is None:
+        return ""
+    link = None if setup.device is None else link_peak(setup.device)
+    if link is None:
+        return f" The copy ran at {stats.copy_gbps:.3g} GB/s."
+    return (
+        f" The copy ran at {stats.copy_gbps:.3g} GB/s of the link's {link.gb_per_s:.3g} GB/s "
+        f"(PCIe gen{link.generation} x{link.width})."
     )
 
 
