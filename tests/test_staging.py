@@ -291,8 +291,8 @@ def test_the_loader_stages_read_ahead_batches_and_reports_the_pool(
 
         def start(self, batch: Any) -> Any:
             copies.append(Copy())
-            copies[-1].end()  # copied at once
-            return batch
+            copies[-1].end()  # copied at once, out of the slab, as to a device
+            return dk.to_device(batch, "cpu", copy=True)
 
         def hand_over(self, ticket: Any) -> Any:
             return ticket
@@ -335,3 +335,33 @@ def test_a_copy_whose_timer_cannot_time_frees_its_slab_once_waited_for() -> None
         stager.stage([_floats(LARGE)], NEVER).copy_issued(lambda wait: None)
     assert memory.sizes == [LARGE]
     assert stager.pool.figures.reused == 2
+
+
+def test_a_collected_loader_gives_its_pinned_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = Memory()
+
+    class Instant:
+        def __init__(self, device: torch.device, non_blocking: object) -> None:
+            pass
+
+        def start(self, batch: Any) -> Any:
+            return batch
+
+        def hand_over(self, ticket: Any) -> Any:
+            return ticket
+
+        def consumer_done(self) -> None:
+            pass
+
+        def timer(self, ticket: Any) -> Callable[[bool], float | None]:
+            return lambda wait: 0.0  # copied at once
+
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Instant)
+    monkeypatch.setitem(_staging.ALLOCATORS, "meta", memory)
+    loader = dk.DeviceDataLoader([[_floats(LARGE)] for _ in range(4)], META)
+    for _ in loader:
+        pass
+    assert memory.live > 0  # kept for the next epoch
+    del loader
+    gc.collect()
+    assert memory.live == 0
