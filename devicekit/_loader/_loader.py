@@ -354,7 +354,8 @@ class DeviceDataLoader(Generic[B]):
             pool = StagingPool(self._pin_memory_limit, self._prefetch + 1, allocate)
             self._stager = Stager(pool, pin_threads(machine_cpus()))
             # Collected without close(): the memory goes back once its copies have ended.
-            weakref.finalize(self, self._stager.close)
+            # Not at the interpreter's exit, when the driver may be gone: the OS takes it.
+            weakref.finalize(self, self._stager.close).atexit = False
         return self._stager
 
     def close(self) -> None:
