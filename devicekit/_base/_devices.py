@@ -325,8 +325,9 @@ _links: dict[torch.device, LinkPeak | None] = {}
 def register_link_reader(read: Callable[[torch.device], LinkPeak | None]) -> None:
     """Read devices' host links with ``read`` (devicekit._select's, through NVML).
 
-    ``read(device)`` returns the link of an accelerator device given with its index, or
-    None where it cannot tell; it is asked once per device, on first use.
+    ``read(device)`` returns the link of an accelerator device (``"cuda"`` without an
+    index: the current one), or None where it cannot tell; it is asked once per device
+    with an index, on first use, and at each call for one without.
     """
     global _link_reader  # noqa: PLW0603 - set once, as devicekit._select is imported
     _link_reader = read
@@ -336,9 +337,9 @@ def register_link_reader(read: Callable[[torch.device], LinkPeak | None]) -> Non
 def link_peak(device: torch.device) -> LinkPeak | None:
     """The host link of ``device`` and its peak; None where unknown (no NVML, not a GPU).
 
-    Read on first use for each device, then kept: where NVML reads NVIDIA GPUs, the first
-    call for a CUDA device starts it (no CUDA context; a few milliseconds), the next ones
-    read a dict. Host devices have no link.
+    Read on first use for each device, then kept: the first call for a CUDA device reads
+    NVML (every GPU, once, and no CUDA context), the next ones a dict. Host devices have
+    no link.
 
     >>> link_peak(torch.device("cpu")) is None
     True
@@ -353,9 +354,6 @@ def link_peak(device: torch.device) -> LinkPeak | None:
         return None
     if cast("int | None", device.index) is None:  # the current device, which may change
         return _link_reader(device)
-    try:
-        return _links[device]
-    except KeyError:
-        pass
-    found = _links[device] = _link_reader(device)
-    return found
+    if device not in _links:
+        _links[device] = _link_reader(device)
+    return _links[device]

@@ -13,9 +13,9 @@ another thread held them would wait for them forever as its first read began. So
 (:func:`unforked`) take one lock of this module's, which each fork takes too, made anew
 in the child.
 
-Each GPU's PCIe link is read too, and :func:`pcie_peak` turns it into what the link
-carries, so that a copy's speed can be judged against it (:func:`read_link`, which
-devicekit._base's :func:`~devicekit._base.link_peak` asks).
+Each GPU's PCIe link is read where asked for (``read_nvml(links=True)``), and
+:func:`pcie_peak` turns it into what the link carries, so that a copy's speed can be
+judged against it: :func:`read_link`, which devicekit._base's ``link_peak`` asks.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def pcie_peak(generation: int, width: int) -> float | None:
 
     >>> [round(pcie_peak(generation, 16), 2) for generation in range(1, 7)]
     [4.0, 8.0, 15.75, 31.51, 63.02, 121.0]
-    >>> pcie_peak(4, 8), pcie_peak(7, 16), pcie_peak(5, 0)
-    (15.753846153846155, None, None)
+    >>> round(pcie_peak(4, 8), 2), pcie_peak(7, 16), pcie_peak(5, 0)
+    (15.75, None, None)
     """
     if generation not in _PCIE_LANE or width <= 0:
         return None
