@@ -593,12 +593,25 @@ def _loader_memory(batches: list[torch.Tensor], setting: Setting) -> list[str]:
         )
         pinned = f"{min(pinned_mib):.0f}..{max(pinned_mib):.0f}" if pinned_mib else "n/a"
         rss = f"{min(rss_mib):.0f}..{max(rss_mib):.0f}"
-        rows.append([str(prefetch), peak, pinned, rss, f"{min(threads)}..{max(threads)}"])
+        stats = loader.stats
+        pool = f"{stats.pinned_bytes / 2**20:.0f} of {(stats.pinned_limit or 0) / 2**20:.0f}"
+        rows.append([str(prefetch), peak, pinned, pool, rss, f"{min(threads)}..{max(threads)}"])
+        loader.close()
     total_mib = sum(batch.nbytes for batch in batches) / 2**20
     return [
         f"Memory over {epochs} epochs (MiB; the batches are {total_mib:.0f} MiB of host memory):",
         "",
-        *table(["prefetch", "device peak", "pinned host", "host RSS", "threads"], rows),
+        *table(
+            [
+                "prefetch",
+                "device peak",
+                "PyTorch's pinned host",
+                "loader's pool, of its cap",
+                "host RSS",
+                "threads",
+            ],
+            rows,
+        ),
     ]
 
 
@@ -802,11 +815,6 @@ class _Cycled(Dataset[tuple[torch.Tensor, int]]):
         return self.images[index % len(self.images)]
 
 
-def _copy_gb_per_s(copies: tuple[float, ...] | None, nbytes: int) -> float | None:
-    """A batch's bytes over the mean time DeviceDataLoader's copies took; None unmeasured."""
-    return nbytes / (sum(copies) / len(copies)) / 1e9 if copies else None
-
-
 def input_bound(setting: Setting) -> list[str]:
     """Large images from a pageable in-memory dataset, a light model: the copy dominates.
 
@@ -869,7 +877,7 @@ def input_bound(setting: Setting) -> list[str]:
     copy_rows = [["copy_ from pinned memory (the limit)", f"{limit:.1f}", "100%"]]
     verdicts = []
     for variant, measured in wrapped.items():
-        achieved = _copy_gb_per_s(measured.stats.copy_per_batch, nbytes)
+        achieved = measured.stats.copy_gbps  # its copies' bytes over their time
         copy_rows.append(
             [variant, "not measured", "-"]
             if achieved is None
@@ -896,8 +904,8 @@ def input_bound(setting: Setting) -> list[str]:
         "",
         *table(["variant", "images/s", "x by hand (pinning)"], rows),
         (
-            "Host -> device GB/s: a batch's bytes over the mean of DeviceDataLoader's "
-            "stats.copy_per_batch (its last epoch, warm-up included), against copy_ of as "
+            "Host -> device GB/s: DeviceDataLoader's stats.copy_gbps (its last epoch's "
+            "read-ahead batches, their bytes over their copies' time), against copy_ of as "
             "many bytes from pinned memory, each call synchronized."
         ),
         "",

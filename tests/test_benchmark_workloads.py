@@ -123,16 +123,6 @@ def test_the_gpu_report_runs_every_section_through_the_accelerator_path(
     assert "meta" not in _loader.PREFETCHERS  # the stand-in is gone after the run
 
 
-def test_the_input_bound_loop_rates_copies_by_their_mean_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    report_script = _gpu_report(monkeypatch)
-    # 38.5 MB in 1 ms and in 3 ms: 2 ms on average.
-    assert report_script._copy_gb_per_s((0.001, 0.003), 38_500_000) == pytest.approx(19.25)
-    assert report_script._copy_gb_per_s((), 38_500_000) is None
-    assert report_script._copy_gb_per_s(None, 38_500_000) is None
-
-
 def test_a_failing_section_leaves_every_other_in_the_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
