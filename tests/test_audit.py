@@ -359,6 +359,21 @@ def test_a_copy_into_host_memory_is_watched_only_where_it_is_asynchronous(
     assert [event.operation for event in log.early_reads] == ["sum"]
 
 
+def test_copies_from_or_into_a_watched_result_are_the_device_s_not_reads(
+    machine: tuple[Pinned, Stream],
+) -> None:
+    pinned, stream = machine
+    on_device = torch.empty(3, device="meta")
+    buffer = pinned.pin(torch.empty(3))
+    with dk.track_transfers() as log:
+        buffer.copy_(on_device, non_blocking=True)
+        buffer.copy_(on_device, non_blocking=True)  # the buffer reused: after, on the stream
+        buffer.to(META, non_blocking=True)  # sent back: read by the device, on the stream
+        buffer.to(torch.float64)  # the host reads it
+    assert [(event.operation, event.blocked) for event in log.early_reads] == [("to", "read early")]
+    assert stream.recorded == 2
+
+
 def test_a_watched_result_is_not_kept_alive(machine: tuple[Pinned, Stream]) -> None:
     with dk.track_transfers() as log:
         result = torch.empty(3, device="meta").to(CPU, non_blocking=True)

@@ -17,8 +17,9 @@ Two kinds of copy asked to be non-blocking are marked, since nothing else sees t
   memory returns at once. An event is recorded on the device's current stream after it
   and its result watched through a weak reference; the first aten call that takes the
   result as an input asks the event whether the copy is done, which a synchronize of the
-  device, stream or event in between also makes true. What costs, only while a result is
-  watched: one dictionary lookup for each tensor argument of each call.
+  device, stream or event in between also makes true. Copies to and from the device are
+  no reads: they follow the watched copy on its stream. What costs, only while a result
+  is watched: one dictionary lookup for each argument of each call.
 
 What touches the machine (whether memory is pinned, whether a device has streams, the
 event) sits in a :class:`Machine`, which the tests replace (:func:`stand_in`).
@@ -334,7 +335,7 @@ class _Watched(NamedTuple):
     copy: _Copy
 
 
-_READS = {"_local_scalar_dense": "item"}  # the aten name of a read, as users write it
+_READS = {"_local_scalar_dense": "item", "_to_copy": "to"}  # aten names, as users write them
 
 
 class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped base
@@ -353,11 +354,16 @@ class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped ba
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self._watched:
-            self._check_reads(func, args, kwargs)
         copy = _transfer_of(func, args, kwargs)
         if copy is None:
+            if self._watched:
+                self._check_reads(func, args, kwargs)
             return func(*args, **kwargs)
+        streamed = self._machine.streamed
+        if self._watched and not (streamed(copy.source) or streamed(copy.target)):
+            # A copy to or from a device with streams is the device's, after the copy
+            # being watched on its stream: the host reads nothing (a pinned buffer reused).
+            self._check_reads(func, args, kwargs)
         where = _user_frame()
         result = func(*args, **kwargs)
         verdict = self._verdict(copy, args, result) if copy.non_blocking else None
