@@ -75,15 +75,15 @@ def test_copies_asked_to_be_non_blocking_that_block_are_marked() -> None:
 def test_a_host_result_read_before_its_copy_finished_is_marked() -> None:
     x = torch.randn(4096, 4096, device="cuda")
     with dk.track_transfers() as log:
-        for _ in range(20):  # some 50 ms of work queued ahead of the copies on an H100
+        for _ in range(40):  # some 100 ms of work on an H100, queued ahead of the copies
             y = x @ x
-        early = y.to("cpu", non_blocking=True)
+        early = y[0].to("cpu", non_blocking=True)  # small: pinning it takes no time
         early.sum()  # read while the device is still multiplying
         read = inspect.currentframe().f_lineno - 1  # type: ignore[union-attr]
-        late = y.to("cpu", non_blocking=True)
+        late = y[0].to("cpu", non_blocking=True)
         torch.cuda.synchronize()
         late.sum()  # read after a synchronize: fine
-        waited = y.to("cpu", non_blocking=True)
+        waited = y[0].to("cpu", non_blocking=True)
         done = torch.Event(device=y.device)
         done.record()
         done.synchronize()

@@ -422,24 +422,33 @@ class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped ba
         watched[key] = _Watched(weakref.ref(host, forget), finished, copy)
 
     def _check_reads(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Type checks and a membership test before any pop: 0.23 us a call of two
+        # arguments, against 0.66 with isinstance and a pop of each (of some 7 us a call
+        # that the mode costs).
         watched = self._watched
-        for arg in (*args, *kwargs.values()):
-            items = arg if isinstance(arg, list | tuple) else (arg,)  # cat and stack take lists
-            for item in items:
-                entry = watched.pop(id(item), None)
-                if entry is not None and not entry.finished():
-                    name = func.overloadpacket.__name__
-                    copy = entry.copy
-                    self._log.early_reads.append(
-                        TransferEvent(
-                            copy.source,
-                            copy.target,
-                            copy.nbytes,
-                            _READS.get(name, name),
-                            *_user_frame(),
-                            blocked=READ_EARLY,
-                        )
-                    )
+        for arg in (*args, *kwargs.values()) if kwargs else args:
+            if type(arg) is list or type(arg) is tuple:  # cat and stack take lists
+                for item in arg:
+                    if id(item) in watched:
+                        self._read(func, item)
+            elif id(arg) in watched:
+                self._read(func, arg)
+
+    def _read(self, func: Any, tensor: torch.Tensor) -> None:
+        """A watched result is read: marked unless its copy is known finished; watched no more."""
+        entry = self._watched.pop(id(tensor))
+        if not entry.finished():
+            name = func.overloadpacket.__name__
+            copy = entry.copy
+            event = TransferEvent(
+                copy.source,
+                copy.target,
+                copy.nbytes,
+                _READS.get(name, name),
+                *_user_frame(),
+                blocked=READ_EARLY,
+            )
+            self._log.early_reads.append(event)
 
 
 @contextlib.contextmanager
