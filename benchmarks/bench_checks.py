@@ -15,6 +15,9 @@ Run ``python benchmarks/bench_checks.py`` (``--quick`` for a smoke run).
   the walk keeps its own stack and links its routes, so depth costs time in proportion
   (the paths returned, one per tensor, are the only quadratic part); it once raised
   RecursionError. Target: well under a second.
+- ``track_transfers()`` around a step of 200 small aten ops and 2 copies to ``meta``,
+  beside the same step bare: a dispatch mode costs each op a Python call; the copies'
+  checks (pinned, layout, where in user code) are paid by the copies alone.
 
 Rounds alternate between the things compared, so drift in the machine's speed reaches
 them alike; the figures are medians.
@@ -57,6 +60,15 @@ def deep_chain(depth: int) -> nn.Module:
 def thousand_modules(pairs: int = 500) -> nn.Module:
     """``pairs`` Linear/ReLU pairs, each in its own Sequential: 2 * pairs + pairs + 1 modules."""
     return nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(pairs)])
+
+
+def small_step(x: torch.Tensor) -> None:
+    """200 small aten ops and 2 copies to meta: the host's side of a tiny training step."""
+    y = x
+    for _ in range(100):
+        y = (y + 1) * 0.5
+    y.to(META, non_blocking=True)
+    x.to(META)
 
 
 def main() -> None:
@@ -108,6 +120,24 @@ def main() -> None:
     deep_ms = _median_s(lambda: dk.find_unmoved(deep), 1, rounds) * 1e3
     print(f"module holding a list {len(dk.find_unmoved(deep)):,} deep, a tensor at each level:")
     print(f"  find_unmoved(module)              {deep_ms:9.2f} ms   (target well under 1 s)")
+
+    bare, tracked = [], []
+    x = torch.ones(8)
+
+    def tracked_step() -> None:
+        with dk.track_transfers():
+            small_step(x)
+
+    for _ in range(rounds):
+        bare.append(_median_s(lambda: small_step(x), 20, 1))
+        tracked.append(_median_s(tracked_step, 20, 1))
+    bare_ms, tracked_ms = statistics.median(bare) * 1e3, statistics.median(tracked) * 1e3
+    print("a step of 200 small ops and 2 copies to meta:")
+    print(f"  bare                              {bare_ms:9.2f} ms")
+    print(
+        f"  under track_transfers()           {tracked_ms:9.2f} ms   "
+        f"({(tracked_ms - bare_ms) / 202 * 1e3:.1f} us an op more)"
+    )
 
 
 if __name__ == "__main__":

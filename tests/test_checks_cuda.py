@@ -48,3 +48,47 @@ def test_track_transfers_counts_host_to_device_and_back() -> None:
     directions = [(e.source.type, e.target.type, e.operation) for e in log.events]
     assert ("cuda", "cpu", "item") in directions
     assert any(source == "cpu" and target == "cuda" for source, target, _ in directions)
+
+
+@pytest.mark.usefixtures("watchdog")
+def test_copies_asked_to_be_non_blocking_that_block_are_marked() -> None:
+    pageable = torch.ones(1024, 1024)
+    pinned = torch.ones(1024, 1024).pin_memory()
+    target = torch.empty(1024, 512, device="cuda")
+    with dk.track_transfers() as log:
+        pageable.to("cuda", non_blocking=True)  # staged by the driver: the host waits
+        pinned.to("cuda", non_blocking=True)  # overlaps
+        pinned[:, ::2].to("cuda", non_blocking=True)  # made contiguous, pageable, first
+        target.copy_(pinned[:, ::2], non_blocking=True)
+        pinned.t().to("cuda", non_blocking=True)  # dense: copied as it lies
+    torch.cuda.synchronize()
+    assert [event.blocked for event in log.events] == [
+        "pageable",
+        None,
+        "non-contiguous",
+        "non-contiguous",
+        None,
+    ]
+
+
+@pytest.mark.usefixtures("watchdog")
+def test_a_host_result_read_before_its_copy_finished_is_marked() -> None:
+    x = torch.randn(4096, 4096, device="cuda")
+    with dk.track_transfers() as log:
+        for _ in range(40):  # some 100 ms of work on an H100, queued ahead of the copies
+            y = x @ x
+        early = y[0].to("cpu", non_blocking=True)  # small: pinning it takes no time
+        early.sum()  # read while the device is still multiplying
+        read = inspect.currentframe().f_lineno - 1  # type: ignore[union-attr]
+        late = y[0].to("cpu", non_blocking=True)
+        torch.cuda.synchronize()
+        late.sum()  # read after a synchronize: fine
+        waited = y[0].to("cpu", non_blocking=True)
+        done = torch.Event(device=y.device)
+        done.record()
+        done.synchronize()
+        waited.sum()
+    assert [(e.operation, e.lineno, e.blocked) for e in log.early_reads] == [
+        ("sum", read, "read early")
+    ]
+    assert log.early_reads[0].source == y.device

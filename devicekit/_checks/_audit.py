@@ -4,6 +4,25 @@ A dispatch mode of PyTorch's sees each aten call. The three that move data betwe
 devices are recorded: ``_to_copy`` (``.to()``, ``.cpu()``, ``.cuda()``), ``copy_``
 between devices, and ``_local_scalar_dense`` on an accelerator (``.item()``, which also
 waits for the device). The stack is read only for those.
+
+Two kinds of copy asked to be non-blocking are marked, since nothing else sees them:
+
+- copies that block anyway (:func:`classify`): a copy between the host and an
+  accelerator with streams is asynchronous only from, or into, pinned memory that it
+  reads or writes where it lies. From pageable memory the driver copies through a
+  staging buffer and the host waits; from a non-contiguous view of pinned memory PyTorch
+  first makes a contiguous copy, pageable, on the host. ``torch.cuda.set_sync_debug_mode``
+  does not see them.
+- reads of a host result before its copy finished: a non-blocking copy into pinned host
+  memory returns at once. An event is recorded on the device's current stream after it
+  and its result watched through a weak reference; the first aten call that takes the
+  result as an input asks the event whether the copy is done, which a synchronize of the
+  device, stream or event in between also makes true. Copies to and from the device are
+  no reads: they follow the watched copy on its stream. What costs, only while a result
+  is watched: one dictionary lookup for each argument of each call.
+
+What touches the machine (whether memory is pinned, whether a device has streams, the
+event) sits in a :class:`Machine`, which the tests replace (:func:`stand_in`).
 """
 
 from __future__ import annotations
@@ -12,16 +31,178 @@ import contextlib
 import dataclasses
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from devicekit._base import DispatchMode, TransferError, nbytes, user_frame
 
-__all__ = ["TransferEvent", "TransferLog", "track_transfers"]
+__all__ = [
+    "NON_CONTIGUOUS",
+    "PAGEABLE",
+    "READ_EARLY",
+    "UNFINISHED",
+    "Machine",
+    "TransferEvent",
+    "TransferLog",
+    "classify",
+    "stand_in",
+    "track_transfers",
+]
 
 _aten = torch.ops.aten
+
+PAGEABLE = "pageable"
+"""A copy asked to be non-blocking blocked: its host memory is pageable, not pinned."""
+NON_CONTIGUOUS = "non-contiguous"
+"""A copy asked to be non-blocking blocked: its host memory, pinned, is a non-contiguous view."""
+READ_EARLY = "read early"
+"""A host result of a non-blocking copy was read before the copy was known finished."""
+UNFINISHED = "unfinished"
+"""What :func:`classify` says of a truly asynchronous copy to the host: watch its result."""
+
+# Why, and the fix, for each mark: in the strict error and the summary.
+_WHY: dict[str | None, tuple[str, str]] = {
+    PAGEABLE: (
+        "its host memory is pageable, not pinned, so the host waits for it",
+        (
+            "pin it (tensor.pin_memory(), torch.empty(..., pin_memory=True), or let "
+            "dk.DeviceDataLoader pin the batches)"
+        ),
+    ),
+    NON_CONTIGUOUS: (
+        (
+            "its host memory is a non-contiguous view of pinned memory, which PyTorch first "
+            "copies into pageable memory, so the host waits for it"
+        ),
+        "call .contiguous() before pinning",
+    ),
+    READ_EARLY: (
+        "the copy returns at once and its result lands later, so this read may see unfinished data",
+        (
+            "synchronize (torch.cuda.synchronize(), or an event recorded after the copy) "
+            "before reading the result"
+        ),
+    ),
+}
+
+
+def classify(to_host: bool, *, non_blocking: bool, pinned: bool, as_it_lies: bool) -> str | None:
+    """What a copy between the host and an accelerator with streams asks of track_transfers.
+
+    ``pinned`` and ``as_it_lies`` describe its host side (the source of a copy to the
+    device, the result of one to the host): whether that memory is pinned, and whether
+    the copy reads or writes it where it lies, with no staging copy on the host (it is
+    contiguous, or laid out as the device's side). A copy asked to be non-blocking
+    blocks without both: :data:`PAGEABLE`, :data:`NON_CONTIGUOUS`. With both, one to the
+    device overlaps (None) and one to the host returns before its result is there
+    (:data:`UNFINISHED`). A blocking copy asks nothing.
+
+    >>> classify(False, non_blocking=True, pinned=False, as_it_lies=True)
+    'pageable'
+    >>> classify(False, non_blocking=True, pinned=True, as_it_lies=False)
+    'non-contiguous'
+    >>> classify(True, non_blocking=True, pinned=True, as_it_lies=True)
+    'unfinished'
+    >>> classify(False, non_blocking=False, pinned=False, as_it_lies=False) is None
+    True
+
+    Args:
+        to_host: Whether the copy is to the host (else to the device).
+        non_blocking: Whether it was asked to be non-blocking.
+        pinned: Whether its host side is pinned memory.
+        as_it_lies: Whether it needs no staging copy of its host side.
+
+    Returns:
+        None, :data:`PAGEABLE`, :data:`NON_CONTIGUOUS` or :data:`UNFINISHED`.
+    """
+    if not non_blocking:
+        return None
+    if not pinned:
+        return PAGEABLE
+    if not as_it_lies:
+        return NON_CONTIGUOUS
+    return UNFINISHED if to_host else None
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements fill their memory with no gap or overlap, in some order of dims."""
+    expected = 1
+    for stride, size in sorted(
+        (st, n) for st, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _as_it_lies(host: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether a copy reads or writes ``host`` where it lies: PyTorch stages what is not.
+
+    ``other`` is the device's side. A contiguous host tensor is copied as it is; another
+    only where the copy is one block of memory, both sides dense and alike (``.to()``
+    keeps a dense tensor's strides).
+    """
+    if host.is_contiguous():
+        return True
+    return host.shape == other.shape and host.stride() == other.stride() and _dense(host)
+
+
+# Devices whose copies to and from the host can be asynchronous, on a stream; MPS's
+# share memory with the host, the meta device copies nothing.
+_STREAMED = frozenset({"cuda", "xpu"})
+
+
+def _has_streams(device: torch.device) -> bool:
+    return device.type in _STREAMED
+
+
+def _record_event(device: torch.device) -> Callable[[], bool]:
+    event = torch.Event(device=device)
+    event.record(torch.accelerator.current_stream(device))
+    return event.query
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What track_transfers asks of the machine; the tests pass stand-ins to :func:`stand_in`.
+
+    >>> import torch
+    >>> Machine().streamed(torch.device("cuda")), Machine().streamed(torch.device("mps"))
+    (True, False)
+    """
+
+    pinned: Callable[[torch.Tensor], bool] = torch.Tensor.is_pinned
+    """Whether a host tensor's memory is pinned (a view of pinned memory is)."""
+    streamed: Callable[[torch.device], bool] = _has_streams
+    """Whether a device is an accelerator whose copies to and from the host can overlap."""
+    record_event: Callable[[torch.device], Callable[[], bool]] = _record_event
+    """Records an event on the device's current stream; gives its query: is the device past it."""
+
+
+_machine = Machine()
+
+
+@contextlib.contextmanager
+def stand_in(machine: Machine) -> Iterator[None]:
+    """Make the blocks of track_transfers opened inside ask ``machine``, for tests without a GPU.
+
+    >>> import torch
+    >>> with stand_in(Machine(streamed=lambda device: device.type == "meta")):
+    ...     with track_transfers() as log:
+    ...         _ = torch.ones(2).to("meta", non_blocking=True)
+    >>> log.events[0].blocked
+    'pageable'
+    """
+    global _machine  # noqa: PLW0603 - the seam: one machine at a time, like as_accelerator
+    before, _machine = _machine, machine
+    try:
+        yield
+    finally:
+        _machine = before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +225,22 @@ class TransferEvent:
     filename: str
     lineno: int
     function: str
+    blocked: str | None = None
+    """What went wrong, else None. In ``log.events``: why a copy asked to be non-blocking
+    blocked the host, ``"pageable"`` or ``"non-contiguous"`` (its host memory). In
+    ``log.early_reads``: ``"read early"``; ``operation`` then names the call that read
+    (``"add"``, ``"item"``) and the place is the read's."""
 
     @property
     def where(self) -> str:
         """``train.py:42 in step``: the line of user code that made the copy."""
         return f"{os.path.basename(self.filename)}:{self.lineno} in {self.function}"
+
+
+def _why(event: TransferEvent) -> str:
+    """What went wrong at a marked event, and the fix."""
+    reason, fix = _WHY[event.blocked]
+    return f"{reason}: {fix}"
 
 
 @dataclasses.dataclass
@@ -63,6 +255,8 @@ class TransferLog:
     """
 
     events: list[TransferEvent] = dataclasses.field(default_factory=list)
+    early_reads: list[TransferEvent] = dataclasses.field(default_factory=list)
+    """Reads of host results of non-blocking copies before the copies were known finished."""
 
     @property
     def count(self) -> int:
@@ -86,6 +280,15 @@ class TransferLog:
             lines.append(
                 f"  {source} -> {target}: {len(events)} ({size}), first at {events[0].where}"
             )
+        blocked = [event for event in self.events if event.blocked is not None]
+        for marked, said in (
+            (blocked, "copies asked to be non-blocking blocked"),
+            (self.early_reads, "results of non-blocking copies read before the copy finished"),
+        ):
+            if marked:
+                lines.append(
+                    f"{len(marked)} {said}: first at {marked[0].where} ({_why(marked[0])})."
+                )
         return "\n".join(lines)
 
 
@@ -96,24 +299,43 @@ def _user_frame() -> tuple[str, int, str]:
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
 
 
-def _transfer_of(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[torch.device, torch.device, int, str] | None:
-    """(source, target, nbytes, operation) when the call moves data between devices."""
+class _Copy(NamedTuple):
+    source: torch.device
+    target: torch.device
+    nbytes: int
+    operation: str
+    non_blocking: bool
+
+
+def _transfer_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Copy | None:
+    """The copy, when the call moves data between devices."""
     if func is _aten._to_copy.default:
         source = args[0]
         target = kwargs.get("device")
         if target is not None and torch.device(target) != source.device:
-            return source.device, torch.device(target), source.nbytes, "to"
+            non_blocking = bool(kwargs.get("non_blocking", False))
+            return _Copy(source.device, torch.device(target), source.nbytes, "to", non_blocking)
     elif func is _aten.copy_.default:
         target, source = args[0], args[1]
         if isinstance(source, torch.Tensor) and source.device != target.device:
-            return source.device, target.device, source.nbytes, "copy_"
+            non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            return _Copy(source.device, target.device, source.nbytes, "copy_", non_blocking)
     elif func is _aten._local_scalar_dense.default:
         source = args[0]
         if source.device.type != "cpu":
-            return source.device, torch.device("cpu"), source.element_size(), "item"
+            return _Copy(source.device, torch.device("cpu"), source.element_size(), "item", False)
     return None
+
+
+class _Watched(NamedTuple):
+    """A host result of a non-blocking copy, until it is read or dies."""
+
+    result: weakref.ref[torch.Tensor]
+    finished: Callable[[], bool]
+    copy: _Copy
+
+
+_READS = {"_local_scalar_dense": "item", "_to_copy": "to"}  # aten names, as users write them
 
 
 class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped base
@@ -121,6 +343,8 @@ class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped ba
         super().__init__()  # type: ignore[no-untyped-call]
         self._log = log
         self._strict = strict
+        self._machine = _machine
+        self._watched: dict[int, _Watched] = {}  # by id() of the result, while it lives
 
     def __torch_dispatch__(
         self,
@@ -130,20 +354,101 @@ class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped ba
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        transfer = _transfer_of(func, args, kwargs)
-        if transfer is not None:
-            event = TransferEvent(*transfer, *_user_frame())
-            if self._strict:
-                msg = (
-                    f"Expected no transfers between devices inside track_transfers(strict=True), "
-                    f"but {event.where} copies {nbytes(event.nbytes)} from "
-                    f"{event.source} to {event.target} ({event.operation}). Inside a training "
-                    "step such copies (.item(), .cpu(), printing a tensor) stall the device: "
-                    "move them out, or batch them."
-                )
-                raise TransferError(msg)
-            self._log.events.append(event)
-        return func(*args, **kwargs)
+        copy = _transfer_of(func, args, kwargs)
+        if copy is None:
+            if self._watched:
+                self._check_reads(func, args, kwargs)
+            return func(*args, **kwargs)
+        streamed = self._machine.streamed
+        if self._watched and not (streamed(copy.source) or streamed(copy.target)):
+            # A copy to or from a device with streams is the device's, after the copy
+            # being watched on its stream: the host reads nothing (a pinned buffer reused).
+            self._check_reads(func, args, kwargs)
+        where = _user_frame()
+        result = func(*args, **kwargs)
+        verdict = self._verdict(copy, args, result) if copy.non_blocking else None
+        blocked = None if verdict == UNFINISHED else verdict
+        event = TransferEvent(
+            copy.source, copy.target, copy.nbytes, copy.operation, *where, blocked=blocked
+        )
+        if self._strict:
+            self._refuse(event, unfinished=verdict == UNFINISHED)
+        if verdict == UNFINISHED:
+            self._watch(args[0] if copy.operation == "copy_" else result, copy)
+        self._log.events.append(event)
+        return result
+
+    def _verdict(self, copy: _Copy, args: tuple[Any, ...], result: Any) -> str | None:
+        """:func:`classify` of a non-blocking copy, made, between the host and an accelerator."""
+        source, target = (args[1], args[0]) if copy.operation == "copy_" else (args[0], result)
+        streamed = self._machine.streamed
+        if copy.source.type == "cpu" and streamed(copy.target):
+            host, other, to_host = source, target, False
+        elif copy.target.type == "cpu" and streamed(copy.source):
+            host, other, to_host = target, source, True
+        else:
+            return None
+        return classify(
+            to_host,
+            non_blocking=True,
+            pinned=self._machine.pinned(host),
+            as_it_lies=_as_it_lies(host, other),
+        )
+
+    def _refuse(self, event: TransferEvent, *, unfinished: bool) -> None:
+        msg = (
+            f"Expected no transfers between devices inside track_transfers(strict=True), "
+            f"but {event.where} copies {nbytes(event.nbytes)} from "
+            f"{event.source} to {event.target} ({event.operation}). Inside a training "
+            "step such copies (.item(), .cpu(), printing a tensor) stall the device: "
+            "move them out, or batch them."
+        )
+        if event.blocked is not None:
+            msg += f" It was asked to be non-blocking, yet blocks: {_why(event)}."
+        elif unfinished:
+            reason, fix = _WHY[READ_EARLY]
+            msg += f" It was asked to be non-blocking: {reason}; {fix}."
+        raise TransferError(msg)
+
+    def _watch(self, host: torch.Tensor, copy: _Copy) -> None:
+        key = id(host)
+        watched = self._watched
+
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:
+            if key in watched and watched[key].result is ref:
+                del watched[key]
+
+        finished = self._machine.record_event(copy.source)
+        watched[key] = _Watched(weakref.ref(host, forget), finished, copy)
+
+    def _check_reads(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Type checks and a membership test before any pop: 0.23 us a call of two
+        # arguments, against 0.66 with isinstance and a pop of each (of some 7 us a call
+        # that the mode costs).
+        watched = self._watched
+        for arg in (*args, *kwargs.values()) if kwargs else args:
+            if type(arg) is list or type(arg) is tuple:  # cat and stack take lists
+                for item in arg:
+                    if id(item) in watched:
+                        self._read(func, item)
+            elif id(arg) in watched:
+                self._read(func, arg)
+
+    def _read(self, func: Any, tensor: torch.Tensor) -> None:
+        """A watched result is read: marked unless its copy is known finished; watched no more."""
+        entry = self._watched.pop(id(tensor))
+        if not entry.finished():
+            name = func.overloadpacket.__name__
+            copy = entry.copy
+            event = TransferEvent(
+                copy.source,
+                copy.target,
+                copy.nbytes,
+                _READS.get(name, name),
+                *_user_frame(),
+                blocked=READ_EARLY,
+            )
+            self._log.early_reads.append(event)
 
 
 @contextlib.contextmanager
@@ -152,6 +457,15 @@ def track_transfers(*, strict: bool = False) -> Iterator[TransferLog]:
 
     Finds the ``.item()``, ``.cpu()`` and stray ``.to()`` calls that quietly stall a
     training loop. ``strict=True`` raises at the first one instead, naming its line.
+
+    It also marks what no other check sees. A copy between the host and a GPU asked to
+    be non-blocking blocks anyway where its host memory is pageable or a non-contiguous
+    view of pinned memory: its event says so in ``blocked``. A host result of a
+    non-blocking copy read (by any aten call taking it, ``.item()``, ``.numpy()``) before
+    the copy finished, by an event recorded after it, is listed in ``log.early_reads``
+    with the read's line. ``.tolist()`` and printing read memory without an aten call,
+    which a dispatch mode cannot see; seeing them would cost each call of the block a
+    torch-function mode, about 2.7 us.
 
     Only the calling thread is watched: PyTorch's dispatch modes are per thread, so
     copies made in other threads (a DataLoader's pin-memory thread, devicekit's own
@@ -174,7 +488,9 @@ def track_transfers(*, strict: bool = False) -> Iterator[TransferLog]:
         The log, filled as the block runs.
 
     Raises:
-        TransferError: With ``strict=True``, at the first copy between devices.
+        TransferError: With ``strict=True``, at the first copy between devices, saying
+            also why a copy asked to be non-blocking blocks, or that one to the host
+            must be waited for before its result is read.
     """
     log = TransferLog()
     with _Recorder(log, strict=strict):
