@@ -349,20 +349,25 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
     ):
         leaf, stays, move_each = kept
         values = tree.values() if kind is dict else tree
-        for value in values:
+        rest = iter(values)
+        for value in rest:
             if type(value) is not leaf or not stays(value):
                 break
         else:  # new containers, as the walk makes them: (*tree,) is a new tuple, tuple(tree) not
             return (*tree,) if kind is tuple else kind(tree)
-        if move_each is not None and list(map(type, values)).count(leaf) == len(tree):
-            try:
-                moved = move_each([*values] if kind is dict else tree)
-            except Exception:  # the walk below meets it again, and names its leaf: moving
-                moved = None  # again repeats no side effect (a copy has none)
-            if moved is not None:
-                if kind is dict:
-                    return dict(zip(tree, moved))  # noqa: B905 - its own values
-                return moved if kind is list else tuple(moved)
+        if move_each is not None and type(value) is leaf:  # one to move: and the rest?
+            for value in rest:
+                if type(value) is not leaf:
+                    break
+            else:
+                try:
+                    moved = move_each([*values] if kind is dict else tree)
+                except Exception:  # the walk below meets it again, and names its leaf:
+                    moved = None  # moving again repeats no side effect (a copy has none)
+                if moved is not None:
+                    if kind is dict:
+                        return dict(zip(tree, moved))  # noqa: B905 - its own values
+                    return moved if kind is list else tuple(moved)
     if (
         (node is LIST or node is TUPLE)
         and len(tree) >= _SCAN_FROM
