@@ -349,14 +349,13 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
     ):
         leaf, stays, move_each = kept
         values = tree.values() if kind is dict else tree
-        rest = iter(values)
-        for value in rest:
+        for value in values:
             if type(value) is not leaf or not stays(value):
                 break
         else:  # new containers, as the walk makes them: (*tree,) is a new tuple, tuple(tree) not
             return (*tree,) if kind is tuple else kind(tree)
-        if move_each is not None and type(value) is leaf:  # one to move: and the rest?
-            for value in rest:
+        if move_each is not None and type(value) is leaf:  # one to move: and the others?
+            for value in values:
                 if type(value) is not leaf:
                     break
             else:
