@@ -34,6 +34,14 @@ def flat_dict() -> dict[str, torch.Tensor]:
     return {f"feature_{i}": torch.randn(16, 16) for i in range(8)}
 
 
+def flat_list() -> list[torch.Tensor]:
+    return [*flat_dict().values()]
+
+
+def flat_tuple() -> tuple[torch.Tensor, ...]:
+    return (*flat_dict().values(),)
+
+
 def mixed_batch(targets: int = 4) -> dict[str, Any]:
     """Namedtuples, lists, a tuple, None and strings around 5 + 2 x ``targets`` tensors."""
     return {
@@ -48,6 +56,15 @@ def mixed_batch(targets: int = 4) -> dict[str, Any]:
 
 def handwritten_flat(batch: dict[str, torch.Tensor], device: torch.device) -> Any:
     return {key: value.to(device) for key, value in batch.items()}
+
+
+def handwritten_flat_list(batch: list[torch.Tensor], device: torch.device) -> Any:
+    return [value.to(device) for value in batch]
+
+
+def handwritten_flat_tuple(batch: tuple[torch.Tensor, ...], device: torch.device) -> Any:
+    # A list comprehension made a tuple: a generator inside tuple() is slower.
+    return tuple([value.to(device) for value in batch])
 
 
 def handwritten_mixed(batch: dict[str, Any], device: torch.device) -> Any:
@@ -91,6 +108,8 @@ def per_tensor_loop(batch: Any, device: torch.device, *, non_blocking: bool = Fa
 
 WORKLOADS: dict[str, tuple[Callable[[], Any], Callable[[Any, torch.device], Any]]] = {
     "flat dict of 8": (flat_dict, handwritten_flat),
+    "flat list of 8": (flat_list, handwritten_flat_list),
+    "flat tuple of 8": (flat_tuple, handwritten_flat_tuple),
     "64 per-image dicts": (per_image_batch, handwritten_per_image),
     "mixed nested batch": (mixed_batch, handwritten_mixed),
 }
@@ -113,6 +132,12 @@ def peers() -> dict[str, Callable[[Any, torch.device], Any]]:
         from lightning_fabric.utilities.apply_func import move_data_to_device
 
         found["lightning move_data_to_device"] = move_data_to_device
+    except ImportError:
+        pass
+    try:
+        from ignite.utils import convert_tensor
+
+        found["ignite convert_tensor"] = convert_tensor
     except ImportError:
         pass
     from torch.utils import _pytree

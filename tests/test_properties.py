@@ -127,3 +127,44 @@ def test_the_movers_list_form_moves_as_the_mover_does_leaf_by_leaf(batch: Any, h
             )
         else:
             assert mine is theirs
+
+
+@given(
+    st.lists(tensors() | tensors().map(lambda t: t.to(META)), max_size=12).flatmap(
+        lambda given: st.lists(st.sampled_from(given), max_size=12) if given else st.just([])
+    ),
+    st.sampled_from([META, CPU]),
+    st.sampled_from(["auto", True, False]),
+    st.sampled_from([list, tuple, dict]),
+)
+def test_a_flat_batch_moves_as_the_mover_moves_it_leaf_by_leaf(
+    leaves: list[torch.Tensor], device: torch.device, non_blocking: Any, kind: type
+) -> None:
+    # move_each, the list form the host walk hands a flat batch to, is move at each leaf:
+    # the same tensors back, or new ones alike, one per distinct tensor.
+    from devicekit._core import _transfer  # noqa: PLC0415 - the two forms are private
+
+    leaves = [leaf for leaf in leaves if not (leaf.is_meta and device == CPU)]
+    plan = _transfer._plan(device, _transfer.Options(non_blocking=non_blocking))
+    call = _transfer.Call(plan, [])
+    one_by_one = [plan.move(leaf, call) for leaf in leaves]
+    assert plan.kept is not None
+    move_each = plan.kept[2]
+    if move_each is not None:
+        listed = move_each(leaves)
+        if len({id(leaf) for leaf in leaves}) < len(leaves):
+            assert listed is None  # walked, noting the repeat
+        else:
+            assert listed is not None
+            for mine, theirs, leaf in zip(listed, one_by_one, leaves, strict=True):
+                assert type(mine) is type(theirs)
+                assert (mine.device, mine.dtype, mine.shape) == (
+                    theirs.device,
+                    theirs.dtype,
+                    theirs.shape,
+                )
+                assert (mine is leaf) == (theirs is leaf)
+    batch: Any = dict(enumerate(leaves)) if kind is dict else kind(leaves)
+    moved = dk.to_device(batch, device, non_blocking=non_blocking)
+    assert type(moved) is kind
+    assert_moved_like(moved, reference_move(batch, device))

@@ -1116,3 +1116,91 @@ def test_non_blocking_auto_on_host_targets_is_safe_to_read() -> None:
     data = {"x": torch.arange(6.0)}
     moved = dk.to_device(data, CPU, copy=True, non_blocking="auto")
     assert torch.equal(moved["x"], torch.arange(6.0))
+
+
+class _Features(dict[str, Any]):
+    """A dict subclass: rebuilt as its type, never taken for a plain dict."""
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ts: dict(zip("abcdefgh", ts, strict=False)),
+        list,
+        tuple,
+        lambda ts: OrderedDict(zip("abcdefgh", ts, strict=False)),
+        lambda ts: defaultdict(list, zip("abcdefgh", ts, strict=False)),
+        lambda ts: _Features(zip("abcdefgh", ts, strict=False)),
+        lambda ts: Pair(*ts[:2]),
+        UserList,
+    ],
+    ids=[
+        "dict",
+        "list",
+        "tuple",
+        "ordereddict",
+        "defaultdict",
+        "dict subclass",
+        "namedtuple",
+        "userlist",
+    ],
+)
+@pytest.mark.parametrize("shared", [False, True], ids=["distinct", "one tensor twice"])
+def test_a_flat_batch_of_tensors_keeps_its_type_and_aliases(make: Any, shared: bool) -> None:
+    # Flat batches of plain tensors, which the host walk hands to the mover in one call.
+    tensors = [torch.full((2,), float(i)) for i in range(8)]
+    if shared:
+        tensors[5] = tensors[1]
+    data = make(tensors)
+    before = snapshot(data)
+    moved = dk.to_device(data, META)
+    assert type(moved) is type(data)
+    assert_same_structure(moved, data)
+    if isinstance(data, defaultdict):
+        assert moved.default_factory is list
+    leaves = list(tensor_leaves(moved))
+    assert all(t.device == META for t in leaves)
+    if shared and len(leaves) > 5:
+        assert leaves[5] is leaves[1]
+    assert len({id(t) for t in leaves}) == len({id(t) for t in tensor_leaves(data)})
+    assert_unchanged(data, before)
+
+
+def test_a_flat_batch_partly_on_the_target_keeps_what_is_there() -> None:
+    there = torch.ones(2, device=META)
+    data = {"there": there, "here": torch.ones(2), "also": torch.zeros(3)}
+    moved = dk.to_device(data, META)
+    assert moved["there"] is there
+    assert moved["here"].device == moved["also"].device == META
+    assert moved is not data
+
+
+@pytest.mark.parametrize("non_blocking", ["auto", True, False])
+def test_a_flat_batch_takes_the_options_as_the_walk_does(non_blocking: Any) -> None:
+    data = [torch.ones(2, 3, 4, 4), torch.arange(3), torch.ones(2, dtype=torch.float64)]
+    moved = dk.to_device(data, META, non_blocking=non_blocking, dtype=torch.float16)
+    assert [t.dtype for t in moved] == [torch.float16, torch.int64, torch.float16]
+    laid_out = dk.to_device(tuple(data), CPU, non_blocking=non_blocking, copy=True)
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(laid_out, data, strict=True))
+    channels = dk.to_device(data, CPU, memory_format=torch.channels_last)
+    assert channels[0].is_contiguous(memory_format=torch.channels_last)
+    assert channels[1] is data[1]
+    assert [t.device for t in dk.to_device(data, META, non_blocking=non_blocking)] == [META] * 3
+
+
+def test_a_meta_tensor_in_a_flat_batch_is_named_by_its_path() -> None:
+    data = {"image": torch.ones(2), "ghost": torch.ones(2, device=META)}
+    for non_blocking in ("auto", True):
+        with pytest.raises(dk.TransferError, match=re.escape("Cannot move data['ghost'] to cpu")):
+            dk.to_device(data, CPU, non_blocking=non_blocking)
+    with pytest.raises(dk.TransferError, match=re.escape("Cannot move data[1] to cpu")):
+        dk.to_device([torch.ones(1), torch.ones(1, device=META)], CPU, non_blocking=True)
+
+
+def test_a_flat_batch_with_other_leaves_is_walked_as_before() -> None:
+    weight = nn.Parameter(torch.ones(2))
+    data = {"x": torch.ones(2), "w": weight, "n": 3, "name": "a"}
+    moved = dk.to_device(data, META, strict=True)
+    assert type(moved["w"]) is nn.Parameter
+    assert moved["w"].device == moved["x"].device == META
+    assert (moved["n"], moved["name"]) == (3, "a")

@@ -147,3 +147,59 @@ def test_a_device_without_an_index_is_resolved_on_every_call(
     assert dk.to_device(tensor, torch.device("xpu")).device == CPU
     assert dk.to_device(tensor, torch.device("meta")).device == META  # found as planned
     assert current == []
+
+
+def test_a_flat_batch_of_distinct_tensors_moves_in_one_call_of_the_mover(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = _transfer._plan(META, _transfer._DEFAULTS)
+    assert plan.kept is not None
+    moved_one_by_one: list[object] = []
+    move = plan.move
+
+    def counted(obj: Any, call: Any) -> Any:
+        moved_one_by_one.append(obj)
+        return move(obj, call)
+
+    monkeypatch.setattr(plan, "move", counted)
+    tensors = [torch.ones(2) for _ in range(8)]
+    for batch in (dict(zip("abcdefgh", tensors, strict=True)), tensors, tuple(tensors)):
+        assert [t.device for t in tensor_values(dk.to_device(batch, META))] == [META] * 8
+    assert moved_one_by_one == []
+    # One tensor twice, a namedtuple, a plain value beside them: the walk, a leaf at a time.
+    for batch in ([tensors[0], tensors[0]], Pair(*tensors[:2]), [tensors[0], 3]):
+        moved_one_by_one.clear()
+        dk.to_device(batch, META)
+        walked = {id(t) for t in batch if isinstance(t, torch.Tensor)}
+        assert {id(leaf) for leaf in moved_one_by_one} == walked  # twice over, for a repeat
+
+
+def tensor_values(batch: Any) -> list[torch.Tensor]:
+    return list(batch.values() if isinstance(batch, dict) else batch)
+
+
+@pytest.mark.parametrize(
+    ("device", "options", "in_one_call"),
+    [
+        (META, {}, True),
+        (META, {"non_blocking": True}, True),
+        (META, {"strict": True}, True),
+        (CPU, {"non_blocking": False}, True),
+        # To the host under "auto" a copy from an accelerator is waited for: a tensor at a time.
+        (CPU, {}, False),
+        (META, {"dtype": torch.float16}, None),
+        (META, {"copy": True}, None),
+        (META, {"memory_format": torch.channels_last}, None),
+    ],
+)
+def test_a_flat_batch_moves_in_one_call_only_where_each_tensor_would_move_alone(
+    device: torch.device, options: dict[str, Any], in_one_call: bool | None
+) -> None:
+    plan = _transfer._plan(device, _transfer.Options(**options))
+    if in_one_call is None:  # options: every tensor through the call
+        assert plan.kept is None
+    else:
+        assert plan.kept is not None
+        assert (plan.kept[2] is not None) is in_one_call
+    with as_accelerator("meta"):
+        assert _transfer._plan(META, _transfer.Options(**options)).kept is None

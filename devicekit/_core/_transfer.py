@@ -174,17 +174,25 @@ class Plan:
         # before the call returns (Call.finish).
         self.told = self.copy(None, device)[0]
         self.waits = self.copy("cuda", device)[1]  # cuda: any accelerator
+        move_each: _tree.MoveEach | None = None
         if traced:  # nothing packed there: no list form
             self.move = traced_mover(self)
         else:
-            self.move, self.move_all = mover(self, is_meta=device.type == "meta" and not simulated)
-        # The tensors the mover gives back as they are, read as it reads them: a flat
-        # batch of them is copied without a call per tensor. In a loop of tiny steps,
-        # whose PyTorch step leaves little of devicekit in the CPU's caches, to_device((x,
-        # y), "cpu") took 12.1-17.2 us a step and takes 9.4-13.6, the loader's batch
-        # 13.3-18.7 and 10.7-15.1 (benchmarks/bench_tiny_steps.py); alone, 2.8 and 2.1.
-        self.kept: tuple[type, Callable[[torch.Tensor], bool]] | None = (
-            (_Tensor, operator.attrgetter("is_cpu" if device.type == "cpu" else "is_meta"))
+            self.move, self.move_all, move_each = mover(
+                self, is_meta=device.type == "meta" and not simulated
+            )
+        # A flat batch of plain tensors (map_leaves' ``kept``): those the mover gives back
+        # as they are, read as it reads them, are copied without a call per tensor. In a
+        # loop of tiny steps, whose PyTorch step leaves little of devicekit in the CPU's
+        # caches, to_device((x, y), "cpu") took 12.1-17.2 us a step and takes 9.4-13.6,
+        # the loader's batch 13.3-18.7 and 10.7-15.1 (benchmarks/bench_tiny_steps.py);
+        # alone, 2.8 and 2.1. Those it moves go in one comprehension (move_each, below).
+        self.kept: _tree.Kept | None = (
+            (
+                _Tensor,
+                operator.attrgetter("is_cpu" if device.type == "cpu" else "is_meta"),
+                move_each,
+            )
             if self.host and self.plain and not traced
             else None
         )
@@ -386,12 +394,16 @@ def _run(plan: Plan, data: Any, skip: frozenset[Hashable] | None = None) -> Any:
 Mover: TypeAlias = Callable[[Any, "Call"], Any]
 
 
-def mover(plan: Plan, *, is_meta: bool) -> tuple[Mover, _tree.MoveAll]:
-    """The plan's mover, ``move(leaf, call)``, and its list form, ``move_all``.
+def mover(plan: Plan, *, is_meta: bool) -> tuple[Mover, _tree.MoveAll, _tree.MoveEach | None]:
+    """The plan's mover, ``move(leaf, call)``, and its list forms, ``move_all`` and ``move_each``.
 
     ``move_all(leaves, active, call)`` is ``move`` at each active leaf (tests/
     test_properties.py holds them equal), after packing what pays, with distinct plain
     tensors copied in one comprehension: a call each costs a tenth of a small copy.
+    ``move_each(tensors)`` is ``move`` at each of a sequence of plain tensors (a flat
+    batch, as the host walk finds it), in the same comprehension, or None where one
+    tensor is there twice (the walk then notes it, see Call); ``move_each`` itself is
+    None where ``move`` would take a tensor through the call (options, a wait).
     """
     device, asynchronous, packs, plain = plan.device, plan.told, plan.packs, plan.plain
     is_cpu = device.type == "cpu"
@@ -452,7 +464,18 @@ def mover(plan: Plan, *, is_meta: bool) -> tuple[Mover, _tree.MoveAll]:
             moved[index] = packed[id(leaf)] if id(leaf) in packed else move(leaf, call)
         return moved
 
-    return move, move_all
+    def move_each(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        # A call per tensor, and the walk's step per leaf, cost a third of a flat batch's
+        # copies to meta: bench_to_device.py's flat dict of 8, cpu -> meta, took 1.54-1.58x
+        # the handwritten comprehension and takes 1.29-1.31x, a list of 2 (x, y) 4.8 us
+        # and 4.2 (fastest of 150 interleaved rounds, alternate runs against the walk).
+        if len({*map(id, tensors)}) < len(tensors):
+            return None  # one tensor twice: the walk notes it, and the call is made again
+        if asynchronous:
+            return [x.to(device, non_blocking=True) for x in tensors]
+        return [x.to(device) for x in tensors]
+
+    return move, move_all, (move_each if plain and waitless and not packs else None)
 
 
 def traced_mover(plan: Plan) -> Mover:

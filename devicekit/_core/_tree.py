@@ -37,6 +37,8 @@ _tuple_new = tuple.__new__  # a NamedTuple's own __new__ is a Python frame
 # stand-in, 5 of 25 flattening 64 per-image dicts (bench_to_device.py's workloads).
 Spec: TypeAlias = list[tuple[int, Node, Any, int]]
 MoveAll: TypeAlias = Callable[[list[Any], Sequence[int], Any], list[Any]]
+MoveEach: TypeAlias = Callable[[Sequence[Any]], "list[Any] | None"]
+Kept: TypeAlias = tuple[type, Callable[[Any], bool], MoveEach | None]  # see map_leaves
 
 
 class Flat(NamedTuple):
@@ -299,7 +301,7 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
     skip: frozenset[Hashable] | None = None,
     root: str | None = "data",
     max_depth: int = MAX_DEPTH,
-    kept: tuple[type, Callable[[Any], bool]] | None = None,
+    kept: Kept | None = None,
 ) -> Any:
     """``tree`` rebuilt with ``fn(leaf, state)`` applied to each leaf that is not inert.
 
@@ -307,16 +309,23 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
     >>> map_leaves(lambda t, _: t + 1, {"a": [torch.zeros(1)], "n": 3})
     {'a': [tensor([1.])], 'n': 3}
 
-    ``kept`` is ``(leaf type, stays)``, where ``fn`` gives back as it is every leaf of
-    exactly that type for which ``stays(leaf)`` is true: a plain list, tuple or dict of
-    fewer than 64 such leaves is then copied without a call to ``fn``. ``stays`` is
-    C-level (``operator.attrgetter``): a Python call per leaf would cost what it saves.
+    ``kept`` is ``(leaf type, stays, move_each)``, for a flat batch: a plain list, tuple
+    or dict of fewer than 64 leaves, each of exactly that type. Where ``stays(leaf)`` is
+    true of each (``fn`` gives such a leaf back as it is), it is copied without a call to
+    ``fn``; else, unless ``move_each`` is None, it is rebuilt around ``move_each(leaves)``,
+    ``fn`` at each leaf in one call, or walked where that gives None. ``stays`` is C-level
+    (``operator.attrgetter``): a Python call per leaf would cost what it saves. An error
+    in ``move_each`` is met again by the walk, which names the leaf it concerns.
 
     >>> import operator
     >>> batch = (torch.zeros(1), torch.ones(1))
-    >>> on_cpu = (torch.Tensor, operator.attrgetter("is_cpu"))
+    >>> on_cpu = (torch.Tensor, operator.attrgetter("is_cpu"), None)
     >>> map_leaves(lambda t, _: t.to("cpu"), batch, kept=on_cpu) == batch
     True
+    >>> on_meta = operator.attrgetter("is_meta")
+    >>> to_meta = (torch.Tensor, on_meta, lambda ts: [t.to("meta") for t in ts])
+    >>> map_leaves(lambda t, _: t.to("meta"), batch, kept=to_meta)[0].device
+    device(type='meta')
 
     Raises:
         TransferError: As :func:`map_flat`, paths starting at ``root``. Without a root (a
@@ -338,12 +347,26 @@ def map_leaves(  # noqa: PLR0912, PLR0915 - one loop, as in flatten
         and (node is TUPLE or node is LIST or node is DICT)  # not a rule's, nor skip_keys'
         and len(tree) < _SCAN_FROM
     ):
-        leaf, stays = kept
-        for value in tree.values() if kind is dict else tree:
+        leaf, stays, move_each = kept
+        values = tree.values() if kind is dict else tree
+        for value in values:
             if type(value) is not leaf or not stays(value):
                 break
         else:  # new containers, as the walk makes them: (*tree,) is a new tuple, tuple(tree) not
             return (*tree,) if kind is tuple else kind(tree)
+        if move_each is not None and type(value) is leaf:  # one to move: and the others?
+            for value in values:
+                if type(value) is not leaf:
+                    break
+            else:
+                try:
+                    moved = move_each([*values] if kind is dict else tree)
+                except Exception:  # the walk below meets it again, and names its leaf:
+                    moved = None  # moving again repeats no side effect (a copy has none)
+                if moved is not None:
+                    if kind is dict:
+                        return dict(zip(tree, moved))  # noqa: B905 - its own values
+                    return moved if kind is list else tuple(moved)
     if (
         (node is LIST or node is TUPLE)
         and len(tree) >= _SCAN_FROM
