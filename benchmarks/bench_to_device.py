@@ -182,10 +182,18 @@ def compare(device: torch.device, label: str, repeat: int, budget_s: float) -> l
             name: functools.partial(move or handwritten, batch, device)
             for name, move in movers.items()
         }
+        refused = {}
+        for name, contender in list(contenders.items()):
+            try:
+                contender()
+            except TypeError as error:  # noqa: PERF203 - once per peer; ignite takes tensors, dicts and lists alone
+                refused[name] = str(error)
+                del contenders[name]
         medians = race(contenders, repeat, budget_s)
         hand = medians["handwritten"]
         for name, took in medians.items():
             rows.append(f"{workload:<20} {name:<32} {took:>10.1f} {took / hand:>7.2f}")
+        rows += [f"{workload:<20} {name:<32} refuses: {why}" for name, why in refused.items()]
     return rows
 
 
