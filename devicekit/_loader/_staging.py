@@ -333,11 +333,9 @@ class Staged:
 
 
 def _stageable(tensor: torch.Tensor) -> bool:
-    """A host tensor worth its own copy into a slab: large, plain, strided, not pinned."""
+    """A large host tensor worth its own copy into a slab: plain, strided, not pinned."""
     return (
-        tensor.is_cpu
-        and tensor.nbytes > PACK_MAX_BYTES
-        and type(tensor) is torch.Tensor
+        type(tensor) is torch.Tensor
         and tensor.layout is torch.strided
         and not tensor.is_quantized
         and not tensor.is_pinned()
@@ -370,8 +368,7 @@ class Stager:
         active: Any,
         state: tuple[list[tuple[Lease | None, int]], threading.Event],
     ) -> list[Any]:
-        found, stop = state
-        leaves = list(leaves)
+        found, stop = state  # leaves: a list of flatten's own, changed in place
         large: dict[int, torch.Tensor] = {}
         moving = 0  # every host tensor's bytes: what the copy will move
         selves: dict[int, Any] = {}
@@ -379,11 +376,12 @@ class Stager:
             leaf = leaves[index]
             if isinstance(leaf, torch.Tensor):
                 if leaf.is_cpu:
-                    moving += leaf.nbytes
-                if id(leaf) not in large and _stageable(leaf):
-                    large[id(leaf)] = leaf
-            elif leaf_how(type(leaf)).leaf is Leaf.TO_METHOD and callable(
-                getattr(leaf, "pin_memory", None)
+                    size = leaf.nbytes
+                    moving += size
+                    if size > PACK_MAX_BYTES and id(leaf) not in large and _stageable(leaf):
+                        large[id(leaf)] = leaf
+            elif callable(getattr(leaf, "pin_memory", None)) and (
+                leaf_how(type(leaf)).leaf is Leaf.TO_METHOD
             ):
                 if id(leaf) not in selves:
                     selves[id(leaf)] = copy.copy(leaf).pin_memory()
