@@ -104,13 +104,18 @@ def parse_seconds(duration: float | str) -> float:
 
 
 def duration(seconds: float) -> str:
-    """``45 s``, ``10 min``, ``1.5 h``: a wait as a person says it.
+    """``45 s``, ``10 min``, ``1.5 h``: a wait as a person says it, seconds to two figures.
 
-    >>> duration(45), duration(600), duration(9000)
-    ('45 s', '10 min', '2.5 h')
+    Two: a wait of ``wait=1`` ends a few milliseconds late on a busy machine, and a
+    person says it waited 1 s, not 1.01.
+
+    >>> duration(45), duration(1.013), duration(0.25), duration(100), duration(9000)
+    ('45 s', '1 s', '0.25 s', '100 s', '2.5 h')
     """
+    if seconds < 10:
+        return f"{seconds:.2g} s"
     if seconds < 120:
-        return f"{seconds:.3g} s"
+        return f"{seconds:.0f} s"
     if seconds < 7200:
         return f"{seconds / 60:.3g} min"
     return f"{seconds / 3600:.3g} h"
