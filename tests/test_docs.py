@@ -6,6 +6,7 @@ import doctest
 import itertools
 import re
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,66 @@ def test_no_sentence_runs_over_forty_words(page: Path) -> None:
     paragraphs = prose(page.read_text(encoding="utf-8"))
     long = [" ".join(words) for words in sentences(paragraphs) if len(words) > LONGEST_SENTENCE]
     assert long == [], f"{_page_id(page)} has sentences over {LONGEST_SENTENCE} words"
+
+
+# Words as a reader meets them: counted on the rendered text (Sphinx's text builder), code,
+# tables and examples included, since a reader reads those too.
+RENDERED_MOST_WORDS = 1_000
+# All the narrative pages together: what a newcomer may read through in an afternoon.
+NARRATIVE_MOST_WORDS = 25_000
+
+
+@pytest.fixture(scope="session")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+    """Each rendered page's words, by its name under docs (``guide/loader``), built once."""
+    # The docs extra's Sphinx; a run without it (nox -s tests) skips the counts.
+    build = pytest.importorskip("sphinx.cmd.build", reason="the docs extra is not installed")
+    out = tmp_path_factory.mktemp("text")
+    # In this process: the fast tier starts no interpreter (tests/conftest.py). Sphinx's
+    # own deprecations are not the docs' warnings, which the -W build checks.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert build.build_main(["-q", "-b", "text", str(DOCS), str(out)]) == 0
+    return {
+        page.relative_to(out).with_suffix("").as_posix(): len(page.read_text("utf-8").split())
+        for page in out.rglob("*.txt")
+    }
+
+
+# The pages a newcomer reads first, and the tutorial, concepts page and cheat sheet once
+# they exist.
+_FIRST_PAGES = ("quickstart", "faq", "tutorial", "concepts", "cheatsheet")
+RENDERED_USER_PAGES = sorted(
+    [
+        *(name for name in _FIRST_PAGES if (DOCS / f"{name}.rst").exists()),
+        *(page.relative_to(DOCS).with_suffix("").as_posix() for page in DOCS.glob("guide/*.rst")),
+        *(
+            page.relative_to(DOCS).with_suffix("").as_posix()
+            for page in DOCS.glob("migration/*.rst")
+        ),
+    ]
+)
+
+
+def _narrative(name: str) -> bool:
+    """Every page but the API's: ``api`` and the pages generated under api/ and _generated/."""
+    return name != "api" and not name.startswith(("api/generated/", "_generated/"))
+
+
+@pytest.mark.parametrize("name", RENDERED_USER_PAGES)
+def test_a_user_page_renders_under_a_thousand_words(name: str, rendered: dict[str, int]) -> None:
+    assert rendered[name] < RENDERED_MOST_WORDS, f"{name} renders {rendered[name]} words"
+
+
+def test_the_narrative_docs_render_at_most_25000_words(rendered: dict[str, int]) -> None:
+    assert "guide/loader" in rendered  # the build was read
+    assert "api/generated/devicekit.to_device" in rendered  # and the API pages left out:
+    pages = {name: words for name, words in rendered.items() if _narrative(name)}
+    total = sum(pages.values())
+    longest = ", ".join(
+        f"{name} {words}" for name, words in sorted(pages.items(), key=lambda item: -item[1])[:5]
+    )
+    assert total <= NARRATIVE_MOST_WORDS, (
+        f"the narrative docs render {total:,} words, over {NARRATIVE_MOST_WORDS:,}; "
+        f"the longest: {longest}"
+    )
