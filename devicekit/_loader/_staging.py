@@ -109,7 +109,10 @@ def pinned_by_torch(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), lambda: None
 
 
-ALLOCATORS: dict[str, SlabAllocator] = {"cuda": _registered}
+ALLOCATORS: dict[str, SlabAllocator] = {
+    # ROCm's builds are "cuda" too, but registration is CUDA's: there, PyTorch's allocator.
+    "cuda": _registered if torch.version.hip is None else pinned_by_torch,
+}
 """How slabs are page-locked, by device type; others use PyTorch's pinned allocator. The
 seam: tests and the benchmarks register a stand-in for their device here."""
 
