@@ -66,6 +66,10 @@ class GuardHandle:
     >>> run()
     "PyTorch's own error"
 
+    Args:
+        handles: The hooks' handles, one a guarded module.
+        module: The module guarded, read on leaving a ``with`` block (weakly held).
+
     Raises:
         DeviceMismatchError: Leaving a ``with`` block on PyTorch's mixed-device error from
             the forward: in its place (its ``__cause__``), naming what the forward made.
