@@ -107,11 +107,19 @@ def _evaluate_annotations(app: Any, obj: Any, bound_method: bool) -> None:
             function.__annotations__ = typing.get_type_hints(function)
 
 
+# Records devicekit makes and users only read: their pages list the fields, and a
+# constructor signature of every field (LoaderStats has two dozen) is noise.
+_READ_ONLY_RECORDS = frozenset({"devicekit.LoaderStats"})
+
+
 def _no_protocol_signature(  # noqa: PLR0917  # the event passes these seven positionally
     app: Any, what: str, name: str, obj: Any, options: Any, signature: Any, annotation: Any
 ) -> tuple[str, Any] | None:
-    """A protocol is implemented, never called: ``Backend(*args, **kwargs)`` misleads."""
-    if what == "class" and getattr(obj, "_is_protocol", False):
+    """No constructor signature where nobody calls it: a protocol, a record only read.
+
+    A protocol is implemented, never called: ``Backend(*args, **kwargs)`` misleads.
+    """
+    if what == "class" and (getattr(obj, "_is_protocol", False) or name in _READ_ONLY_RECORDS):
         return "", annotation
     return None
 

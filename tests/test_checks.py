@@ -309,6 +309,64 @@ def test_a_layer_left_behind_is_named_by_recurse() -> None:
         net({"image": torch.ones(1, 4, device="meta")})
 
 
+def test_a_layer_left_behind_advises_moving_the_model_not_the_inputs() -> None:
+    # meta stands in for the GPU: most of the model is there, head was left on the host.
+    net = Net()
+    net.fc.to(META)
+    msg = (
+        "input is on meta but the parameters of Net.head (Linear) (e.g. weight, bias) are on "
+        "cpu. Net is split: 2 of its 4 parameters are on meta, Net.head.weight and "
+        "Net.head.bias on cpu. Move the model with devicekit.to_device(model, 'meta'), which "
+        "moves all of it to one device."
+    )
+    with (
+        dk.guard(net, recurse=True),
+        pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info,
+    ):
+        net({"image": torch.ones(1, 4, device=META)})
+    assert "Move the inputs" not in str(info.value)
+    assert info.value.devices == {
+        META: ["Net.fc.weight", "Net.fc.bias", "input"],
+        CPU: ["Net.head.weight", "Net.head.bias"],
+    }
+
+
+def test_a_split_model_is_moved_to_where_most_of_it_is_when_the_inputs_are_elsewhere() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    net[1].to(META)
+    net[2].to(META)  # its first layer left on the host, the inputs there too
+    msg = (
+        "input is on cpu but the parameters of Sequential.1 (Linear) (e.g. weight, bias) are "
+        "on meta. Sequential is split: 4 of its 6 parameters are on meta, Sequential.0.weight and "
+        "Sequential.0.bias on cpu. Move the model with devicekit.to_device(model, 'meta'), "
+        "which moves all of it to one device. Move the inputs there too."
+    )
+    with dk.guard(net, recurse=True), pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
+        net(torch.ones(1, 4))
+    said = "Sequential is split: 4 of its 6 parameters are on meta"
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(said)) as info, dk.guard(net):
+        net(torch.ones(1, 4))  # passes the check against layer 0, refused at layer 1
+    # Sequential's forward is PyTorch's: no frame of the user's to name, nor inputs to read.
+    assert "PyTorch refused to mix them in Sequential's call. Move the model" in str(info.value)
+
+
+def test_a_split_model_refused_inside_forward_is_named_on_leaving_the_guard() -> None:
+    # guard without recurse checks the inputs against fc, on meta as they are: PyTorch then
+    # refuses head, on the host, inside the forward.
+    net = Net()
+    net.fc.to(META)
+    msg = (
+        "Net is split: 2 of its 4 parameters are on meta, Net.head.weight and Net.head.bias "
+        "on cpu. PyTorch refused to mix them in Net.forward (test_checks.py:"
+    )
+    fix = "Move the model with devicekit.to_device(model, 'meta'), which moves all of it"
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(net):
+        net({"image": torch.ones(1, 4, device=META)})
+    assert fix in str(info.value)
+    assert "Move the inputs" not in str(info.value)
+    assert type(info.value.__cause__) is RuntimeError  # PyTorch's own error, kept
+
+
 def test_a_guard_that_finds_nothing_changes_nothing() -> None:
     net = Net()
     expected = net({"image": torch.ones(1, 4)})

@@ -226,14 +226,14 @@ class TransferEvent:
     lineno: int
     function: str
     blocked: str | None = None
-    """What went wrong, else None. In ``log.events``: why a copy asked to be non-blocking
+    """What went wrong, else None. In ``log.events``, why a copy asked to be non-blocking
     blocked the host, ``"pageable"`` or ``"non-contiguous"`` (its host memory). In
-    ``log.early_reads``: ``"read early"``; ``operation`` then names the call that read
+    ``log.early_reads``, ``"read early"``; ``operation`` then names the call that read
     (``"add"``, ``"item"``) and the place is the read's."""
 
     @property
     def where(self) -> str:
-        """``train.py:42 in step``: the line of user code that made the copy."""
+        """The line of user code that made the copy, as ``train.py:42 in step``."""
         return f"{os.path.basename(self.filename)}:{self.lineno} in {self.function}"
 
 
@@ -453,10 +453,12 @@ class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped ba
 
 @contextlib.contextmanager
 def track_transfers(*, strict: bool = False) -> Iterator[TransferLog]:
-    """Record every copy between devices made inside the block, with the line that made it.
+    """A context manager: record every copy between devices in its ``with`` block, by line.
 
-    Finds the ``.item()``, ``.cpu()`` and stray ``.to()`` calls that quietly stall a
-    training loop. ``strict=True`` raises at the first one instead, naming its line.
+    Use it as ``with dk.track_transfers() as log:``; each copy is recorded with the line
+    that made it. It finds the ``.item()``, ``.cpu()`` and stray ``.to()`` calls that
+    quietly stall a training loop. ``strict=True`` raises at the first one instead,
+    naming its line.
 
     It also marks what no other check sees. A copy between the host and a GPU asked to
     be non-blocking blocks anyway where its host memory is pageable or a non-contiguous
@@ -485,7 +487,8 @@ def track_transfers(*, strict: bool = False) -> Iterator[TransferLog]:
         strict: Raise :class:`~devicekit.TransferError` at the first copy.
 
     Yields:
-        The log, filled as the block runs.
+        The :class:`~devicekit.TransferLog` that ``with ... as log`` binds, filled as the
+        block runs.
 
     Raises:
         TransferError: With ``strict=True``, at the first copy between devices, saying

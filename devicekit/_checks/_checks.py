@@ -36,6 +36,7 @@ __all__ = [
     "find_devices",
     "find_unmoved",
     "input_names",
+    "split_model",
     "tensors_of",
 ]
 
@@ -126,6 +127,48 @@ def find_devices(data: Any, /) -> dict[torch.device, list[str]]:
 def describe_devices(found: dict[torch.device, list[str]]) -> str:
     """``cuda:0 has a and b; cpu has c, d, e and 4 more`` for a message."""
     return "; ".join(f"{device} has {listing(where)}" for device, where in found.items())
+
+
+def split_model(
+    module: torch.nn.Module, label: str, near: torch.device | None = None
+) -> tuple[str, str, dict[torch.device, list[str]]] | None:
+    """Where a module's parameters are on several devices: the split, its fix, and where.
+
+    The device to move it to is the one with most of them: of equals, ``near`` (the
+    inputs') where it is one, else the first met. The text names the rest by
+    :func:`~devicekit._base.listing`, and advises moving the module, never its inputs to
+    where a few of its parameters are. None where all are on one device.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> _ = net[1].to("meta")
+    >>> split, fix, found = split_model(net, "Net", torch.device("cpu"))
+    >>> print(split)
+    Net is split: 2 of its 4 parameters are on cpu, Net.1.weight and Net.1.bias on meta.
+    >>> print(fix)
+    Move the model with devicekit.to_device(model, 'cpu'), which moves all of it to one device.
+    """
+    found: dict[torch.device, list[str]] = {}
+    for name, parameter in module.named_parameters():
+        found.setdefault(parameter.device, []).append(f"{label}.{name}")
+    if len(found) < 2:  # one device is no split
+        return None
+    most = max(map(len, found.values()))
+    tied = [device for device, names in found.items() if len(names) == most]
+    target = near if near in tied else tied[0]
+    rest = ", ".join(
+        f"{listing(names)} on {device}" for device, names in found.items() if device != target
+    )
+    inputs = "" if near is None or near == target else " Move the inputs there too."
+    split = (
+        f"{label} is split: {len(found[target])} of its {sum(map(len, found.values()))} "
+        f"parameters are on {target}, {rest}."
+    )
+    fix = (
+        f"Move the model with devicekit.to_device(model, {str(target)!r}), which moves all of "
+        f"it to one device.{inputs}"
+    )
+    return split, fix, found
 
 
 def _root_name(data: Any, index: int, count: int) -> str:

@@ -32,7 +32,7 @@ from devicekit._base import (
     is_library,
     listing,
 )
-from devicekit._checks._checks import input_names, tensors_of
+from devicekit._checks._checks import input_names, split_model, tensors_of
 from devicekit._core import tensor_paths
 
 __all__ = ["made_inside"]
@@ -261,12 +261,20 @@ def made_inside(module: torch.nn.Module, error: BaseException) -> DeviceMismatch
     """The error naming what the guarded forward made on another device; None if unknown.
 
     Read from PyTorch's own error for mixed devices raised inside the module's call:
-    the tensors the failing call used that are not on the module's device, or a tensor
-    factory called without ``device=`` there or in a function of the user's it runs.
+    where the module's parameters are on several devices, that split and the fix (move
+    the model); else the tensors the failing call used that are not on the module's
+    device, or a tensor factory called without ``device=`` there or in a function of the
+    user's it runs.
     """
     if isinstance(error, DeviceKitError) or not is_device_mismatch(error):
         return None
     calls = _inside_calls(module, error)
+    first_input = next((tensor.device for _, tensor in _inputs_in(module, calls)), None)
+    split = split_model(module, type(module).__name__, first_input)
+    if split is not None:  # a layer left behind: PyTorch refused it, the model moves
+        said, fix, devices = split
+        refused = f" in {calls[-1].where}" if calls else f" in {type(module).__name__}'s call"
+        return DeviceMismatchError(f"{said} PyTorch refused to mix them{refused}. {fix}", devices)
     if not calls:
         return None
     first = next((tensor for _, tensor in tensors_of(module, own=False)), None)

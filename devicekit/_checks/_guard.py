@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from devicekit._base import META, DeviceMismatchError, listing, meta_fix, registered_table, shown
-from devicekit._checks._checks import describe_devices, input_names, tensors_of
+from devicekit._checks._checks import describe_devices, input_names, split_model, tensors_of
 from devicekit._checks._forward_error import made_inside
 from devicekit._core import Stray, read_again, strays, tensor_paths
 
@@ -65,6 +65,10 @@ class GuardHandle:
     >>> handle.remove()
     >>> run()
     "PyTorch's own error"
+
+    Args:
+        handles: The hooks' handles, one a guarded module.
+        module: The module guarded, read on leaving a ``with`` block (weakly held).
 
     Raises:
         DeviceMismatchError: Leaving a ``with`` block on PyTorch's mixed-device error from
@@ -173,6 +177,7 @@ def _check_inputs(
     own: bool,
     first: Callable[[], torch.Tensor | None],
     left: _Strays,
+    whole: Callable[[], torch.nn.Module | None],
 ) -> None:
     tensor = first()
     if tensor is None:
@@ -193,6 +198,19 @@ def _check_inputs(
         return
     params = [name for name, t in tensors_of(module, own=own) if t.device == home]
     (device, paths), *_ = where.items()
+    said = (
+        f"{paths[0]} is on {device} but the parameters of {label} (e.g. "
+        f"{', '.join(params[:2])}) are on {home}."
+    )
+    found = {home: [f"{label}.{name}" for name in params], **where}
+    root = whole()
+    split = None if root is None else split_model(root, type(root).__name__, device)
+    if split is not None:  # a part left behind: the model moves, not the inputs
+        parts, fix, by_device = split
+        for each, names in where.items():
+            by_device[each] = [*by_device.get(each, []), *names]
+        msg = f"{said} {parts} {fix}"
+        raise DeviceMismatchError(msg, by_device)
     seen = describe_devices({home: [f"the parameters of {label}"], **where})
     fix = (
         f" Move the inputs with devicekit.to_device(..., {str(home)!r}), or the module to the "
@@ -200,11 +218,8 @@ def _check_inputs(
     )
     if home.type == "meta":  # the module was built there: it needs storage, not a move
         fix += f" {META.capitalize()}: {meta_fix(device)}."
-    msg = (
-        f"{paths[0]} is on {device} but the parameters of {label} (e.g. "
-        f"{', '.join(params[:2])}) are on {home}. Devices seen: {seen}.{fix}"
-    )
-    raise DeviceMismatchError(msg, {home: [f"{label}.{name}" for name in params], **where})
+    msg = f"{said} Devices seen: {seen}.{fix}"
+    raise DeviceMismatchError(msg, found)
 
 
 def _check_strays(
@@ -233,7 +248,9 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
 
     PyTorch's own error names an aten argument (``mat1``); a guarded module names your
     input and the layer. With ``recurse=True`` every submodule with parameters is
-    checked against its own, which catches a layer left behind on another device.
+    checked against its own, which catches a layer left behind on another device. Where
+    the module's parameters are split across devices, the message says so, names the part
+    elsewhere, and advises moving the module to where most of it is, never the inputs.
 
     A tensor the forward makes itself (``torch.zeros(n, 51)`` without ``device=``) is
     not an input: where PyTorch refuses it inside the forward, a ``with guard(module):``
@@ -281,6 +298,7 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
         else [("", module)]
     )
     root = type(module).__name__
+    whole = weakref.ref(module)  # weakly: the hooks on its layers must not keep it alive
     for name, sub in targets:
         label = f"{root}.{name} ({type(sub).__name__})" if name else root
         first_of_sub = _first_tensor(sub, own=recurse)
@@ -297,7 +315,9 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
         ) -> None:
             # Guarding the whole module compares with all its parameters; guarding each
             # layer compares each with its own, which finds the one left behind.
-            _check_inputs(sub, label, args, kwargs, own=recurse, first=first, left=left)
+            _check_inputs(
+                sub, label, args, kwargs, own=recurse, first=first, left=left, whole=whole
+            )
 
         handles.append(sub.register_forward_pre_hook(check, with_kwargs=True))
     return GuardHandle(handles, module)

@@ -483,6 +483,9 @@ def unregister_transfer(cls: type) -> None:
     ...     return value
     >>> dk.unregister_transfer(complex)
 
+    Args:
+        cls: The class whose rule to remove, as given to :func:`register_transfer`.
+
     Raises:
         KeyError: ``cls`` has no rule registered.
     """

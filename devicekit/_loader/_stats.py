@@ -57,6 +57,8 @@ NOWHERE: Final = object()  # no entry of the batch reads them: each batch looked
 class LoaderStats:
     """One epoch of a :class:`~devicekit.DeviceDataLoader`, measured: is the loop waiting?
 
+    The loader makes it (``loader.stats``); you read its fields, never construct it.
+
     ``wait_s`` is the time the training thread spent asking for batches, ``step_s``
     the time it spent between them (the loop's own work), both summed over the batches
     whose time is known; ``elapsed_s`` is the two together. The per-batch tuples hold
@@ -90,13 +92,13 @@ class LoaderStats:
     tell, or is one that to_device would refuse to walk (nested deeper than it allows,
     or holding a cycle)."""
     samples_rule: str = DEFAULT_RULE
-    """How ``samples`` was counted, in words: ``"the DataLoader's batch_size (32)"``,
-    ``"dimension 1 of the batch's tensors (samples='dim=1')"``, ..."""
+    """How ``samples`` was counted, in words, such as ``"the DataLoader's batch_size (32)"``
+    or ``"dimension 1 of the batch's tensors (samples='dim=1')"``."""
     wait_s: float = 0.0
     step_s: float = 0.0
     elapsed_s: float = 0.0
     wait_fraction: float = 0.0
-    """``wait_s / elapsed_s``: the share of the epoch the loop waited for data."""
+    """The share of the epoch the loop waited for data, ``wait_s / elapsed_s``."""
     copy_s: float | None = None
     """Time the device spent copying batches in (events on the side stream); None where
     batches are not copied ahead on an accelerator, or no copy's time is known yet."""
@@ -111,8 +113,8 @@ class LoaderStats:
     """The host bytes of the batches read ahead whose copy time is known (the first batch
     or two, read in the training thread, are not counted)."""
     copy_gbps: float | None = None
-    """``copy_bytes`` over those batches' copy time, in GB/s (10**9 bytes a second): the
-    bandwidth the copies reached. None where no such copy is known."""
+    """The bandwidth the copies reached, in GB/s (10**9 bytes a second), as ``copy_bytes``
+    over those batches' copy time. None where no such copy is known."""
     pinned_bytes: int = 0
     """The most page-locked memory the loader's staging pool has held at once, in bytes;
     0 where devicekit does not pin (the CPU, ``pin_memory=False``, a pinning DataLoader)."""

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from devicekit.testing import _containers
 from devicekit.testing._assertions import (
     assert_batches_equal,
     assert_on_device,
     assert_same_structure,
 )
-from devicekit.testing._containers import CONTAINER_KINDS, FrozenRecord, Pair, Record
+from devicekit.testing._containers import FrozenRecord, Pair, Record
 
 if TYPE_CHECKING:
     from devicekit.testing._strategies import batches, devices, tensors
@@ -41,6 +42,20 @@ __all__ = [
     "devices",
     "tensors",
 ]
+
+CONTAINER_KINDS = _containers.CONTAINER_KINDS
+"""The container kinds :func:`batches` can generate, by the names ``containers=`` takes.
+
+>>> from hypothesis import given
+>>> from devicekit.testing import CONTAINER_KINDS, batches
+>>> CONTAINER_KINDS[:3]
+('dict', 'OrderedDict', 'defaultdict')
+>>> @given(batches(containers=("namedtuple", "frozen dataclass")))
+... def test_my_collate(batch):
+...     ...
+>>> test_my_collate()
+"""
+# Written here, where the API page reads it: an imported name has no docstring of its own.
 
 _STRATEGIES = ("batches", "devices", "tensors")
 

@@ -28,6 +28,10 @@ def assert_on_device(data: Any, device: DeviceLike, /) -> None:
     >>> from devicekit.testing import assert_on_device
     >>> assert_on_device({"x": torch.ones(1)}, "cpu")
 
+    Args:
+        data: Tensors, modules, optimizers, and containers of them.
+        device: The device every tensor must be on.
+
     Raises:
         AssertionError: Naming each tensor elsewhere and its device.
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
@@ -58,6 +62,10 @@ def assert_same_structure(actual: Any, expected: Any, /) -> None:
     >>> from devicekit.testing import assert_same_structure
     >>> assert_same_structure({"x": [torch.ones(2)]}, {"x": [torch.zeros(2)]})
 
+    Args:
+        actual: The data to check, such as a collate function's output.
+        expected: The data it must match in structure.
+
     Raises:
         AssertionError: Naming the first path where they differ.
         TransferError: Either holds a cycle or nests too deep, as in
@@ -76,6 +84,10 @@ def assert_batches_equal(actual: Any, expected: Any, /) -> None:
     >>> import torch
     >>> from devicekit.testing import assert_batches_equal
     >>> assert_batches_equal([torch.arange(3)], [torch.arange(3)])
+
+    Args:
+        actual: The data to check, such as a batch after a round trip to a device.
+        expected: The data it must equal, on any device.
 
     Raises:
         AssertionError: Naming the first path where they differ, and how.

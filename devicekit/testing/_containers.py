@@ -59,14 +59,4 @@ CONTAINER_KINDS = (
     "dataclass",
     "frozen dataclass",
 )
-"""The container kinds :func:`batches` can generate, by the names ``containers=`` takes.
-
->>> from hypothesis import given
->>> from devicekit.testing import CONTAINER_KINDS, batches
->>> CONTAINER_KINDS[:3]
-('dict', 'OrderedDict', 'defaultdict')
->>> @given(batches(containers=("namedtuple", "frozen dataclass")))
-... def test_my_collate(batch):
-...     ...
->>> test_my_collate()
-"""
+"""The container kinds ``batches()`` generates (documented in :mod:`devicekit.testing`)."""
