@@ -7,9 +7,11 @@
 - ``verdict-bands.svg`` (guide/waiting-for-data): the share of an epoch spent waiting,
   cut into the verdict's three bands at :data:`devicekit._loader._stats.COMPUTE_BOUND`
   and :data:`devicekit._loader._stats.INPUT_BOUND`, with the sentence
-  :func:`devicekit._loader._stats.verdict` writes in each band and the causes it names.
-  The thresholds and the sentences are read from the code when the picture is drawn, so
-  the picture cannot say other than it does.
+  :func:`devicekit._loader._stats.verdict` writes in each band. The thresholds and the
+  sentences are read from the code when the picture is drawn, so the picture cannot say
+  other than it does. The causes the verdict names are the page's table, not the picture's.
+
+Both are drawn from the code and constants alone: every build writes the same bytes.
 
 Only the standard library draws them: no layout engine, so text is wrapped here at a
 width in characters. conf.py calls :func:`write` before the build reads the pages.
@@ -235,42 +237,6 @@ def _percent(share: float) -> str:
     return f"{share:.0%}"
 
 
-def causes() -> list[tuple[str, str]]:
-    """What the verdict names, the first its figures show, in its order: (cause, change)."""
-    handover = f"{_stats.HANDOVER_S * 1e6:.0f} us"
-    first = f"The first batch was {_percent(_stats._FIRST_BATCH)} or more of the wait"
-    return [
-        (
-            f"{first} (the DataLoader's workers starting).",
-            "persistent_workers=True; nothing, without workers.",
-        ),
-        (
-            "Copying a batch took as long as a step, or longer.",
-            "pin_memory=True; fewer bytes where batches are pinned.",
-        ),
-        (
-            "Reading a batch draws random numbers, so every batch was read in the training thread.",
-            "A seeded generator of the dataset's own, or DataLoader workers.",
-        ),
-        (
-            f"A read costs the loop less than a worker's hand-over (about {handover}).",
-            "Cheaper reads, or fewer, larger batches (no workers).",
-        ),
-        (
-            "A list, a generator or a function: its work is out of sight.",
-            "Make it cheaper, or use a DataLoader with workers.",
-        ),
-        (
-            "A DataLoader with fewer workers than the machine's cores allow.",
-            "The num_workers= the verdict gives for this machine.",
-        ),
-        (
-            "A DataLoader whose workers have every core already.",
-            "Cheaper samples (cached, lighter transforms, transform= on the device).",
-        ),
-    ]
-
-
 def bands() -> str:
     """The verdict's three bands of the share of an epoch spent waiting, as SVG text."""
     low, high = _stats.COMPUTE_BOUND, _stats.INPUT_BOUND
@@ -278,7 +244,7 @@ def bands() -> str:
     scale_w = width - 2 * margin
     root = _svg(
         width,
-        540,
+        230,
         f"The verdict's bands: below {_percent(low)} of the epoch spent waiting the loop is "
         f"compute-bound, from {_percent(high)} input-bound, and in between faster input "
         "could save up to the share it waited.",
@@ -346,7 +312,7 @@ def bands() -> str:
             f'At {_percent(example)}: "{_sentence(example)}"',
             width=column_w - 24,
         ).set("class", "verdict")
-        then = "Nothing to change." if name == "compute" else "Then the first cause below."
+        then = "Nothing to change." if name == "compute" else "Then it names a cause."
         _text(band, column + 12, 206, then, fill=GREY)
     for share in (0.0, low, high, 1.0):
         ET.SubElement(
@@ -355,32 +321,6 @@ def bands() -> str:
         label = _text(root, at(share), 37, _percent(share), anchor="middle")
         if share in (low, high):
             label.set("class", "threshold")
-
-    y = 252
-    _text(root, margin, y, "The cause the verdict names, the first its figures show", size=13)
-    _text(root, margin + 0.58 * scale_w, y, "What to change", size=13)
-    y += 14
-    for cause, change in causes():
-        ET.SubElement(
-            root,
-            "line",
-            x1=str(margin),
-            y1=f"{y:g}",
-            x2=f"{width - margin:g}",
-            y2=f"{y:g}",
-            stroke="#dddddd",
-        )
-        lines = max(
-            len(textwrap.wrap(cause, int((0.56 * scale_w) / (12 * CHAR_W)))),
-            len(textwrap.wrap(change, int((0.42 * scale_w) / (12 * CHAR_W)))),
-        )
-        row = ET.SubElement(root, "g", attrib={"class": "cause"})
-        _text(row, margin, y + 16, cause, width=0.56 * scale_w)
-        _text(row, margin + 0.58 * scale_w, y + 16, change, width=0.42 * scale_w)
-        y += 10 + 15 * lines
-    root.set("height", f"{y + 10:g}")
-    root.set("viewBox", f"0 0 {width} {y + 10:g}")
-    root.find("rect").set("height", f"{y + 10:g}")  # type: ignore[union-attr]  # the background
     return ET.tostring(root, encoding="unicode")
 
 

@@ -125,7 +125,7 @@ def _no_protocol_signature(  # noqa: PLR0917  # the event passes these seven pos
 
 
 def _measure_waiting(app: Any) -> None:
-    """guide/waiting-for-data's figure (a run on this machine, ~3 s), guide/why-cpu's findings.
+    """guide/waiting-for-data's figure (from _data/), guide/why-cpu's findings.
 
     Also the loader's two drawn pictures: its timeline and the verdict's bands.
     """

@@ -1,8 +1,13 @@
-"""The loader's pictures, drawn at build time (docs/_pictures.py), say what the code does."""
+"""The docs' pictures, drawn at build time, say what the code does, the same every build.
+
+docs/_pictures.py draws the loader's timeline and the verdict's bands from the code;
+docs/_waiting.py draws guide/waiting-for-data's figure from a committed measurement.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -10,15 +15,16 @@ from types import ModuleType
 
 import pytest
 
+from devicekit._commands._demo import SLOW_DATA_S
 from devicekit._loader import _stats
 
 DOCS = Path(__file__).parent.parent / "docs"
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-def _load_pictures() -> ModuleType:
+def _load(name: str) -> ModuleType:
     # Sphinx imports it by path from docs/ (conf.py puts docs/ on the path); so do the tests.
-    spec = importlib.util.spec_from_file_location("_pictures", DOCS / "_pictures.py")
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -26,7 +32,8 @@ def _load_pictures() -> ModuleType:
     return module
 
 
-pictures = _load_pictures()
+pictures = _load("_pictures")
+waiting = _load("_waiting")
 
 
 def _words(element: ET.Element) -> str:
@@ -115,12 +122,12 @@ def test_each_band_quotes_the_verdict_the_code_writes_there() -> None:
         [
             "10% up to 50%: in between",
             'At 30%: "faster input could save up to 30% of it."',
-            "Then the first cause below.",
+            "Then it names a cause.",
         ],
         [
             "50% and above: input-bound",
             'At 75%: "it is input-bound."',
-            "Then the first cause below.",
+            "Then it names a cause.",
         ],
     ]
 
@@ -141,15 +148,21 @@ def test_a_threshold_moved_in_the_code_moves_the_picture(monkeypatch: pytest.Mon
     assert _texts(compute)[0] == "below 20%: compute-bound"
 
 
-def test_the_causes_take_their_figures_from_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    causes = " ".join(" ".join(row) for row in pictures.causes())
-    assert "about 450 us" in causes
-    assert "The first batch was 50% or more of the wait" in causes
-    monkeypatch.setattr(_stats, "HANDOVER_S", 1e-3)
-    monkeypatch.setattr(_stats, "_FIRST_BATCH", 0.7)
-    causes = " ".join(_texts(_bands()))
-    assert "about 1000 us" in causes
-    assert "The first batch was 70% or more of the wait" in causes
+def test_the_bands_picture_leaves_the_causes_to_the_page_s_list() -> None:
+    # The list beside the picture names the causes; the picture does not repeat it.
+    said = " ".join(_texts(_bands()))
+    assert "persistent_workers" not in said
+    assert "pin_memory" not in said
+    page = " ".join((DOCS / "guide" / "waiting-for-data.rst").read_text(encoding="utf-8").split())
+    assert "``persistent_workers=True``" in page
+    assert "``pin_memory=True``" in page
+
+
+def test_the_page_s_causes_state_the_code_s_figures() -> None:
+    page = " ".join((DOCS / "guide" / "waiting-for-data.rst").read_text(encoding="utf-8").split())
+    assert f"a worker's {_stats.HANDOVER_S * 1e6:.0f} us hand-over" in page
+    assert _stats._FIRST_BATCH == 0.5  # the page: "Half the wait or more"
+    assert "Half the wait or more was the first batch" in page
 
 
 def test_write_puts_both_pictures_where_the_pages_read_them(tmp_path: Path) -> None:
@@ -159,6 +172,82 @@ def test_write_puts_both_pictures_where_the_pages_read_them(tmp_path: Path) -> N
         assert root.tag == f"{SVG}svg"
     conf = (DOCS / "conf.py").read_text(encoding="utf-8")
     assert '_pictures.write(HERE / "_generated")' in conf
+    assert '_waiting.write(HERE / "_generated")' in conf
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_every_picture_is_the_same_bytes_every_build(tmp_path: Path) -> None:
+    # Two builds, as conf.py makes them: nothing of the run (a date, a random id) gets in.
+    for build in ("one", "two"):
+        pictures.write(tmp_path / build)
+        waiting.write(tmp_path / build)
+    one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
+    assert sorted(one) == [
+        "loader-timeline.svg",
+        "verdict-bands.svg",
+        "waiting-for-data.csv",
+        "waiting-for-data.svg",
+        "waiting-for-data.txt",
+    ]
+    assert one == two
+    assert b"<dc:date>" not in one["waiting-for-data.svg"]
+
+
+def _record() -> dict[str, object]:
+    record: dict[str, object] = json.loads(waiting.DATA.read_text(encoding="utf-8"))
+    return record
+
+
+def test_the_waiting_figure_draws_the_committed_measurement() -> None:
+    _, runs = waiting.load()
+    assert [run.name for run in runs] == list(waiting.RUNS)
+    assert [len(run.waits) for run in runs] == [waiting.BATCHES] * 2
+    assert [len(run.steps) for run in runs] == [waiting.BATCHES] * 2
+    fast, slow = (run.stats for run in runs)
+    # What the page says of them: one epoch compute-bound, the other input-bound.
+    assert fast.wait_fraction < _stats.COMPUTE_BOUND
+    assert slow.wait_fraction >= _stats.INPUT_BOUND
+    assert "it is compute-bound" in fast.verdict
+    assert "it is input-bound" in slow.verdict
+    # The build's sums of the stored batches judge as the loader judged when it measured.
+    for run, stored in zip(runs, _record()["runs"], strict=True):  # type: ignore[call-overload]
+        assert run.stats.verdict.split(": ")[:2] == stored["verdict"].split(": ")[:2]
+
+
+def test_the_words_beside_the_waiting_figure_say_what_it_shows() -> None:
+    page = " ".join((DOCS / "guide" / "waiting-for-data.rst").read_text(encoding="utf-8").split())
+    [(_, alt)] = [
+        image
+        for image in _images(DOCS / "guide" / "waiting-for-data.rst")
+        if image[0] == "/_generated/waiting-for-data.svg"
+    ]
+    fast, slow = (run.stats for run in waiting.load()[1])
+    assert f"almost no waiting, {fast.wait_fraction:.0%} of the epoch" in alt
+    assert f"waits longer than the steps, {slow.wait_fraction:.0%}" in alt
+    machine = _record()["machine"]
+    assert isinstance(machine, dict)
+    torch_version = machine["torch"].split("+")[0]
+    named = f"{machine['cpus']}-core {machine['platform']}, torch {torch_version}, one thread"
+    assert machine["torch_threads"] == 1
+    assert f"Measured once ({named})" in page
+    assert "``docs/_data/waiting-for-data.json``" in page
+    assert f"trained {waiting.BATCHES} batches on the CPU" in page
+    slow_ms = f"{SLOW_DATA_S * 1e3:.0f} ms"
+    assert f"{slow_ms} slower a batch (``devicekit demo --slow-data``)" in page
+
+
+def test_the_waiting_figure_s_legend_covers_no_bar() -> None:
+    shape = waiting.draw(waiting.load()[1])
+    try:
+        shape.canvas.draw()
+        [legend] = shape.legends
+        box = legend.get_window_extent()
+        assert not any(box.overlaps(ax.get_window_extent()) for ax in shape.axes)
+    finally:
+        waiting.plt.close(shape)
 
 
 _IMAGE = re.compile(r"^(?P<indent> *)\.\. (?:image|figure):: (?P<target>\S+)\n", re.MULTILINE)
