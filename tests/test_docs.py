@@ -202,6 +202,9 @@ def test_the_sections_that_need_optional_packages_are_found() -> None:
 USER_PAGES = sorted(
     [
         DOCS / "quickstart.rst",
+        DOCS / "tutorial.rst",
+        DOCS / "concepts.rst",
+        DOCS / "cheatsheet.rst",
         DOCS / "install.rst",
         DOCS / "faq.rst",
         *(DOCS / "guide").glob("*.rst"),
