@@ -45,7 +45,9 @@ class Finding(NamedTuple):
 
     def sentence(self) -> str:
         """What, why and the fix, as the CPU fallback's warning says them."""
-        return f"{self.what}: {self.why}. Fix: {self.fix}."
+        # A why or a fix may be whole sentences ending in a full stop of their own (the
+        # claim directory's refusal): one full stop ends each.
+        return f"{self.what}: {self.why.rstrip('.')}. Fix: {self.fix.rstrip('.')}."
 
     def line(self) -> str:
         """The finding in one line, as ``devicekit doctor`` prints it."""
