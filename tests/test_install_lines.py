@@ -78,26 +78,7 @@ def test_install_lines_splits_a_line_into_its_installs() -> None:
     assert _installs(line) == [[TORCH], ["-e", "."]]
 
 
-# Lines in pages that another change owns, refused here until it names torch first.
-_AWAITING = {
-    'python -m pip install -e ".[bench]"    # accelerate, lightning-fabric, optree': (
-        "docs/background/performance.rst installs devicekit without torch==2.13.0 before it"
-    ),
-}
-
-
-@pytest.mark.parametrize(
-    "line",
-    [
-        pytest.param(
-            line,
-            marks=[pytest.mark.xfail(strict=True, reason=_AWAITING[line])]
-            if line in _AWAITING
-            else [],
-        )
-        for line in LINES
-    ],
-)
+@pytest.mark.parametrize("line", LINES)
 def test_a_line_names_the_torch_version_before_what_needs_torch(line: str) -> None:
     # A bare torch, or devicekit before torch, lets pip take the newest release, with
     # GBs of CUDA packages on Linux.
@@ -149,8 +130,6 @@ def test_every_install_line_resolves_as_written(fresh_python: str, tmp_path: Pat
     constraint.write_text(f"{TORCH}\n", encoding="utf-8")
     runs = []
     for line in LINES:
-        if line in _AWAITING:
-            continue
         seen_torch = False
         for install in _installs(line):
             runs.append((install, seen_torch))
