@@ -38,7 +38,8 @@ IMAGE_SIZE = 16
 FIT_LIMIT = 1024
 """The largest batch ``--fit-batch`` tries: the small CNN fits far more on any GPU."""
 SLOW_DATA_S = 0.030
-"""What ``--slow-data`` adds to making each batch: more than a step takes on most machines."""
+"""What ``--slow-data`` adds to making each batch: more than a step takes on an idle machine,
+so the run is input-bound there; on a loaded one, where a step takes longer, it may not be."""
 BATCH_SIZE = 64
 """The demo's batch without ``--fit-batch``: the one its learning rate is tuned for."""
 LEARNING_RATE = 3e-3
