@@ -33,7 +33,13 @@ def _load(name: str) -> ModuleType:
 
 
 pictures = _load("_pictures")
-waiting = _load("_waiting")
+
+
+@pytest.fixture(scope="module")
+def waiting() -> ModuleType:
+    """docs/_waiting.py, which draws with matplotlib: the docs extra's, skipped without it."""
+    pytest.importorskip("matplotlib", reason="the docs extra is not installed")
+    return _load("_waiting")
 
 
 def _words(element: ET.Element) -> str:
@@ -179,7 +185,7 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
 
 
-def test_every_picture_is_the_same_bytes_every_build(tmp_path: Path) -> None:
+def test_every_picture_is_the_same_bytes_every_build(tmp_path: Path, waiting: ModuleType) -> None:
     # Two builds, as conf.py makes them: nothing of the run (a date, a random id) gets in.
     for build in ("one", "two"):
         pictures.write(tmp_path / build)
@@ -196,12 +202,12 @@ def test_every_picture_is_the_same_bytes_every_build(tmp_path: Path) -> None:
     assert b"<dc:date>" not in one["waiting-for-data.svg"]
 
 
-def _record() -> dict[str, object]:
+def _record(waiting: ModuleType) -> dict[str, object]:
     record: dict[str, object] = json.loads(waiting.DATA.read_text(encoding="utf-8"))
     return record
 
 
-def test_the_waiting_figure_draws_the_committed_measurement() -> None:
+def test_the_waiting_figure_draws_the_committed_measurement(waiting: ModuleType) -> None:
     _, runs = waiting.load()
     assert [run.name for run in runs] == list(waiting.RUNS)
     assert [len(run.waits) for run in runs] == [waiting.BATCHES] * 2
@@ -213,11 +219,11 @@ def test_the_waiting_figure_draws_the_committed_measurement() -> None:
     assert "it is compute-bound" in fast.verdict
     assert "it is input-bound" in slow.verdict
     # The build's sums of the stored batches judge as the loader judged when it measured.
-    for run, stored in zip(runs, _record()["runs"], strict=True):  # type: ignore[call-overload]
+    for run, stored in zip(runs, _record(waiting)["runs"], strict=True):  # type: ignore[call-overload]
         assert run.stats.verdict.split(": ")[:2] == stored["verdict"].split(": ")[:2]
 
 
-def test_the_words_beside_the_waiting_figure_say_what_it_shows() -> None:
+def test_the_words_beside_the_waiting_figure_say_what_it_shows(waiting: ModuleType) -> None:
     page = " ".join((DOCS / "guide" / "waiting-for-data.rst").read_text(encoding="utf-8").split())
     [(_, alt)] = [
         image
@@ -227,7 +233,7 @@ def test_the_words_beside_the_waiting_figure_say_what_it_shows() -> None:
     fast, slow = (run.stats for run in waiting.load()[1])
     assert f"almost no waiting, {fast.wait_fraction:.0%} of the epoch" in alt
     assert f"waits longer than the steps, {slow.wait_fraction:.0%}" in alt
-    machine = _record()["machine"]
+    machine = _record(waiting)["machine"]
     assert isinstance(machine, dict)
     torch_version = machine["torch"].split("+")[0]
     named = f"{machine['cpus']}-core {machine['platform']}, torch {torch_version}, one thread"
@@ -239,7 +245,7 @@ def test_the_words_beside_the_waiting_figure_say_what_it_shows() -> None:
     assert f"{slow_ms} slower a batch (``devicekit demo --slow-data``)" in page
 
 
-def test_the_waiting_figure_s_legend_covers_no_bar() -> None:
+def test_the_waiting_figure_s_legend_covers_no_bar(waiting: ModuleType) -> None:
     shape = waiting.draw(waiting.load()[1])
     try:
         shape.canvas.draw()
