@@ -696,6 +696,21 @@ def _loader_alone(loader: DataLoader[Any]) -> tuple[int, float]:
     return timed, time.perf_counter() - start
 
 
+def _image_loader(
+    dataset: Dataset[Any], batch_size: int, workers: int, *, pin: bool
+) -> DataLoader[Any]:
+    """The report's loops' DataLoader: shuffled, drop_last, persistent workers."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=True,
+    )
+
+
 def training_loops(setting: Setting) -> list[str]:
     loops: dict[str, tuple[Callable[[], nn.Module], int, torch.dtype, int]] = {
         # name: (model, image size, dtype, batch size)
@@ -716,20 +731,10 @@ def training_loops(setting: Setting) -> list[str]:
         size, batch_size = (16, 8) if setting.smoke else (full_size, full_batch)
         dataset = _Images((WARM_STEPS + timed_steps) * batch_size, size, dtype)
 
-        def loader(
-            pin: bool, dataset: _Images = dataset, batch_size: int = batch_size
-        ) -> DataLoader[Any]:
-            return DataLoader(
-                dataset,
-                batch_size=batch_size,
-                shuffle=True,
-                drop_last=True,
-                num_workers=workers,
-                pin_memory=pin and setting.gpu,
-                persistent_workers=True,
-            )
-
-        plain, pinning = loader(pin=False), loader(pin=True)
+        plain, pinning = (
+            _image_loader(dataset, batch_size, workers, pin=pin and setting.gpu)
+            for pin in (False, True)
+        )
         variants: dict[str, Callable[[], Iterator[Any]]] = {
             ".to(d), no pinning": lambda plain=plain: (
                 (x.to(device), y.to(device)) for x, y in plain
@@ -829,18 +834,10 @@ def input_bound(setting: Setting) -> list[str]:
     device = setting.device
     dataset = _Cycled(_Images(cached, size, torch.uint8), (WARM_STEPS + timed_steps) * batch_size)
 
-    def loader(pin: bool) -> DataLoader[Any]:
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=True,
-            drop_last=True,
-            num_workers=workers,
-            pin_memory=pin and setting.gpu,
-            persistent_workers=True,
-        )
-
-    plain, pinning = loader(pin=False), loader(pin=True)
+    plain, pinning = (
+        _image_loader(dataset, batch_size, workers, pin=pin and setting.gpu)
+        for pin in (False, True)
+    )
     by_hand = "DataLoader(pin_memory=True) + .to(d, non_blocking=True)"
     variants: dict[str, Callable[[], Iterator[Any]]] = {
         by_hand: lambda: (
