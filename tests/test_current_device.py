@@ -5,9 +5,12 @@ On this machine the process default is the CPU; ``meta`` stands in for a second 
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import pickle
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,9 +89,12 @@ def test_managers_that_disagree_refuse_a_call_given_no_device_naming_both() -> N
         with pytest.raises(dk.DeviceKitError, match=re.escape(expected)) as caught:
             call()
         message = str(caught.value)
-        assert f"{HERE}:{meta_line}); cpu (made at " in message
-        assert f"{HERE}:{cpu_line}). Pass device= to the call, run it inside `with manager:`" in (
-            message
+        assert f"{HERE}:{meta_line}) and cpu (made at " in message
+        assert message.endswith(
+            f"{HERE}:{cpu_line}). Pass device= to the call, run it inside `with manager:` in "
+            "this thread (a block applies only in the thread or asyncio task that entered it), "
+            "or close() the managers you no longer use: devicekit.DeviceManager.close_all() "
+            "closes every one, also those you no longer hold."
         )
     # A device given, or a block, says which: no refusal.
     assert dk.to_device(torch.ones(2), "meta").device == META
@@ -201,3 +207,154 @@ def test_explain_states_the_rule_while_open_and_says_when_closed() -> None:
         "Default: closed, so devicekit calls given no device no longer use it."
         in manager.explain().splitlines()
     )
+
+
+# A block's manager counts its blocks in every thread, and is never the answer once closed.
+
+
+@pytest.mark.usefixtures("watchdog")
+def test_a_manager_entered_in_two_threads_stays_open_until_the_last_leaves() -> None:
+    manager = dk.DeviceManager("meta")
+    entered, leave = threading.Event(), threading.Event()
+    seen: list[torch.device] = []
+
+    def in_a_block() -> None:
+        with manager:
+            entered.set()
+            leave.wait(10)
+            seen.append(dk.current_device())
+
+    thread = threading.Thread(target=in_a_block)
+    thread.start()
+    try:
+        assert entered.wait(10)
+        with manager:
+            pass
+        # This thread's block ended, the other thread's has not: the manager is open still.
+        assert dk.current_device() == META
+    finally:
+        leave.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert seen == [META]
+    assert dk.current_device() == CPU  # the last block ended: closed
+
+
+def test_a_block_left_in_another_thread_is_passed_over_by_the_generator_s_caller() -> None:
+    def batches() -> Iterator[int]:
+        with dk.DeviceManager("meta"):
+            yield 1
+            yield 2
+
+    suspended = batches()
+    next(suspended)  # the block is open, its entry in this thread's context
+    assert dk.current_device() == META
+    thread = threading.Thread(target=lambda: list(suspended))  # the block ends there
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert dk.current_device() == CPU  # its manager closed: not the answer here either
+
+
+def test_a_block_whose_manager_was_closed_inside_it_is_passed_over() -> None:
+    open_manager = dk.DeviceManager("meta")
+    with dk.DeviceManager("cpu") as manager:
+        assert dk.current_device() == CPU
+        manager.close()
+        assert dk.current_device() == META  # as if the block were not there
+    open_manager.close()
+
+
+def test_a_task_or_callback_made_inside_a_block_passes_it_over_once_it_closed() -> None:
+    seen: dict[str, torch.device] = {}
+
+    async def later(name: str) -> None:
+        seen[name] = dk.current_device()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with dk.DeviceManager("meta"):
+            # Each copies this context, the block's entry with it, and runs after it ends.
+            task = asyncio.create_task(later("task"))
+            loop.call_soon(lambda: seen.setdefault("callback", dk.current_device()))
+        await task
+
+    asyncio.run(main())
+    assert seen == {"task": CPU, "callback": CPU}
+
+
+def test_a_thread_started_inside_a_block_is_told_blocks_apply_in_their_own_thread() -> None:
+    meta, cpu = dk.DeviceManager("meta"), dk.DeviceManager("cpu")
+    said: list[str] = []
+
+    def call() -> None:
+        try:
+            dk.current_device()
+        except dk.DeviceKitError as err:
+            said.append(str(err))
+
+    with cpu:
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert len(said) == 1
+    assert (
+        "Pass device= to the call, run it inside `with manager:` in this thread (a block "
+        "applies only in the thread or asyncio task that entered it)"
+    ) in said[0]
+    meta.close()
+
+
+def test_close_all_closes_managers_no_name_holds_and_the_refusal_names_it() -> None:
+    made_at = f"{__file__}:{_line_of('out[cell] = dk.DeviceManager')}"
+    out: dict[int, dk.DeviceManager] = {}  # a notebook's Out[], which the user never reads
+    for cell, device in enumerate(("meta", "cpu", "meta", "cpu", "meta")):
+        out[cell] = dk.DeviceManager(device)
+    expected = (
+        "found 5 that chose different ones: "
+        f"meta (made at {made_at}), cpu (made at {made_at}), meta (made at {made_at}) and 2 "
+        "more. Pass device= to the call, run it inside `with manager:` in this thread (a "
+        "block applies only in the thread or asyncio task that entered it), or close() the "
+        "managers you no longer use: devicekit.DeviceManager.close_all() closes every one, "
+        "also those you no longer hold."
+    )
+    with pytest.raises(dk.DeviceKitError, match=re.escape(expected)):
+        dk.current_device()
+    dk.DeviceManager.close_all()
+    assert dk.current_device() == CPU
+    assert "Default: closed" in out[4].explain()
+
+
+def test_a_manager_in_a_reference_cycle_is_closed_by_close_all() -> None:
+    class Trainer:
+        def __init__(self) -> None:
+            self.manager = dk.DeviceManager("meta")
+            self.me = self  # a cycle: only the collector frees it
+
+    gc.disable()  # the collector would close it on its own: that is not the point here
+    try:
+        Trainer()
+        keep = dk.DeviceManager("cpu")
+        with pytest.raises(dk.DeviceKitError, match="found 2 that chose different ones"):
+            dk.current_device()
+        dk.DeviceManager.close_all()
+        assert dk.current_device() == CPU
+        assert "Default: closed" in keep.explain()
+    finally:
+        gc.enable()
+
+
+def test_pickling_a_manager_says_to_send_its_device() -> None:
+    manager = dk.DeviceManager("meta")
+    expected = (
+        "Expected something another process can use, got DeviceManager(device=device("
+        "type='meta')) to pickle (as multiprocessing does with what it sends to a process): "
+        "a manager is this process's own, with its claim and its place as the default "
+        "device. Send its device instead (manager.device, a torch.device), and pass it to "
+        "devicekit calls there, or to DeviceManager(device) for a manager of that process."
+    )
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        pickle.dumps(manager)
+    assert pickle.loads(pickle.dumps(manager.device)) == META
+    manager.close()

@@ -113,6 +113,7 @@ RAISES_NOTHING = frozenset(
         "DeviceDataLoader.device",
         "DeviceDataLoader.stats",
         "DeviceManager.close",
+        "DeviceManager.close_all",
         "DeviceManager.device",
         "DeviceManager.device_id",
         "DeviceManager.devices",

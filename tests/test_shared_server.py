@@ -445,6 +445,32 @@ def test_leaving_with_gives_the_claim_back_and_entering_takes_it_again(own_claim
     other.release()
 
 
+@pytest.mark.usefixtures("watchdog")
+def test_a_claim_is_held_until_the_last_thread_leaves_its_block(own_claims: Path) -> None:
+    _, backends = server(free=(70,))
+    manager = dk.DeviceManager(claim=True, backends=backends)
+    entered, leave = threading.Event(), threading.Event()
+
+    def in_a_block() -> None:
+        with manager:
+            entered.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=in_a_block)
+    thread.start()
+    try:
+        assert entered.wait(10)
+        with manager:
+            pass
+        # The other thread is inside its block still: no other job may take the GPU.
+        assert claimed(own_claims, "GPU-0000")
+    finally:
+        leave.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert not claimed(own_claims, "GPU-0000")  # the last block gave it back
+
+
 def test_an_explicit_device_that_another_job_claims_is_refused(own_claims: Path) -> None:
     _, backends = server()
     other = AnotherJob(own_claims, "GPU-0001")

@@ -30,11 +30,13 @@ from devicekit._base._compat import (
     weights_only_said,
 )
 from devicekit._base._current import (
+    Scope,
     current_device,
     enter_block,
     leave_block,
     mark_closed,
     mark_open,
+    open_managers,
     register_process_default,
 )
 from devicekit._base._devices import (
@@ -83,6 +85,7 @@ __all__ = [
     "DispatchMode",
     "LeafError",
     "LinkPeak",
+    "Scope",
     "TransferError",
     "accelerator_type",
     "apply_to_own_tensors",
@@ -111,6 +114,7 @@ __all__ = [
     "nbytes",
     "no_backend",
     "one_graph",
+    "open_managers",
     "own_tensors",
     "parse_bytes",
     "parse_device",

@@ -15,10 +15,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, get_args
+from typing import Any, NoReturn, get_args
 
 import torch
 
@@ -26,12 +27,14 @@ from devicekit._base import (
     HOST_TYPES,
     DeviceLike,
     DeviceUnavailableError,
+    Scope,
     duration,
     enter_block,
     has_backend,
     leave_block,
     mark_closed,
     mark_open,
+    open_managers,
     parse_bytes,
     parse_seconds,
     register_process_default,
@@ -100,6 +103,12 @@ _LONGEST_POLL_S = 30.0
 _clock = time.monotonic  # the tests' fake clock replaces these two
 _sleep = time.sleep
 
+# Held while a manager counts its `with` blocks and closes or claims again as a count
+# says, so that a thread entering never finds the manager half closed by one leaving.
+# Reentrant: leaving a block closes the manager, and close() takes it too. Taken by the
+# forking thread around each fork and made anew in the child, as _claims' lock is.
+_blocks_lock = threading.RLock()
+
 
 def _claim_key(info: DeviceInfo) -> str:
     """What names a device's claim: its UUID, else its family and index as this process has them."""
@@ -165,8 +174,9 @@ class DeviceManager:
         claim: Claim the chosen accelerator for this process: an OS file lock keyed by
             its UUID in ``DEVICEKIT_CLAIM_DIR`` (default: ``devicekit-claims`` in the
             temporary directory), which other managers with ``claim=True`` pass over.
-            Held until :meth:`close`, the end of a ``with manager:`` block, or the
-            process ending in any way, ``kill -9`` included; never by a forked child.
+            Held until :meth:`close`, the end of the last ``with manager:`` block open
+            in any thread, or the process ending in any way, ``kill -9`` included;
+            never by a forked child.
             A manager that chooses passes over the GPUs this process claims already,
             so two managers (a notebook cell run twice, two threads) claim two GPUs;
             to keep one, :meth:`close` the first, use ``with manager:``, or name the
@@ -241,6 +251,7 @@ class DeviceManager:
         self._request = Request(device, policy, tuple(prefer), min_free, max_busy, fallback)
         self._causes: tuple[Finding, ...] = ()  # why an accelerator here is not usable
         self._device, self._reason = self._settle()
+        self._scope: Scope | None = None  # its `with` blocks, in all threads, since entered
         # Open from here until close(): the default of devicekit calls given no device.
         self._open = mark_open(self, self._device) if self._counts_open else None
 
@@ -353,22 +364,62 @@ class DeviceManager:
 
         Where other managers of this process share the claim, the GPU stays claimed until
         the last of them closes. The process ending gives it back too, however it ends.
-        Leaving ``with manager:`` closes the manager; a second call does nothing.
+        Leaving the last ``with manager:`` block open, in any thread, closes the manager;
+        a block still open (in a thread, a task, a suspended generator) then no longer
+        makes it the default there. A second call does nothing.
         """
-        if self._open is not None:
-            mark_closed(self._open)
-            self._open = None
-        if self._claim is not None:
-            self._claim.release()
-            self._claim = None
+        with _blocks_lock:
+            if self._scope is not None:
+                self._scope.closed = True
+            if self._open is not None:
+                mark_closed(self._open)
+                self._open = None
+            if self._claim is not None:
+                self._claim.release()
+                self._claim = None
+
+    @classmethod
+    def close_all(cls) -> None:
+        """Close every open manager of this process, also those no name of yours holds.
+
+        The way out where managers that disagree make devicekit calls given no device
+        refuse, and the one to close is kept by something you cannot reach: a reference
+        cycle, a saved traceback, a notebook's ``Out[]`` history.
+
+        >>> import devicekit as dk
+        >>> managers = [dk.DeviceManager("meta"), dk.DeviceManager("cpu")]
+        >>> dk.DeviceManager.close_all()
+        >>> dk.current_device()
+        device(type='cpu')
+        """
+        for manager in open_managers():
+            if isinstance(manager, cls):
+                manager.close()
 
     def __repr__(self) -> str:
         return f"DeviceManager(device={self._device!r})"
 
+    def __reduce__(self) -> NoReturn:
+        # What multiprocessing's spawn does to what it sends; a manager is this process's
+        # choice, claim and default device, which another process cannot share.
+        msg = (
+            f"Expected something another process can use, got {self!r} to pickle (as "
+            "multiprocessing does with what it sends to a process): a manager is this "
+            "process's own, with its claim and its place as the default device. Send its "
+            "device instead (manager.device, a torch.device), and pass it to devicekit "
+            "calls there, or to DeviceManager(device) for a manager of that process."
+        )
+        raise TypeError(msg)
+
     def __enter__(self) -> DeviceManager:
-        if self._claiming and self._claim is None and self._claim_name is not None:
-            self._claim_again()
-        enter_block(self, self._device)
+        with _blocks_lock:
+            scope = self._scope
+            if scope is None or scope.closed:  # the first block since made, or since closed
+                if self._claiming and self._claim is None and self._claim_name is not None:
+                    self._claim_again()
+                scope = self._scope = Scope(self, self._device)
+            scope.blocks += 1
+        enter_block(scope)
         return self
 
     def __exit__(
@@ -377,8 +428,15 @@ class DeviceManager:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if not leave_block(self):  # its outermost block: the claim is given back
-            self.close()
+        with _blocks_lock:
+            # Not found here: the block was entered in another context (a generator
+            # finished in another thread), and counts against the manager's blocks now.
+            scope = leave_block(self) or self._scope
+            if scope is None or scope.closed:
+                return
+            scope.blocks -= 1
+            if not scope.blocks:  # the last block, of every thread: the claim is given back
+                self.close()
 
     def _claim_again(self) -> None:
         """Claim the device once more, entering ``with manager:`` after leaving one."""
@@ -516,3 +574,27 @@ def _process_default() -> DeviceManager:
 
 # current_device()'s fallback: the process-wide manager, made on first use.
 register_process_default(lambda: _process_default().device)
+
+
+def _before_fork() -> None:
+    _blocks_lock.acquire()  # no other thread is then counting blocks
+
+
+def _after_fork_in_parent() -> None:
+    _blocks_lock.release()
+
+
+def _forget_blocks_lock() -> None:
+    global _blocks_lock  # noqa: PLW0603 - the child's own lock, in place of the parent's
+    _blocks_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    # Held across the fork, as _claims' lock is, and taken before it (handlers registered
+    # later run first), in the order __exit__ takes the two. The handlers look the lock
+    # up when they run: the child's is a new one.
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_forget_blocks_lock,
+    )
