@@ -146,10 +146,6 @@ def _parts(module: torch.nn.Module, name: str) -> Iterator[tuple[str, torch.devi
             yield from _parts(child, f"{name}.{key}")
 
 
-def _elements(count: int) -> str:
-    return f"{count:,} element" if count == 1 else f"{count:,} elements"
-
-
 def split_model(
     module: torch.nn.Module, label: str, near: torch.device | None = None
 ) -> tuple[str, str, dict[torch.device, list[str]]] | None:
@@ -189,10 +185,9 @@ def split_model(
         for device, names in parts.items()
         if device != target
     )
-    verb = "is" if weight[target] == 1 else "are"
     split = (
-        f"{label} is split: {weight[target]:,} of its {_elements(sum(weight.values()))} {verb} "
-        f"on {target} ({listing(parts[target])}), {rest}."
+        f"{label} is split: {weight[target]:,} of its {sum(weight.values()):,} elements are on "
+        f"{target} ({listing(parts[target])}), {rest}."
     )
     fix = (
         f"Move the model with devicekit.to_device(model, {str(target)!r}), which moves all of "
