@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -321,10 +322,10 @@ def test_a_host_result_read_before_its_copy_finished_is_marked_at_the_read(
     ("read", "operation"),
     [
         (lambda host: host.sum().item(), "sum"),
-        (lambda host: host[0].item(), "select"),
+        (lambda host: host[0].item(), "item"),  # taking the view reads nothing; item does
         (lambda host: torch.cat([torch.ones(1), host]), "cat"),  # a list of inputs
-        (lambda host: host.numpy(), "detach"),
-        (lambda host: float(host[0]), "select"),
+        (lambda host: host.numpy(), "detach"),  # numpy reads through a detach, its only trace
+        (lambda host: float(host[0]), "item"),
     ],
 )
 def test_each_way_of_reading_the_result_is_seen(
@@ -372,6 +373,55 @@ def test_copies_from_or_into_a_watched_result_are_the_device_s_not_reads(
         buffer.to(torch.float64)  # the host reads it
     assert [(event.operation, event.blocked) for event in log.early_reads] == [("to", "read early")]
     assert stream.recorded == 2
+
+
+def test_a_read_through_a_view_taken_before_the_copy_is_marked(
+    machine: tuple[Pinned, Stream],
+) -> None:
+    pinned, stream = machine
+    on_device = torch.empty(2, 3, device="meta")
+    buffer = pinned.pin(torch.empty(2, 3))
+    row = buffer[1]  # taken before the copy: it shares the memory the copy writes
+    with dk.track_transfers() as log:
+        buffer.copy_(on_device, non_blocking=True)
+        row.sum()  # reads the destination before synchronising
+        read = inspect.currentframe().f_lineno - 1  # type: ignore[union-attr]
+        stream.synchronize()
+    assert [(e.operation, e.lineno, e.blocked) for e in log.early_reads] == [
+        ("sum", read, "read early")
+    ]
+
+
+def test_views_taken_before_the_synchronize_and_read_after_it_are_not_marked(
+    machine: tuple[Pinned, Stream],
+) -> None:
+    pinned, stream = machine
+    on_device = torch.empty(2, 3, device="meta")
+    buffer = pinned.pin(torch.empty(2, 3))
+    with dk.track_transfers() as log:
+        result = on_device.to(CPU, non_blocking=True)
+        first, flat, rows, last = result[0], result.view(-1), result.unbind(0), result[1, 2]
+        buffer.copy_(on_device, non_blocking=True)
+        column = buffer[:, 1].t()
+        stream.synchronize()  # every view is read after this: all correct
+        first.sum(), flat.sum(), rows[1].sum(), last.item(), column.sum()
+    assert log.early_reads == []
+    assert stream.recorded == 2
+
+
+def test_a_copy_refused_by_strict_mode_stays_in_the_log_when_the_error_is_caught() -> None:
+    with dk.track_transfers(strict=True) as log:
+        with contextlib.suppress(dk.TransferError):  # a caller that catches it and goes on
+            torch.ones(2).to(META)
+        line = inspect.currentframe().f_lineno - 1  # type: ignore[union-attr]
+    name = "test_a_copy_refused_by_strict_mode_stays_in_the_log_when_the_error_is_caught"
+    assert [(e.operation, e.refused, e.lineno) for e in log.events] == [("to", True, line)]
+    assert str(log) == (
+        "1 transfer(s) between devices, 8 bytes in all:\n"
+        f"  cpu -> meta: 1 (8 bytes), first at test_audit.py:{line} in {name}\n"
+        f"1 refused by strict=True, each raising TransferError: first at test_audit.py:{line} "
+        f"in {name}."
+    )
 
 
 def test_a_watched_result_is_not_kept_alive(machine: tuple[Pinned, Stream]) -> None:

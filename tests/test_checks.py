@@ -315,9 +315,9 @@ def test_a_layer_left_behind_advises_moving_the_model_not_the_inputs() -> None:
     net.fc.to(META)
     msg = (
         "input is on meta but the parameters of Net.head (Linear) (e.g. weight, bias) are on "
-        "cpu. Net is split: 2 of its 4 parameters are on meta, Net.head.weight and "
-        "Net.head.bias on cpu. Move the model with devicekit.to_device(model, 'meta'), which "
-        "moves all of it to one device."
+        "cpu. Net is split: 20 of its 30 elements are on meta (Net.fc), 10 on cpu (Net.head). "
+        "Move the model with devicekit.to_device(model, 'meta'), which moves all of it to one "
+        "device."
     )
     with (
         dk.guard(net, recurse=True),
@@ -337,13 +337,14 @@ def test_a_split_model_is_moved_to_where_most_of_it_is_when_the_inputs_are_elsew
     net[2].to(META)  # its first layer left on the host, the inputs there too
     msg = (
         "input is on cpu but the parameters of Sequential.1 (Linear) (e.g. weight, bias) are "
-        "on meta. Sequential is split: 4 of its 6 parameters are on meta, Sequential.0.weight and "
-        "Sequential.0.bias on cpu. Move the model with devicekit.to_device(model, 'meta'), "
-        "which moves all of it to one device. Move the inputs there too."
+        "on meta. Sequential is split: 30 of its 50 elements are on meta (Sequential.1 and "
+        "Sequential.2), 20 on cpu (Sequential.0). Move the model with "
+        "devicekit.to_device(model, 'meta'), which moves all of it to one device. Move the "
+        "inputs there too."
     )
     with dk.guard(net, recurse=True), pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)):
         net(torch.ones(1, 4))
-    said = "Sequential is split: 4 of its 6 parameters are on meta"
+    said = "Sequential is split: 30 of its 50 elements are on meta"
     with pytest.raises(dk.DeviceMismatchError, match=re.escape(said)) as info, dk.guard(net):
         net(torch.ones(1, 4))  # passes the check against layer 0, refused at layer 1
     # Sequential's forward is PyTorch's: no frame of the user's to name, nor inputs to read.
@@ -356,8 +357,8 @@ def test_a_split_model_refused_inside_forward_is_named_on_leaving_the_guard() ->
     net = Net()
     net.fc.to(META)
     msg = (
-        "Net is split: 2 of its 4 parameters are on meta, Net.head.weight and Net.head.bias "
-        "on cpu. PyTorch refused to mix them in Net.forward (test_checks.py:"
+        "Net is split: 20 of its 30 elements are on meta (Net.fc), 10 on cpu (Net.head). "
+        "PyTorch refused to mix them in Net.forward (test_checks.py:"
     )
     fix = "Move the model with devicekit.to_device(model, 'meta'), which moves all of it"
     with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(net):
@@ -365,6 +366,112 @@ def test_a_split_model_refused_inside_forward_is_named_on_leaving_the_guard() ->
     assert fix in str(info.value)
     assert "Move the inputs" not in str(info.value)
     assert type(info.value.__cause__) is RuntimeError  # PyTorch's own error, kept
+
+
+class Norms(nn.Module):
+    """A layer's weight beside a norm: most elements in the one, two tensors in the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(512, 512, bias=False)
+        self.norm = nn.LayerNorm(512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Norms(), Norms(), Norms())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def test_a_split_model_goes_where_most_of_its_elements_are_not_most_of_its_tensors() -> None:
+    # 3 weights of 262,144 elements on meta (the GPU), 6 norm tensors of 512 on the host:
+    # counted by tensors, the model would be sent to the host.
+    tower = Tower()
+    for block in tower.blocks:
+        block.linear.to(META)
+    split = (
+        "Tower is split: 786,432 of its 789,504 elements are on meta (Tower.blocks.0.linear, "
+        "Tower.blocks.1.linear and Tower.blocks.2.linear), 3,072 on cpu (Tower.blocks.0.norm, "
+        "Tower.blocks.1.norm and Tower.blocks.2.norm)."
+    )
+    fix = (
+        "Move the model with devicekit.to_device(model, 'meta'), which moves all of it to one "
+        "device."
+    )
+    with pytest.raises(dk.DeviceMismatchError) as info, dk.guard(tower):
+        tower(torch.ones(2, 512, device=META))
+    assert str(info.value).startswith(f"{split} PyTorch refused to mix them in Norms.forward")
+    assert str(info.value).endswith(fix)
+    assert info.value.devices == {
+        META: [f"Tower.blocks.{i}.linear.weight" for i in range(3)],
+        CPU: [f"Tower.blocks.{i}.norm.{name}" for i in range(3) for name in ("weight", "bias")],
+    }
+    said = (
+        "input is on meta but the parameters of Tower.blocks.0.norm (LayerNorm) (e.g. weight, "
+        f"bias) are on cpu. {split} {fix}"
+    )
+    with (
+        pytest.raises(dk.DeviceMismatchError, match=f"^{re.escape(said)}$"),
+        dk.guard(tower, recurse=True),
+    ):
+        tower(torch.ones(2, 512, device=META))
+
+
+def test_a_part_of_a_split_model_on_meta_is_given_storage_before_the_move() -> None:
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    net[1].to(META)  # most of it is on the host, a part has no data to move
+    msg = (
+        "Sequential is split: 72 of its 81 elements are on cpu (Sequential.0), 9 on meta "
+        "(Sequential.1). PyTorch refused to mix them in Sequential's call. Tensors on the meta "
+        "device have shapes but no data: give the model storage with "
+        "devicekit.materialize(model, 'cpu'), which initialises it and names whatever no "
+        "initialiser writes; then move the model with devicekit.to_device(model, 'cpu'), "
+        "which moves all of it to one device."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=f"^{re.escape(msg)}$"), dk.guard(net):
+        net(torch.ones(1, 8))
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x))
+
+
+def test_a_buffer_left_on_another_device_is_named_on_leaving_the_guard() -> None:
+    model = dk.to_device(Normed(), META)
+    model.norm.running_mean = torch.zeros(4)  # still a registered buffer, now on the host
+    msg = (
+        "Normed is split: 33 of its 37 elements are on meta (Normed.fc, Normed.norm.weight, "
+        "Normed.norm.bias and 2 more), 4 on cpu (Normed.norm.running_mean). PyTorch refused "
+        "to mix them in Normed.forward (test_checks.py:"
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape(msg)) as info, dk.guard(model):
+        model(torch.ones(2, 4, device=META))
+    assert info.value.devices[CPU] == ["Normed.norm.running_mean"]
+
+
+def test_only_a_module_on_meta_is_advised_materialize() -> None:
+    # The batch on meta, the model on the host: the model needs no storage.
+    model = nn.Linear(2, 2)
+    msg = (
+        "Expected every tensor on one device, but found 2: cpu has Linear.weight and "
+        "Linear.bias; meta has data[1]['image']."
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=f"^{re.escape(msg)}$"):
+        dk.check_same_device(model, {"image": torch.zeros(2, device=META)})
+    with pytest.raises(dk.DeviceMismatchError, match=r"materialize\(model, 'cpu'\)"):
+        dk.check_same_device(model.to(META), {"image": torch.zeros(2)})
 
 
 def test_a_guard_that_finds_nothing_changes_nothing() -> None:

@@ -15,11 +15,17 @@ Two kinds of copy asked to be non-blocking are marked, since nothing else sees t
   does not see them.
 - reads of a host result before its copy finished: a non-blocking copy into pinned host
   memory returns at once. An event is recorded on the device's current stream after it
-  and its result watched through a weak reference; the first aten call that takes the
-  result as an input asks the event whether the copy is done, which a synchronize of the
-  device, stream or event in between also makes true. Copies to and from the device are
-  no reads: they follow the watched copy on its stream. What costs, only while a result
-  is watched: one dictionary lookup for each argument of each call.
+  and the result's storage watched through a weak reference; the first aten call that
+  takes a tensor on that storage as an input asks the event whether the copy is done,
+  which a synchronize of the device, stream or event in between also makes true. The
+  storage, not the tensor, is what is read: a view of the destination taken before the
+  copy reads what it writes. Taking a view reads nothing, so a view taken before the
+  synchronize and read after it is right; ``detach`` is the exception, counted as a read,
+  since ``.numpy()`` (and ``numpy.asarray``) hand numpy the memory through one and leave
+  no other trace. Copies to and from the device are no reads: they follow the watched
+  copy on its stream. What costs, only while a result is watched: a storage lookup for
+  each tensor argument of each call (1.7 us a call of two tensors, against 0.7 us for
+  looking up their ids, on a busy 2-core machine where the mode costs some 7 us a call).
 
 What touches the machine (whether memory is pinned, whether a device has streams, the
 event) sits in a :class:`Machine`, which the tests replace (:func:`stand_in`).
@@ -230,6 +236,9 @@ class TransferEvent:
     blocked the host, ``"pageable"`` or ``"non-contiguous"`` (its host memory). In
     ``log.early_reads``, ``"read early"``; ``operation`` then names the call that read
     (``"add"``, ``"item"``) and the place is the read's."""
+    refused: bool = False
+    """Whether ``strict=True`` raised :class:`~devicekit.TransferError` at this copy, after
+    it ran: a caller that catches the error still finds it here."""
 
     @property
     def where(self) -> str:
@@ -289,6 +298,12 @@ class TransferLog:
                 lines.append(
                     f"{len(marked)} {said}: first at {marked[0].where} ({_why(marked[0])})."
                 )
+        refused = [event for event in self.events if event.refused]
+        if refused:
+            lines.append(
+                f"{len(refused)} refused by strict=True, each raising TransferError: first at "
+                f"{refused[0].where}."
+            )
         return "\n".join(lines)
 
 
@@ -328,11 +343,24 @@ def _transfer_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _C
 
 
 class _Watched(NamedTuple):
-    """A host result of a non-blocking copy, until it is read or dies."""
+    """The storage of a host result of a non-blocking copy, until it is read or dies."""
 
-    result: weakref.ref[torch.Tensor]
+    storage: weakref.ref[torch.UntypedStorage]
     finished: Callable[[], bool]
     copy: _Copy
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The id of the tensor's storage, which a view shares whenever it was taken; else 0.
+
+    The storage is one Python object while it lives (PyTorch keeps it), so its id names
+    it while watched. A sparse or nested tensor, or a subclass wrapping others, has none
+    of its own to read: 0, never a live object's id.
+    """
+    try:
+        return id(tensor.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return 0
 
 
 _READS = {"_local_scalar_dense": "item", "_to_copy": "to"}  # aten names, as users write them
@@ -344,7 +372,7 @@ class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped ba
         self._log = log
         self._strict = strict
         self._machine = _machine
-        self._watched: dict[int, _Watched] = {}  # by id() of the result, while it lives
+        self._watched: dict[int, _Watched] = {}  # by id() of the result's storage, while it lives
 
     def __torch_dispatch__(
         self,
@@ -369,13 +397,20 @@ class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped ba
         verdict = self._verdict(copy, args, result) if copy.non_blocking else None
         blocked = None if verdict == UNFINISHED else verdict
         event = TransferEvent(
-            copy.source, copy.target, copy.nbytes, copy.operation, *where, blocked=blocked
+            copy.source,
+            copy.target,
+            copy.nbytes,
+            copy.operation,
+            *where,
+            blocked=blocked,
+            refused=self._strict,
         )
+        # Logged before a refusal: a caller that catches the TransferError keeps the record.
+        self._log.events.append(event)
         if self._strict:
             self._refuse(event, unfinished=verdict == UNFINISHED)
         if verdict == UNFINISHED:
             self._watch(args[0] if copy.operation == "copy_" else result, copy)
-        self._log.events.append(event)
         return result
 
     def _verdict(self, copy: _Copy, args: tuple[Any, ...], result: Any) -> str | None:
@@ -411,32 +446,35 @@ class _Recorder(DispatchMode):  # type: ignore[no-untyped-call]  # an untyped ba
         raise TransferError(msg)
 
     def _watch(self, host: torch.Tensor, copy: _Copy) -> None:
-        key = id(host)
+        storage = host.untyped_storage()  # a copy's host result is dense: it has one
+        key = id(storage)
         watched = self._watched
 
-        def forget(ref: weakref.ref[torch.Tensor]) -> None:
-            if key in watched and watched[key].result is ref:
+        def forget(ref: weakref.ref[torch.UntypedStorage]) -> None:
+            if key in watched and watched[key].storage is ref:
                 del watched[key]
 
         finished = self._machine.record_event(copy.source)
-        watched[key] = _Watched(weakref.ref(host, forget), finished, copy)
+        watched[key] = _Watched(weakref.ref(storage, forget), finished, copy)
 
     def _check_reads(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        # Type checks and a membership test before any pop: 0.23 us a call of two
-        # arguments, against 0.66 with isinstance and a pop of each (of some 7 us a call
-        # that the mode costs).
+        # A view reads nothing, and reads through it are seen by its storage; a detach is
+        # what .numpy() reads through, its only trace.
+        if func.is_view and func is not _aten.detach.default:
+            return
+        # Type checks and a membership test before any pop (its cost: the module's docstring).
         watched = self._watched
         for arg in (*args, *kwargs.values()) if kwargs else args:
             if type(arg) is list or type(arg) is tuple:  # cat and stack take lists
                 for item in arg:
-                    if id(item) in watched:
-                        self._read(func, item)
-            elif id(arg) in watched:
-                self._read(func, arg)
+                    if isinstance(item, torch.Tensor) and (key := _storage_key(item)) in watched:
+                        self._read(func, key)
+            elif isinstance(arg, torch.Tensor) and (key := _storage_key(arg)) in watched:
+                self._read(func, key)
 
-    def _read(self, func: Any, tensor: torch.Tensor) -> None:
+    def _read(self, func: Any, key: int) -> None:
         """A watched result is read: marked unless its copy is known finished; watched no more."""
-        entry = self._watched.pop(id(tensor))
+        entry = self._watched.pop(key)
         if not entry.finished():
             name = func.overloadpacket.__name__
             copy = entry.copy
@@ -463,11 +501,13 @@ def track_transfers(*, strict: bool = False) -> Iterator[TransferLog]:
     It also marks what no other check sees. A copy between the host and a GPU asked to
     be non-blocking blocks anyway where its host memory is pageable or a non-contiguous
     view of pinned memory: its event says so in ``blocked``. A host result of a
-    non-blocking copy read (by any aten call taking it, ``.item()``, ``.numpy()``) before
-    the copy finished, by an event recorded after it, is listed in ``log.early_reads``
-    with the read's line. ``.tolist()`` and printing read memory without an aten call,
-    which a dispatch mode cannot see; seeing them would cost each call of the block a
-    torch-function mode, about 2.7 us.
+    non-blocking copy read (by any aten call taking it or a view of it, even one taken
+    before the copy; ``.item()``, ``.numpy()``) before the copy finished, by an event
+    recorded after it, is listed in ``log.early_reads`` with the read's line. Taking a
+    view reads nothing (``.detach()`` aside, which ``.numpy()`` reads through).
+    ``.tolist()`` and printing read memory without an aten call, which a dispatch mode
+    cannot see; seeing them would cost each call of the block a torch-function mode,
+    about 2.7 us.
 
     Only the calling thread is watched: PyTorch's dispatch modes are per thread, so
     copies made in other threads (a DataLoader's pin-memory thread, devicekit's own
@@ -484,7 +524,9 @@ def track_transfers(*, strict: bool = False) -> Iterator[TransferLog]:
       cpu -> meta: 2 (32 bytes), first at ...
 
     Args:
-        strict: Raise :class:`~devicekit.TransferError` at the first copy.
+        strict: Raise :class:`~devicekit.TransferError` at the first copy (once it ran),
+            and at each after it where the caller catches the error; each stays in the
+            log, ``refused``.
 
     Yields:
         The :class:`~devicekit.TransferLog` that ``with ... as log`` binds, filled as the

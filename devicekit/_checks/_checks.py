@@ -129,45 +129,75 @@ def describe_devices(found: dict[torch.device, list[str]]) -> str:
     return "; ".join(f"{device} has {listing(where)}" for device, where in found.items())
 
 
+def _parts(module: torch.nn.Module, name: str) -> Iterator[tuple[str, torch.device]]:
+    """The parts of a module, each wholly on one device: a submodule, else a tensor of its own.
+
+    A module all on one device is one part, named as the user knows it (``Net.head``);
+    one split across devices gives its own parameters and buffers, then its children's
+    parts. A module holding no tensor is no part.
+    """
+    devices = {tensor.device for _, tensor in tensors_of(module, own=False)}
+    if len(devices) == 1:
+        yield name, devices.pop()
+    elif devices:
+        for key, tensor in tensors_of(module, own=True):
+            yield f"{name}.{key}", tensor.device
+        for key, child in module.named_children():
+            yield from _parts(child, f"{name}.{key}")
+
+
 def split_model(
     module: torch.nn.Module, label: str, near: torch.device | None = None
 ) -> tuple[str, str, dict[torch.device, list[str]]] | None:
-    """Where a module's parameters are on several devices: the split, its fix, and where.
+    """Where a module's tensors are on several devices: the split, its fix, and where.
 
-    The device to move it to is the one with most of them: of equals, ``near`` (the
-    inputs') where it is one, else the first met. The text names the rest by
-    :func:`~devicekit._base.listing`, and advises moving the module, never its inputs to
-    where a few of its parameters are. None where all are on one device.
+    The device to move it to is the one holding most of its elements (a layer's weight
+    outweighs a few norm layers): of equals, ``near`` (the inputs') where it is one, else
+    the first met. The text names the parts on each device (the largest submodules wholly
+    there, by :func:`~devicekit._base.listing`), and advises moving the module, never its
+    inputs to where a little of it is; part of it on meta is given storage first.
+    None where all of it is on one device.
 
     >>> import torch
-    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    >>> _ = net[1].to("meta")
-    >>> split, fix, found = split_model(net, "Net", torch.device("cpu"))
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> _ = net[0].to("meta")
+    >>> split, fix, found = split_model(net, "Net")
     >>> print(split)
-    Net is split: 2 of its 4 parameters are on cpu, Net.1.weight and Net.1.bias on meta.
+    Net is split: 20 of its 28 elements are on meta (Net.0), 8 on cpu (Net.1).
     >>> print(fix)
-    Move the model with devicekit.to_device(model, 'cpu'), which moves all of it to one device.
+    Move the model with devicekit.to_device(model, 'meta'), which moves all of it to one device.
     """
     found: dict[torch.device, list[str]] = {}
-    for name, parameter in module.named_parameters():
-        found.setdefault(parameter.device, []).append(f"{label}.{name}")
+    weight: dict[torch.device, int] = {}
+    for name, tensor in tensors_of(module, own=False):
+        found.setdefault(tensor.device, []).append(f"{label}.{name}")
+        weight[tensor.device] = weight.get(tensor.device, 0) + tensor.numel()
     if len(found) < 2:  # one device is no split
         return None
-    most = max(map(len, found.values()))
-    tied = [device for device, names in found.items() if len(names) == most]
+    most = max(weight.values())
+    tied = [device for device, count in weight.items() if count == most]
     target = near if near in tied else tied[0]
+    parts: dict[torch.device, list[str]] = {}
+    for name, device in _parts(module, label):
+        parts.setdefault(device, []).append(name)
     rest = ", ".join(
-        f"{listing(names)} on {device}" for device, names in found.items() if device != target
+        f"{weight[device]:,} on {device} ({listing(names)})"
+        for device, names in parts.items()
+        if device != target
     )
-    inputs = "" if near is None or near == target else " Move the inputs there too."
     split = (
-        f"{label} is split: {len(found[target])} of its {sum(map(len, found.values()))} "
-        f"parameters are on {target}, {rest}."
+        f"{label} is split: {weight[target]:,} of its {sum(weight.values()):,} elements are on "
+        f"{target} ({listing(parts[target])}), {rest}."
     )
     fix = (
         f"Move the model with devicekit.to_device(model, {str(target)!r}), which moves all of "
-        f"it to one device.{inputs}"
+        "it to one device."
     )
+    if target.type != "meta" and any(device.type == "meta" for device in found):
+        # Moving it would fail on the part that has no data: it needs storage first.
+        fix = f"{META.capitalize()}: {meta_fix(target)}; then {fix[0].lower()}{fix[1:]}"
+    if near is not None and near != target:
+        fix += " Move the inputs there too."
     return split, fix, found
 
 
@@ -218,9 +248,12 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
             )
             raise TypeError(msg)
     found: dict[torch.device, list[str]] = {}
+    module_on_meta = False  # only a module with tensors on meta wants storage, not a move
     for index, item in enumerate(data):
         root = _root_name(item, index, len(data))
         for path, tensor in tensor_paths(item, root):
+            if tensor.device.type == "meta" and isinstance(item, torch.nn.Module):
+                module_on_meta = True
             # A DTensor is named with its placements and mesh: the table's row for its type
             # says whether it lives on one.
             meshed = leaf_how(type(tensor)).meshed
@@ -240,7 +273,7 @@ def check_same_device(*data: Any, device: DeviceLike | None = None) -> torch.dev
     else:
         msg = f"Expected every tensor on {expected}, but found {len(found)} device(s): "
     msg += describe_devices(found) + "."
-    if any(each.type == "meta" for each in found):
+    if module_on_meta and (expected is None or expected.type != "meta"):
         target = next(each for each in (expected, *found) if each and each.type != "meta")
         msg += f" {META.capitalize()}: {meta_fix(target)}."
     raise DeviceMismatchError(msg, found)
