@@ -124,8 +124,13 @@ def count_filler(tensor: torch.Tensor, filler: Filler) -> torch.Tensor:
     >>> int(count_filler(weight, filler_of(weight.dtype)))
     7
     """
-    pieces = tensor.view(-1).split(_PIECE) if tensor.is_contiguous() else (tensor,)
-    counts = [_left(piece, filler).sum() for piece in pieces]  # split gives at least one
+    if not tensor.is_contiguous():  # read whole (a new tensor is laid out as its meta one)
+        return _left(tensor, filler).sum()
+    flat = tensor.view(-1)
+    counts = [
+        _left(flat[start : start + _PIECE], filler).sum()
+        for start in range(0, max(flat.numel(), 1), _PIECE)
+    ]
     return counts[0] if len(counts) == 1 else torch.stack(counts).sum()
 
 

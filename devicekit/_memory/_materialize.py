@@ -4,15 +4,15 @@
 the tensors some initialiser then writes are right: a buffer computed in ``__init__``
 (a rotary embedding's ``inv_freq``) or a parameter no ``reset_parameters()`` touches
 stays garbage, silently. :func:`materialize` gives each meta tensor storage filled with
-a filler (a NaN of its own bits; 0x5A in every byte of an integer: ``_filler``) and
-notes its version counter; then it runs the modules' own initialisers and the user's
-``init``. Afterwards every element still holding the filler is unwritten, whatever
-wrote the rest: a counted in-place write is evidence of a write, not of every element
-written (``w[:4] = ...``, ``mul_``). Where its place holds another tensor, a tensor is
-written; where a write can leave the filler on purpose (an 8-bit integer), one counted
-write is taken as the whole tensor's. What is left is named, path by path, as is a
-tensor still on meta afterwards, and the module is given back its meta tensors, as it
-was, for a retry with ``init=``.
+a filler (a NaN whose bits ``float('nan')`` never has; 0x5A in every byte of an
+integer: ``_filler.py``) and notes its version counter; then it runs the modules' own
+initialisers and the user's ``init``. Afterwards every element still holding the filler
+is unwritten, whatever wrote the rest: a counted in-place write is evidence of a write,
+not of every element written (``w[:4] = ...``, ``mul_``). A tensor whose place holds
+another is written; so is one of a type in which a write can leave the filler on
+purpose (an 8- or 16-bit integer), once a write on it is counted. What is left is named,
+path by path, as is a tensor still on meta afterwards, and the module is given back its
+meta tensors, as it was, for a retry with ``init=``.
 
 The initialisers write only what materialize gave storage to: while they run, every
 tensor that was real before the call (loaded from a checkpoint) is replaced in its
@@ -53,7 +53,7 @@ from devicekit._base import (
     version_of,
 )
 from devicekit._core import Stray, read_again, strays
-from devicekit._memory._filler import count_filler, fill, filler_of
+from devicekit._memory._filler import Filler, count_filler, fill, filler_of
 
 __all__ = ["materialize"]
 
@@ -107,17 +107,17 @@ def materialize(
         ``module`` itself, every tensor on real storage and written.
 
     Raises:
-        DeviceKitError: Some elements of a tensor given storage were written by no
+        DeviceKitError: Elements of a tensor given storage were written by no
             initialiser: they still hold the filler (a NaN whose bits ``float('nan')``
-            never has, or 0x5A in every byte of an integer), after an in-place write
-            of part of it (``w[:4] = ...``), or of one that computes from it
-            (``mul_``), as well as without any. Or a tensor of the module is on meta
+            never has, or 0x5A in every byte of an integer), whether no write was
+            counted on the tensor or one covered part of it (``w[:4] = ...``) or
+            computed from what it held (``mul_``). Or a tensor of the module is on meta
             after the initialisers (a plain attribute, or one an initialiser made there),
             or a lazy module's parameter has no shape yet. The message names each by its
             path and the fix; the module's meta tensors are put back, so a retry with
-            ``init=`` starts from the same model. A NaN written on purpose is kept where
-            it is ``float('nan')``'s. In an 8- or 16-bit integer, where every value can be
-            data, one counted write counts as the whole tensor's; bool and float4
+            ``init=`` starts from the same model. A NaN written on purpose,
+            ``float('nan')``'s, is written. In an 8- or 16-bit integer, where any value
+            can be data, one counted write counts as the whole tensor's; bool and float4
             tensors have no filler and are not checked. Sharded, each rank reads its own
             shards, and every rank raises if one does: a rank whose initialiser raised
             re-raises that error, the others name that rank.
@@ -475,14 +475,16 @@ class _Watched(NamedTuple):
         versions = _versions(self.tensor)
         return None not in versions and versions != self.versions
 
-    def read(self) -> bool:
-        """Whether its elements are to be read for the filler.
+    def to_read(self) -> Filler | None:
+        """The filler to look for in its elements; None where they are not read.
 
-        Not where it was replaced, nor where a write counted on it can have left the filler
-        on purpose: there one counted write is the whole tensor's.
+        Not read where it was replaced, nor where a write counted on it can have left the
+        filler on purpose: there one counted write is the whole tensor's.
         """
         filler = filler_of(self.tensor.dtype)
-        return filler is not None and not self.replaced() and not (filler.whole and self.counted())
+        if filler is None or self.replaced() or (filler.whole and self.counted()):
+            return None
+        return filler
 
     @property
     def sharded(self) -> bool:
@@ -549,9 +551,13 @@ class _Found(NamedTuple):
     @classmethod
     def here(cls, watched: list[_Watched], module: torch.nn.Module, plain: list[Stray]) -> _Found:
         counts = [0] * len(watched)
-        read = [position for position, each in enumerate(watched) if each.read()]
-        numbers = _numbers([_count(watched[at].tensor) for at in read])
-        for position, number in zip(read, numbers, strict=True):
+        read = [
+            (at, filler)
+            for at, each in enumerate(watched)
+            if (filler := each.to_read()) is not None
+        ]
+        numbers = _numbers([count_filler(_local(watched[at].tensor), how) for at, how in read])
+        for (position, _), number in zip(read, numbers, strict=True):
             counts[position] = number
         left = [(path, _MADE_SAID) for _, _, path, _ in _meta_slots(module)]
         left += [(path, _PLAIN_SAID) for path in _still_on_meta(plain, module)]
@@ -614,7 +620,7 @@ def _groups(mesh: Any) -> list[Any]:
 class _Unwritten(NamedTuple):
     """A tensor with elements that no initialiser wrote, as its line in the message says."""
 
-    count: int
+    elements: int
     """Its elements holding the filler, on every rank together (a DTensor's whole)."""
     total: int
     where: str
@@ -674,13 +680,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return (to_local() if callable(to_local) else tensor).detach()
 
 
-def _count(tensor: torch.Tensor) -> torch.Tensor:
-    """How many elements of this rank's part of ``tensor`` (a local shard) hold the filler."""
-    local = _local(tensor)
-    filler = filler_of(local.dtype)
-    return local.new_zeros((), dtype=torch.int64) if filler is None else count_filler(local, filler)
-
-
 def _one_a_line(items: list[str]) -> str:
     """A line an item, the first :data:`_SHOWN`, the rest counted: a report, not a listing."""
     more = [f"and {len(items) - _SHOWN} more"] if len(items) > _SHOWN else []
@@ -702,7 +701,7 @@ def _message(
 def _unwritten_message(unwritten: dict[str, _Unwritten], made: int, device: torch.device) -> str:
     lines = []
     for path, each in unwritten.items():
-        part = f": {each.count} of {each.total} elements" if each.count < each.total else ""
+        part = f": {each.elements} of {each.total} elements" if each.elements < each.total else ""
         after = ", after an in-place write" if each.after else ""
         lines.append(f"{path}{part}{each.where}{after}")
     if any(each.after for each in unwritten.values()):
