@@ -53,7 +53,7 @@ from devicekit._base import (
     version_of,
 )
 from devicekit._core import Stray, read_again, strays
-from devicekit._memory._filler import Filler, count_filler, fill, filler_of
+from devicekit._memory._filler import Filler, count_fillers, fill, filler_of
 
 __all__ = ["materialize"]
 
@@ -556,7 +556,7 @@ class _Found(NamedTuple):
             for at, each in enumerate(watched)
             if (filler := each.to_read()) is not None
         ]
-        numbers = _numbers([count_filler(_local(watched[at].tensor), how) for at, how in read])
+        numbers = count_fillers([(_local(watched[at].tensor), how) for at, how in read])
         for (position, _), number in zip(read, numbers, strict=True):
             counts[position] = number
         left = [(path, _MADE_SAID) for _, _, path, _ in _meta_slots(module)]
@@ -659,19 +659,6 @@ def _shards(tensor: Any) -> int:
         for dimension, placement in enumerate(tensor.placements)
         if placement.is_shard()
     )
-
-
-def _numbers(counts: list[torch.Tensor]) -> list[int]:
-    """The counts as Python ints: one copy to the host per device, not one wait per tensor."""
-    by_device: dict[torch.device, list[int]] = {}
-    for position, count in enumerate(counts):
-        by_device.setdefault(count.device, []).append(position)
-    numbers = [0] * len(counts)
-    for positions in by_device.values():
-        stacked = torch.stack([counts[position] for position in positions]).tolist()
-        for position, number in zip(positions, stacked, strict=True):
-            numbers[position] = int(number)
-    return numbers
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
