@@ -4,9 +4,9 @@ Run ``python benchmarks/bench_materialize.py``. The model has 1,000 modules (500
 of a Linear and a LayerNorm, 64 wide, in one Sequential) built on the meta device, anew
 for every round and outside the timing. By hand: ``model.to_empty(device=...)``, then each module's
 ``reset_parameters()``. materialize does the same and more: it fills each new tensor
-with NaN first and notes its version counter, looks for NaN after where no write was
-counted, to name what nothing wrote, and walks the modules' plain attributes for tensors
-left on meta. Rounds alternate
+with its filler first, reads every element for the filler after (a write counted on a
+tensor need not have covered all of it), to name what nothing wrote, and walks the
+modules' plain attributes for tensors left on meta. Rounds alternate
 between the two, so drift in the machine's speed reaches both alike. Target: at most
 1.2x the hand-written lines.
 """

@@ -321,6 +321,130 @@ def test_what_init_writes_or_puts_in_place_is_written_and_what_it_does_not_is_na
     assert "\n  0.marker\n" in str(caught.value)
 
 
+# A write counted in place is evidence of a write, not of every element written.
+
+
+class Careless(nn.Module):
+    """A reset that writes part of its weight, rescales two tensors and sets one step count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(8, 2))
+        self.gain = nn.Parameter(torch.empty(3))
+        self.register_buffer("limit", torch.empty(2))
+        self.register_buffer("steps", torch.empty(4, dtype=torch.int64))
+
+    def reset_parameters(self) -> None:
+        self.weight[:4] = 0.5  # the other four rows forgotten
+        self.gain.mul_(0.5)  # as if it held a value already
+        self.limit.clamp_(0.0, 1.0)
+        self.steps[0] = 0  # the first of four
+
+
+def test_what_a_counted_write_leaves_of_the_filler_is_named_element_by_element() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(Careless(), nn.Linear(2, 2))
+    expected = (
+        "Expected every tensor given storage on cpu to be written by an initialiser, but 4 of "
+        "6 hold what the empty storage held (checked by filling it first with a NaN whose bits "
+        "float('nan') never has, or with 0x5A in every byte of an integer):\n"
+        "  0.weight: 8 of 16 elements, after an in-place write\n"
+        "  0.gain, after an in-place write\n"
+        "  0.limit, after an in-place write\n"
+        "  0.steps: 3 of 4 elements, after an in-place write\n"
+        "An in-place write leaves the elements it does not cover (w[:4] = ...) as they were, and "
+        "one that computes from what they held (mul_, clamp_) keeps the filler in them. Pass "
+        "init=, a function of each submodule that sets them (a buffer computed in __init__ is "
+        "computed again there), or give their modules a reset_parameters() that writes them "
+        "whole. A NaN meant to stay is told from the filler by its bits: write float('nan') "
+        "itself (fill_(float('nan'))), not a NaN computed from another. The module's meta "
+        "tensors are back in place: call materialize again with init=."
+    )
+    with pytest.raises(dk.DeviceKitError, match=f"^{re.escape(expected)}$"):
+        dk.materialize(model, "cpu")
+    assert all(t.is_meta for t in model.state_dict().values())
+
+    def complete(module: nn.Module) -> None:
+        if isinstance(module, Careless):
+            module.weight[4:] = 0.25
+            module.gain.fill_(1.0)
+            module.limit.fill_(1.0)
+            module.steps[1:] = 0
+
+    dk.materialize(model, "cpu", init=complete)
+    assert torch.equal(model[0].steps, torch.zeros(4, dtype=torch.int64))
+    assert torch.isfinite(model[0].weight).all()
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int32,
+        torch.uint32,
+        torch.int64,
+    ],
+)
+def test_the_elements_a_write_leaves_are_named_in_every_dtype_with_a_filler_of_its_own(
+    dtype: torch.dtype,
+) -> None:
+    class Half(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("values", torch.empty(4, dtype=dtype))
+
+        def reset_parameters(self) -> None:
+            self.values[:2] = torch.zeros(2, dtype=dtype)
+
+    with torch.device("meta"):
+        model = Half()
+    line = "\n  values: 2 of 4 elements, after an in-place write\n"
+    with pytest.raises(dk.DeviceKitError, match=re.escape(line)):
+        dk.materialize(model, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float4_e2m1fn_x2, torch.uint4, torch.bits8])
+def test_a_dtype_without_a_filler_is_given_storage_and_left_unchecked(dtype: torch.dtype) -> None:
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    model.register_buffer("packed", torch.empty(3, dtype=dtype, device="meta"))
+    dk.materialize(model, "cpu")  # nothing can tell what a write left in these
+    assert model.packed.device == torch.device("cpu")
+    assert model.packed.dtype == dtype
+
+
+class Marked(nn.Module):
+    """Markers written whole and then set in part: NaN and the largest value, on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.empty(4))
+        self.register_buffer("nearest", torch.empty(4, dtype=torch.int64))
+        self.register_buffer("ids", torch.empty(4, dtype=torch.int32))
+
+    def reset_parameters(self) -> None:
+        self.seen.fill_(float("nan"))
+        self.seen[0] = 1.0
+        self.nearest.fill_(torch.iinfo(torch.int64).max)  # "none yet": every distance larger
+        self.nearest[0] = 0
+        self.ids.copy_(torch.tensor([torch.iinfo(torch.int32).max, -1, 0, 7]))
+
+
+def test_values_written_on_purpose_are_not_refused_even_in_part() -> None:
+    with torch.device("meta"):
+        model = Marked()
+    dk.materialize(model, "cpu")
+    assert torch.isnan(model.seen[1:]).all()
+    assert int(model.nearest[1]) == torch.iinfo(torch.int64).max
+    assert model.ids.tolist() == [torch.iinfo(torch.int32).max, -1, 0, 7]
+
+
 # What is left on meta after the initialisers, and what cannot be given storage.
 
 
@@ -744,6 +868,119 @@ def test_sharded_ranks_agree_when_one_rank_s_initialiser_writes_less_or_raises(
         assert mine["then"] == 14  # the group is still in step
         # Counted once per copy on the mesh, not once per rank.
         assert "\n  gain: 3 of 4 elements\n" in mine["replicated"][1]
+
+
+LEFT_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import devicekit as dk
+
+    folder, rank = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+
+    class Counted(nn.Linear):  # FSDP2 shards the parameters; the buffer stays a plain tensor
+        def __init__(self):
+            super().__init__(16, 16)
+            self.register_buffer("steps", torch.empty(4, dtype=torch.int64))
+
+        def reset_parameters(self):  # init= writes every tensor of the layer
+            pass
+
+    def sharded():
+        with torch.device("meta"):
+            model = nn.Sequential(Counted(), Counted())
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def outcome(model, init):
+        try:
+            dk.materialize(model, "cpu", init=init)
+        except Exception as error:
+            return [type(error).__name__, str(error)]
+        held = [getattr(t, "_local_tensor", t) for t in model.state_dict().values()]
+        return ["returned", sum(int(torch.isnan(t).sum()) for t in held if t.is_floating_point())]
+
+    def whole(module):
+        if isinstance(module, Counted):
+            module.bias.zero_()
+            module.steps.zero_()
+
+    found = {}
+
+    def rescaled(module):  # every rank's shard: a write counted, the filler kept
+        whole(module)
+        if isinstance(module, Counted):
+            module.weight.mul_(0.5)
+
+    found["rescaled"] = outcome(sharded(), rescaled)
+
+    def rank_0_s_rows(module):  # counted on both ranks; written where rank 0 holds rows only
+        whole(module)
+        if isinstance(module, Counted):
+            module.weight.mul_(1.0)
+            if rank == 0:
+                module.weight.to_local().fill_(0.5)
+
+    found["rank 0's rows"] = outcome(sharded(), rank_0_s_rows)
+
+    def first_step(module):  # a plain buffer, whole on each rank, set at one index
+        if isinstance(module, Counted):
+            module.bias.zero_()
+            module.weight.fill_(0.5)
+            module.steps[0] = 0
+
+    found["first step"] = outcome(sharded(), first_step)
+    seven = torch.tensor([7])
+    dist.all_reduce(seven)
+    found["then"] = seven.item()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
+        json.dump(found, out)
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of the group: gloo's can wait on a peer that has left
+    """
+)
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or sys.platform == "win32",
+    reason="needs torch.distributed with gloo",
+)
+def test_sharded_ranks_name_what_a_counted_write_left_on_any_rank_alike(
+    tmp_path: Path, start_two_ranks: TwoRanks
+) -> None:
+    script = tmp_path / "left.py"
+    script.write_text(LEFT_SCRIPT)
+    result = start_two_ranks(script, tmp_path, timeout=240)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    found: list[dict[str, Any]] = [
+        json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)
+    ]
+    for case, lines in {
+        "rescaled": "\n  0.weight, after an in-place write\n  1.weight, after an in-place write\n",
+        "rank 0's rows": (  # rank 1's shard, half of each weight: its rows are named
+            "\n  0.weight: 128 of 256 elements, after an in-place write\n"
+            "  1.weight: 128 of 256 elements, after an in-place write\n"
+        ),
+        "first step": (
+            "\n  0.steps: 3 of 4 elements, after an in-place write\n"
+            "  1.steps: 3 of 4 elements, after an in-place write\n"
+        ),
+    }.items():
+        for mine in found:  # every rank raises, none returns holding the filler
+            kind, said = mine[case]
+            assert kind == "DeviceKitError", (case, said)
+            assert lines in said, (case, said)
+        assert found[0][case] == found[1][case]  # one message on every rank
+    for mine in found:
+        assert mine["then"] == 14  # the group is still in step
 
 
 DTENSOR_TO_CUDA = textwrap.dedent(

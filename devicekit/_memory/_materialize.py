@@ -4,12 +4,15 @@
 the tensors some initialiser then writes are right: a buffer computed in ``__init__``
 (a rotary embedding's ``inv_freq``) or a parameter no ``reset_parameters()`` touches
 stays garbage, silently. :func:`materialize` gives each meta tensor storage filled with
-a sentinel (NaN; an integer type's largest value) and notes its version counter; then it
-runs the modules' own initialisers and the user's ``init``. A tensor is written where an
-in-place operation on it was counted, where its place holds another tensor, or, for
-writes PyTorch does not count (through ``.data``), where its elements no longer hold the
-sentinel; what is left is named, path by path, as is a tensor still on meta afterwards,
-and the module is given back its meta tensors, as it was, for a retry with ``init=``.
+a filler (a NaN whose bits ``float('nan')`` never has; 0x5A in every byte of an
+integer: ``_filler.py``) and notes its version counter; then it runs the modules' own
+initialisers and the user's ``init``. Afterwards every element still holding the filler
+is unwritten, whatever wrote the rest: a counted in-place write is evidence of a write,
+not of every element written (``w[:4] = ...``, ``mul_``). A tensor whose place holds
+another is written; so is one of a type in which a write can leave the filler on
+purpose (an 8- or 16-bit integer), once a write on it is counted. What is left is named,
+path by path, as is a tensor still on meta afterwards, and the module is given back its
+meta tensors, as it was, for a retry with ``init=``.
 
 The initialisers write only what materialize gave storage to: while they run, every
 tensor that was real before the call (loaded from a checkpoint) is replaced in its
@@ -50,6 +53,7 @@ from devicekit._base import (
     version_of,
 )
 from devicekit._core import Stray, read_again, strays
+from devicekit._memory._filler import Filler, count_fillers, fill, filler_of
 
 __all__ = ["materialize"]
 
@@ -103,15 +107,20 @@ def materialize(
         ``module`` itself, every tensor on real storage and written.
 
     Raises:
-        DeviceKitError: A tensor given storage was written by no initialiser (no
-            in-place write was counted on it, and it still holds the sentinel, NaN or an
-            integer type's largest value, somewhere), or a tensor of the module is on meta
+        DeviceKitError: Elements of a tensor given storage were written by no
+            initialiser: they still hold the filler (a NaN whose bits ``float('nan')``
+            never has, or 0x5A in every byte of an integer), whether no write was
+            counted on the tensor or one covered part of it (``w[:4] = ...``) or
+            computed from what it held (``mul_``). Or a tensor of the module is on meta
             after the initialisers (a plain attribute, or one an initialiser made there),
             or a lazy module's parameter has no shape yet. The message names each by its
             path and the fix; the module's meta tensors are put back, so a retry with
-            ``init=`` starts from the same model. Boolean tensors have no sentinel and
-            are not checked. Sharded, every rank raises if one does: a rank whose
-            initialiser raised re-raises that error, the others name that rank.
+            ``init=`` starts from the same model. A NaN written on purpose,
+            ``float('nan')``'s, is written. In an 8- or 16-bit integer, where any value
+            can be data, one counted write counts as the whole tensor's; bool and float4
+            tensors have no filler and are not checked. Sharded, each rank reads its own
+            shards, and every rank raises if one does: a rank whose initialiser raised
+            re-raises that error, the others name that rank.
         TypeError: ``module`` is not a module, ``init`` is not callable, or ``device``
             is of the wrong type.
         ValueError: ``device`` is the meta device.
@@ -218,7 +227,7 @@ Slot = tuple[torch.nn.Module, str, str, torch.Tensor]
 
 
 class _Storage:
-    """The new tensors, each filled with its sentinel, one per meta tensor however often held."""
+    """The new tensors, each filled with its filler, one per meta tensor however often held."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -231,9 +240,9 @@ class _Storage:
         made = self.made.get(id(tensor))
         if made is None:
             made = _empty_like(tensor, self._on(tensor))
-            sentinel = _sentinel(made.dtype)
-            if sentinel is not None:
-                _local(made).fill_(sentinel)
+            filler = filler_of(made.dtype)
+            if filler is not None:
+                fill(_local(made), filler)
             self.made[id(tensor)] = made
         return made
 
@@ -442,7 +451,7 @@ class _Kept:
 
 
 class _Watched(NamedTuple):
-    """A tensor given storage and filled with its sentinel, as the initialisers found it."""
+    """A tensor given storage and filled with its filler, as the initialisers found it."""
 
     module: torch.nn.Module
     name: str
@@ -457,13 +466,25 @@ class _Watched(NamedTuple):
         tensor = getattr(submodule, name)
         return cls(submodule, name, path, tensor, _versions(tensor))
 
-    def written(self) -> bool:
-        """Whether an initialiser counted as writing it: in place, or by putting another there."""
-        now = registered_table(self.module, self.name).get(self.name)
-        if now is not self.tensor:
-            return True  # replaced (or deleted): the sentinel is no longer there to read
+    def replaced(self) -> bool:
+        """Whether an initialiser put another tensor in its place (or deleted it): written."""
+        return registered_table(self.module, self.name).get(self.name) is not self.tensor
+
+    def counted(self) -> bool:
+        """Whether an in-place write on it was counted: a write, of some elements at least."""
         versions = _versions(self.tensor)
         return None not in versions and versions != self.versions
+
+    def to_read(self) -> Filler | None:
+        """The filler to look for in its elements; None where they are not read.
+
+        Not read where it was replaced, nor where a write counted on it can have left the
+        filler on purpose: there one counted write is the whole tensor's.
+        """
+        filler = filler_of(self.tensor.dtype)
+        if filler is None or self.replaced() or (filler.whole and self.counted()):
+            return None
+        return filler
 
     @property
     def sharded(self) -> bool:
@@ -471,12 +492,12 @@ class _Watched(NamedTuple):
 
 
 def _watchable(slots: list[Slot]) -> list[Slot]:
-    """The slots whose new tensors get a sentinel to watch, a tied tensor once."""
+    """The slots whose new tensors get a filler to watch, a tied tensor once."""
     chosen = []
     seen: set[int] = set()
     for slot in slots:
         meta = slot[3]
-        if id(meta) not in seen and _sentinel(meta.dtype) is not None:
+        if id(meta) not in seen and filler_of(meta.dtype) is not None:
             seen.add(id(meta))
             chosen.append(slot)
     return chosen
@@ -513,6 +534,8 @@ class _Found(NamedTuple):
     """Per watched tensor: its elements unwritten, a DTensor's summed over its shards."""
     ranks: list[int]
     """Per watched tensor: on how many ranks it is unwritten (1 or 0 on one rank)."""
+    after: list[int]
+    """Per watched tensor: on how many of those an in-place write on it was counted."""
     failures: dict[int, int]
     """Rank -> the code of what raised there (:attr:`_Failed.code`)."""
     left: dict[int, int]
@@ -523,19 +546,26 @@ class _Found(NamedTuple):
     @classmethod
     def failing(cls, watched: int, failure: int) -> _Found:
         """A rank that raised: every rank will, so nothing else needs counting."""
-        return cls([0] * watched, [0] * watched, {_rank(): failure}, {}, [])
+        return cls([0] * watched, [0] * watched, [0] * watched, {_rank(): failure}, {}, [])
 
     @classmethod
     def here(cls, watched: list[_Watched], module: torch.nn.Module, plain: list[Stray]) -> _Found:
         counts = [0] * len(watched)
-        unwritten = [position for position, each in enumerate(watched) if not each.written()]
-        numbers = _numbers([_count_sentinel(_local(watched[at].tensor)) for at in unwritten])
-        for position, number in zip(unwritten, numbers, strict=True):
+        read = [
+            (at, filler)
+            for at, each in enumerate(watched)
+            if (filler := each.to_read()) is not None
+        ]
+        numbers = count_fillers([(_local(watched[at].tensor), how) for at, how in read])
+        for (position, _), number in zip(read, numbers, strict=True):
             counts[position] = number
         left = [(path, _MADE_SAID) for _, _, path, _ in _meta_slots(module)]
         left += [(path, _PLAIN_SAID) for path in _still_on_meta(plain, module)]
         ranks = [int(count > 0) for count in counts]
-        return cls(counts, ranks, {}, {_rank(): len(left)} if left else {}, left)
+        after = [
+            int(count > 0 and each.counted()) for each, count in zip(watched, counts, strict=True)
+        ]
+        return cls(counts, ranks, after, {}, {_rank(): len(left)} if left else {}, left)
 
     def agreed(self, mesh: Any) -> _Found:
         """Summed over the mesh's ranks in one all-reduce, each rank's own in its place.
@@ -549,14 +579,16 @@ class _Found(NamedTuple):
         mine = [0] * (2 * size)  # by rank: what failed there, then how many it left on meta
         mine[rank] = self.failures.get(rank, 0)
         mine[size + rank] = self.left.get(rank, 0)
-        both = torch.tensor([*self.counts, *self.ranks, *mine], device=mesh.device_type)
+        every = [*self.counts, *self.ranks, *self.after, *mine]
+        both = torch.tensor(every, device=mesh.device_type)
         for group in _groups(mesh):
             dist.all_reduce(both, group=group)
         summed = both.tolist()
-        failures, left = summed[2 * watched : -size], summed[-size:]
+        failures, left = summed[3 * watched : -size], summed[-size:]
         return _Found(
             summed[:watched],
             summed[watched : 2 * watched],
+            summed[2 * watched : 3 * watched],
             {other: code for other, code in enumerate(failures) if code},
             {other: count for other, count in enumerate(left) if count},
             self.left_here,
@@ -585,13 +617,27 @@ def _groups(mesh: Any) -> list[Any]:
     return [mesh.get_group(dimension) for dimension in range(mesh.ndim)]
 
 
-def _unwritten(
-    watched: list[_Watched], found: _Found, mesh: Any
-) -> dict[str, tuple[int, int, str]]:
-    """The paths of tensors no initialiser wrote: (elements unwritten, all, on which ranks)."""
+class _Unwritten(NamedTuple):
+    """A tensor with elements that no initialiser wrote, as its line in the message says."""
+
+    elements: int
+    """Its elements holding the filler, on every rank together (a DTensor's whole)."""
+    total: int
+    where: str
+    """On which ranks, where not on all: " (on 1 of 2 ranks)"; or nothing."""
+    after: bool
+    """Whether an in-place write on it was counted (on a rank holding the filler)."""
+    floating: bool
+    """Whether its filler is a NaN: one a write means to keep can be told from it."""
+
+
+def _unwritten(watched: list[_Watched], found: _Found, mesh: Any) -> dict[str, _Unwritten]:
+    """The paths of tensors with elements no initialiser wrote."""
     ranks = 1 if mesh is None else mesh.size()
     unwritten = {}
-    for each, summed, on in zip(watched, found.counts, found.ranks, strict=True):
+    for each, summed, on, after in zip(
+        watched, found.counts, found.ranks, found.after, strict=True
+    ):
         if not summed:
             continue
         where = ""
@@ -600,7 +646,8 @@ def _unwritten(
         else:  # each rank counted the whole tensor: one rank's count, where they agree
             count = summed // on
             where = f" (on {on} of {ranks} ranks)" if on < ranks else ""
-        unwritten[each.path] = (count, each.tensor.numel(), where)
+        floating = each.tensor.is_floating_point() or each.tensor.is_complex()
+        unwritten[each.path] = _Unwritten(count, each.tensor.numel(), where, after > 0, floating)
     return unwritten
 
 
@@ -614,38 +661,10 @@ def _shards(tensor: Any) -> int:
     )
 
 
-def _numbers(counts: list[torch.Tensor]) -> list[int]:
-    """The counts as Python ints: one copy to the host per device, not one wait per tensor."""
-    by_device: dict[torch.device, list[int]] = {}
-    for position, count in enumerate(counts):
-        by_device.setdefault(count.device, []).append(position)
-    numbers = [0] * len(counts)
-    for positions in by_device.values():
-        stacked = torch.stack([counts[position] for position in positions]).tolist()
-        for position, number in zip(positions, stacked, strict=True):
-            numbers[position] = int(number)
-    return numbers
-
-
-def _sentinel(dtype: torch.dtype) -> float | int | None:
-    """What a new tensor holds until written: NaN, an integer's largest value; bool none."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return math.nan
-    if dtype == torch.bool:
-        return None
-    return int(torch.iinfo(dtype).max)
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank; a plain tensor itself."""
     to_local = getattr(tensor, "to_local", None)
     return (to_local() if callable(to_local) else tensor).detach()
-
-
-def _count_sentinel(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-        return torch.isnan(tensor).sum()
-    return torch.eq(tensor, _sentinel(tensor.dtype) or 0).sum()
 
 
 def _one_a_line(items: list[str]) -> str:
@@ -655,29 +674,48 @@ def _one_a_line(items: list[str]) -> str:
 
 
 def _message(
-    unwritten: dict[str, tuple[int, int, str]], made: int, found: _Found, device: torch.device
+    unwritten: dict[str, _Unwritten], made: int, found: _Found, device: torch.device
 ) -> str:
     parts = []
     if unwritten:
-        lines = _one_a_line(
-            [
-                f"{path}: {count} of {total} elements{on}" if count < total else f"{path}{on}"
-                for path, (count, total, on) in unwritten.items()
-            ]
-        )
-        parts.append(
-            f"Expected every tensor given storage on {device} to be written by an initialiser, "
-            f"but {len(unwritten)} of {made} hold what the empty storage held (checked by "
-            "filling it with NaN, or an integer type's largest value, first):\n"
-            + lines
-            + "\nNo module's reset_parameters() wrote them. Pass init=, a function of each "
-            "submodule that sets them (a buffer computed in __init__ is computed again "
-            "there), or give their modules a reset_parameters()."
-        )
+        parts.append(_unwritten_message(unwritten, made, device))
     if found.left:
         parts.append(_left_message(found, device))
     parts.append("The module's meta tensors are back in place: call materialize again with init=.")
     return " ".join(parts)
+
+
+def _unwritten_message(unwritten: dict[str, _Unwritten], made: int, device: torch.device) -> str:
+    lines = []
+    for path, each in unwritten.items():
+        part = f": {each.elements} of {each.total} elements" if each.elements < each.total else ""
+        after = ", after an in-place write" if each.after else ""
+        lines.append(f"{path}{part}{each.where}{after}")
+    if any(each.after for each in unwritten.values()):
+        why = (
+            "An in-place write leaves the elements it does not cover (w[:4] = ...) as they "
+            "were, and one that computes from what they held (mul_, clamp_) keeps the filler "
+            "in them."
+        )
+        whole = " that writes them whole"
+    else:
+        why, whole = "No module's reset_parameters() wrote them.", ""
+    nan = ""
+    if any(each.after and each.floating for each in unwritten.values()):
+        nan = (
+            " A NaN meant to stay is told from the filler by its bits: write float('nan') "
+            "itself (fill_(float('nan'))), not a NaN computed from another."
+        )
+    return (
+        f"Expected every tensor given storage on {device} to be written by an initialiser, "
+        f"but {len(unwritten)} of {made} hold what the empty storage held (checked by "
+        "filling it first with a NaN whose bits float('nan') never has, or with 0x5A in "
+        "every byte of an integer):\n"
+        + _one_a_line(lines)
+        + f"\n{why} Pass init=, a function of each submodule that sets them (a buffer "
+        "computed in __init__ is computed again there), or give their modules a "
+        f"reset_parameters(){whole}.{nan}"
+    )
 
 
 def _left_message(found: _Found, device: torch.device) -> str:
