@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from typing import Any
@@ -29,8 +30,8 @@ from devicekit._commands import (
     schedule_for,
     train,
 )
-from devicekit._doctor import diagnose, look, report_json, report_lines
-from devicekit._select import DeviceManager, Holder, claim_holders, who_uses
+from devicekit._doctor import diagnose, look, refusal, report_lines, report_object
+from devicekit._select import DeviceManager, Holder, claim_holders, who_uses, whole_number
 
 
 class UserError(Exception):
@@ -44,12 +45,56 @@ def _printable(line: str) -> str:
     doctor's "Seen:"), the claim directory's path, the names and notes of drivers and
     backends. An escape sequence among them (``"\x1b[2J"`` clears the screen), a newline
     or any other control or format character is shown as Python writes it in a string,
-    as ``--json`` escapes it; so are undecodable bytes, which print() would refuse.
+    as ``--json`` escapes it; so are undecodable bytes (:func:`_escaped`), which print()
+    would refuse.
 
     >>> print(_printable("LOCAL_RANK=\x1b[2J\x1b]0;x\x07, CUDA_VISIBLE_DEVICES=0\n1, café"))
     LOCAL_RANK=\x1b[2J\x1b]0;x\x07, CUDA_VISIBLE_DEVICES=0\n1, café
     """
-    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in line)
+    return "".join(char if char.isprintable() else _escaped(char) for char in line)
+
+
+def _escaped(char: str) -> str:
+    r"""How a character the command cannot show is written: as Python writes it in a string.
+
+    So a byte that was not UTF-8, which Python reads (in a variable, a path) as a lone
+    surrogate, is written as that surrogate's escape, ``\udc80`` for the byte 0x80: as
+    messages show it (their values are written by ``repr``), on a terminal and in
+    ``--json`` alike. The surrogate itself no UTF-8 output may hold.
+
+    >>> print(_escaped("\x1b"), _escaped("\u202e"), _escaped("\udc80"))
+    \x1b \u202e \udc80
+    """
+    return ascii(char)[1:-1]
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _json(report: object) -> str:
+    r"""``report`` as ``--json`` prints it: JSON that is valid UTF-8, the one place it is written.
+
+    A lone surrogate (an undecodable byte of a variable or a path) would be written as
+    JSON's escape of it, ``"\udc80"``, which strict parsers refuse (it is no character):
+    it is written as :func:`_escaped` says, the six characters ``\udc80``.
+
+    >>> print(_json({"LOCAL_RANK": "\udc80\x1b", "name": "café"}))
+    {
+      "LOCAL_RANK": "\\udc80\u001b",
+      "name": "caf\u00e9"
+    }
+    """
+
+    def valid(value: object) -> object:
+        if isinstance(value, str):
+            return _SURROGATE.sub(lambda found: _escaped(found[0]), value)
+        if isinstance(value, dict):
+            return {valid(key): valid(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [valid(item) for item in value]
+        return value
+
+    return json.dumps(valid(report), indent=2)
 
 
 def _say(*lines: str, file: Any = None, flush: bool = False) -> None:
@@ -65,7 +110,10 @@ def _manager(device: str | None = None) -> DeviceManager:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         if device is not None:
-            return DeviceManager(int(device) if device.isascii() and device.isdecimal() else device)
+            # Read as DEVICEKIT_DEVICE is: a small whole number is an index; anything else,
+            # 5,000 digits included, is a device for the manager to parse or refuse.
+            index = whole_number(device)
+            return DeviceManager(device if index is None else index)
         return DeviceManager.from_env()
 
 
@@ -153,7 +201,7 @@ def _demo(
                 "warmup_steps": schedule.warmup_steps,
                 "samples": schedule.samples,
             }
-        print(json.dumps(summary, indent=2))
+        print(_json(summary))
     else:
         samples = sum(report.samples for report in reports)
         seconds = sum(report.seconds for report in reports)
@@ -207,6 +255,34 @@ def _holder(claims: dict[torch.device, Holder], device: torch.device) -> str:
 
 
 def _info_json(manager: DeviceManager) -> str:
+    choice = {"selected": str(manager.device), "reason": manager.reason}
+    return _json(_info_object(choice, manager.devices, manager.notes()))
+
+
+def _refused_json(error: Exception) -> str:
+    """``info --json`` where no device can be chosen: why, and the devices all the same.
+
+    ``error`` is the manager's, as plain ``info`` says it; ``findings`` the doctor's of it.
+    """
+    machine = look()
+    devices = tuple(info for family in machine.families for info in family.devices)
+    notes = {  # as DeviceManager.notes() says them
+        family.name: family.note
+        for family in machine.families
+        if family.note and not family.devices
+    }
+    choice = {
+        "selected": None,
+        "reason": None,
+        "error": str(error),
+        "findings": [finding._asdict() for finding in refusal(machine)],
+    }
+    return _json(_info_object(choice, devices, notes))
+
+
+def _info_object(
+    choice: dict[str, Any], devices: tuple[devicekit.DeviceInfo, ...], notes: dict[str, str]
+) -> dict[str, Any]:
     def record(info: devicekit.DeviceInfo) -> dict[str, Any]:
         fields = dataclasses.asdict(info)
         fields["device"] = str(info.device)
@@ -214,16 +290,31 @@ def _info_json(manager: DeviceManager) -> str:
             fields["processes"] = [process._asdict() for process in info.processes]
         return fields
 
-    report = {
+    return {
         "devicekit": devicekit.__version__,
         "torch": torch.__version__,
-        "selected": str(manager.device),
-        "reason": manager.reason,
-        "devices": [record(info) for info in manager.devices],
-        "claims": {str(d): holder.pid for d, holder in claim_holders(manager.devices).items()},
-        "notes": manager.notes(),
+        **choice,
+        "devices": [record(info) for info in devices],
+        "claims": {str(d): holder.pid for d, holder in claim_holders(devices).items()},
+        "notes": notes,
     }
-    return json.dumps(report, indent=2)
+
+
+def _info(*, as_json: bool) -> int:
+    """``devicekit info``: the table, or ``--json``'s object, even where the choice is refused.
+
+    A refusal (a malformed ``LOCAL_RANK``, say) ends as every mistake does, with its
+    one line on stderr and status 2; ``--json`` first prints the object that says it.
+    """
+    try:
+        manager = _manager()
+    except (DeviceKitError, ValueError) as error:
+        if as_json:
+            print(_refused_json(error))
+            sys.stdout.flush()  # as run_parsed does, so that a closed pipe is caught there
+        raise
+    print(_info_json(manager) if as_json else _info_table(manager))
+    return 0
 
 
 def run_parsed(args: argparse.Namespace) -> int:
@@ -285,7 +376,7 @@ def _doctor(*, as_json: bool) -> int:
     machine = look()
     findings = diagnose(machine)
     if as_json:
-        print(report_json(findings, machine))
+        print(_json(report_object(findings, machine)))
     else:
         _say(*[finding.line() for finding in findings] or ["No problem found."])
         print("\nSeen:")
@@ -299,7 +390,7 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
     if args.command == "bench":
         measured = measure_bench()
         if args.json:
-            print(json.dumps(measured, indent=2))  # JSON escapes what a terminal acts on
+            print(_json(measured))  # JSON escapes what a terminal acts on
         else:
             _say(*bench_report(measured))
         return 0
@@ -313,10 +404,9 @@ def _run(args: argparse.Namespace, run: _Run) -> int:
             steps=args.steps,
             run=run,
         )
-    manager = _manager()
     if args.command == "info":
-        print(_info_json(manager) if args.json else _info_table(manager))
-        return 0
+        return _info(as_json=args.json)
+    manager = _manager()
     print(f"devicekit {devicekit.__version__} (PyTorch {torch.__version__})")
     _say(f"device: {manager.device} ({manager.reason})")
     return 0

@@ -76,3 +76,31 @@ def test_cuda_without_an_index_is_the_current_device() -> None:
     count = torch.cuda.device_count()
     with pytest.raises(dk.DeviceUnavailableError, match=re.escape(f"from 0 to {count - 1}")):
         resolve_device(f"cuda:{count}")
+
+
+def test_an_index_pytorch_would_wrap_around_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyTorch keeps an index in 8 bits: "cuda:257" is cuda:1 to it, a GPU not asked for.
+    said = "Expected a device index PyTorch can keep, got"
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(f"{said} 'cuda:257', which")):
+        dk.DeviceManager("cuda:257", backends=machine(70, 70))
+    monkeypatch.setattr(_devices, "_resolved", {})
+    monkeypatch.setattr(_devices, "_default_family", lambda: "meta")  # 0 names a device
+    for spec, read in [
+        ("meta:256", "which it would read as meta:0."),
+        (257, "which it would read as meta:1."),
+        (255, "which it would read as meta."),  # the current device
+        (2**63, "which it cannot hold."),
+    ]:
+        with pytest.raises(dk.DeviceUnavailableError, match=re.escape(f"{said} {spec!r}, {read}")):
+            _devices.resolve_device(spec)
+    assert _devices.parse_device(127) == torch.device("meta", 127)  # the largest kept
+
+
+def test_an_index_of_thousands_of_digits_is_refused_in_devicekit_s_words() -> None:
+    # More digits than Python writes out (4,300): its ValueError was the message once.
+    index = 10**5000
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape("<an int of 5,001 digits>")):
+        dk.to_device(torch.ones(1), index)
+    msg = "Expected the index of an accelerator device, got <an int of 5,001 digits>; devices"
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+        dk.DeviceManager(index, backends=machine(70))

@@ -172,39 +172,75 @@ def parse_device(spec: object) -> torch.device:
     (device(type='cuda', index=1), device(type='cpu'))
 
     Raises:
-        DeviceUnavailableError: The spec does not parse, or is an index with no accelerator.
+        DeviceUnavailableError: The spec does not parse, is an index with no accelerator,
+            or has an index larger than PyTorch keeps.
         TypeError: The spec is neither a device, a string, nor an index.
     """
     if isinstance(spec, torch.device):
         return spec
     if isinstance(spec, str):
         try:
-            return torch.device(spec)
+            device = torch.device(spec)
         except RuntimeError:
             msg = (
                 f"Expected a device such as {_EXAMPLES}, got {shown(spec)}{_did_you_mean(spec)}. "
                 f"Available here: {_choices()}."
             )
             raise DeviceUnavailableError(msg) from None
+        # What torch.device accepted after the colon is digits as written ("cuda:01" is
+        # refused): anything else is its index wrapped around.
+        written = spec.rpartition(":")[2] if ":" in spec else None
+        return _kept(device, spec, written)
     if isinstance(spec, int | numbers.Integral) and type(spec) is not bool:  # numpy's too
         spec = int(spec)
         accelerator = _default_family()
         if accelerator == "cpu":
             msg = (
-                f"Expected an accelerator for the device index {spec}, but this machine has none. "
-                f"Available here: {_choices()}."
+                f"Expected an accelerator for the device index {shown(spec)}, but this machine "
+                f"has none. Available here: {_choices()}."
             )
             raise DeviceUnavailableError(msg)
         if spec < 0:
-            msg = f"Expected a device index of 0 or more, got {spec}. Available here: {_choices()}."
+            msg = (
+                f"Expected a device index of 0 or more, got {shown(spec)}. "
+                f"Available here: {_choices()}."
+            )
             raise DeviceUnavailableError(msg)
-        return torch.device(accelerator, spec)
+        try:
+            numbered: torch.device | None = torch.device(accelerator, spec)
+        except ValueError:  # past a C++ long long: not an index of any device
+            numbered = None
+        return _kept(numbered, spec, None if numbered is None else str(spec))
     # bool is an int to Python, and False a 0, but never a device.
     msg = (
         f"Expected a device as a torch.device, a string such as {_EXAMPLES}, or an index, "
         f"got {type(spec).__name__} {shown(spec)}."
     )
     raise TypeError(msg)
+
+
+def _kept(device: torch.device | None, spec: object, index: str | None) -> torch.device:
+    """``device``, made of ``spec``, where it kept the ``index`` written (if any); else refused.
+
+    PyTorch keeps a device's index in 8 bits and wraps a larger one around, silently:
+    ``torch.device("cuda:257")`` is ``cuda:1``, a GPU that was not asked for, and
+    ``torch.device("cuda", 255)`` is ``cuda``, the current one. None is a device that
+    PyTorch could not make of ``spec`` at all.
+
+    >>> _kept(torch.device("cuda", 1), "cuda:257", "257")
+    Traceback (most recent call last):
+    ...
+    devicekit.DeviceUnavailableError: Expected a device index PyTorch can keep, got 'cuda:257', \
+which it would read as cuda:1. Available here: ...
+    """
+    if device is not None and (index is None or str(device.index) == index):
+        return device
+    would = "cannot hold" if device is None else f"would read as {device}"
+    msg = (
+        f"Expected a device index PyTorch can keep, got {shown(spec)}, which it {would}. "
+        f"Available here: {_choices()}."
+    )
+    raise DeviceUnavailableError(msg)
 
 
 def _check_available(device: torch.device, spec: object) -> torch.device:

@@ -8,6 +8,7 @@ from these where it says one of these things, so that every message says it one 
 
 from __future__ import annotations
 
+import math
 import numbers
 import reprlib
 import sys
@@ -36,6 +37,25 @@ class _Brief(reprlib.Repr):
     def repr_instance(self, x: object, level: int) -> str:
         return repr(x)  # a __repr__ that raises: shown's placeholder, not reprlib's
 
+    def repr_int(self, x: int, level: int) -> str:
+        try:
+            return repr(x)
+        except ValueError:  # more digits than Python writes out (sys.get_int_max_str_digits)
+            return f"<an int of {_digits(x):,} digits>"
+
+
+def _digits(number: int) -> int:
+    """How many decimal digits ``number`` has, without writing it out.
+
+    >>> _digits(0), _digits(-99), _digits(10**4999), _digits(10**5000 - 1)
+    (1, 2, 5000, 5000)
+    """
+    number = abs(number)
+    digits = int(number.bit_length() * math.log10(2)) + 1  # right, or one off in either way
+    if number >= 10**digits:
+        return digits + 1
+    return digits - 1 if digits > 1 and number < 10 ** (digits - 1) else digits
+
 
 _BRIEF: Final = _Brief()
 
@@ -44,7 +64,8 @@ def shown(value: object, limit: int | None = 60) -> str:
     """``repr(value)`` for a message, cut short where it is long (a limit of None: never).
 
     A container shows its first 8 members and 4 levels. A ``__repr__`` that raises gives
-    a placeholder, never its error in the message's place.
+    a placeholder, never its error in the message's place; so does an int of more digits
+    than Python writes out (4,300), by its length.
 
     >>> shown("cuda:0"), shown("x" * 100, limit=12), shown([*range(10)])
     ("'cuda:0'", "'xxxxxxxxx... (100 characters)", '[0, 1, 2, 3, 4, 5, 6, 7, ...]')
@@ -53,6 +74,8 @@ def shown(value: object, limit: int | None = 60) -> str:
     ...         raise ValueError("no repr")
     >>> shown(Key())
     '<unprintable Key: its __repr__ raised ValueError>'
+    >>> shown(10**5000)
+    '<an int of 5,001 digits>'
     """
     try:
         text = _BRIEF.repr(value)

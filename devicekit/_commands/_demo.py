@@ -40,6 +40,7 @@ FIT_LIMIT = 1024
 SLOW_DATA_S = 0.030
 """What ``--slow-data`` adds to making each batch: more than a step takes on an idle machine,
 so the run is input-bound there; on a loaded one, where a step takes longer, it may not be."""
+_sleep = time.sleep  # how --slow-data pauses: a test's fake clock replaces it
 BATCH_SIZE = 64
 """The demo's batch without ``--fit-batch``: the one its learning rate is tuned for."""
 LEARNING_RATE = 3e-3
@@ -100,7 +101,7 @@ class EpochReport:
 
 def _slowly(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     """PyTorch's collation after a pause: a dataset whose samples are slow to make."""
-    time.sleep(SLOW_DATA_S)
+    _sleep(SLOW_DATA_S)
     collated: list[torch.Tensor] = default_collate(batch)
     return collated
 

@@ -4,12 +4,13 @@ The findings over a snapshot of the machine (asking selection how it would choos
 the report of what was seen.
 """
 
-from devicekit._doctor._findings import diagnose, look
-from devicekit._doctor._report import report_json, report_lines
+from devicekit._doctor._findings import diagnose, look, refusal
+from devicekit._doctor._report import report_lines, report_object
 
 __all__ = [
     "diagnose",
     "look",
-    "report_json",
+    "refusal",
     "report_lines",
+    "report_object",
 ]

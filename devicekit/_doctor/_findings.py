@@ -46,7 +46,7 @@ from devicekit._select import (
     why_cpu,
 )
 
-__all__ = ["diagnose", "look"]
+__all__ = ["diagnose", "look", "refusal"]
 
 
 def diagnose(machine: Machine) -> list[Finding]:
@@ -57,8 +57,7 @@ def diagnose(machine: Machine) -> list[Finding]:
     >>> diagnose(Machine({}))
     []
     """
-    seen = Seen.of(machine.families, machine.environ, loaded=machine.loaded)
-    outcome = choose(seen, Request())
+    seen, outcome = _choice(machine)
     findings = [
         *_refused(outcome),
         *why_cpu(machine),
@@ -68,6 +67,25 @@ def diagnose(machine: Machine) -> list[Finding]:
         *_ranks_on_cpu(seen.local_rank, outcome),
     ]
     return sorted(findings, key=lambda finding: finding.severity != "error")
+
+
+def refusal(machine: Machine) -> list[Finding]:
+    """Where ``DeviceManager.from_env()`` refuses on the snapshot, the finding that says why.
+
+    What ``devicekit info --json`` adds to the manager's error, in the doctor's words.
+
+    >>> [finding.what for finding in refusal(Machine({"SLURM_LOCALID": "1.5"}))]
+    ["SLURM_LOCALID='1.5' is no rank"]
+    >>> refusal(Machine({}))
+    []
+    """
+    return _refused(_choice(machine)[1])
+
+
+def _choice(machine: Machine) -> tuple[Seen, Outcome]:
+    """What the manager would see of the snapshot, and what it would choose given no options."""
+    seen = Seen.of(machine.families, machine.environ, loaded=machine.loaded)
+    return seen, choose(seen, Request())
 
 
 def _refused(outcome: Outcome) -> list[Finding]:

@@ -8,13 +8,12 @@ report pasted with these lines says what the machine was.
 
 from __future__ import annotations
 
-import json
 import platform
 from typing import Any, Final
 
 from devicekit._select import LAUNCHERS, VISIBILITY_VARIABLES, Finding, Hardware, Machine, describe
 
-__all__ = ["environment", "report_json", "report_lines"]
+__all__ = ["environment", "report_lines", "report_object"]
 
 VARIABLES: Final = (
     *(name for names in VISIBILITY_VARIABLES.values() for name in names),
@@ -85,13 +84,16 @@ def report_lines(machine: Machine) -> list[str]:
     return seen
 
 
-def report_json(findings: list[Finding], machine: Machine) -> str:
-    """``devicekit doctor --json``: ``{"findings": [...], "environment": {...}}``."""
-    report = {
+def report_object(findings: list[Finding], machine: Machine) -> dict[str, Any]:
+    """``devicekit doctor --json``'s object: ``{"findings": [...], "environment": {...}}``.
+
+    The command writes it out, as it writes every ``--json`` (its values may hold text that
+    is not valid Unicode: an undecodable byte of a variable or a path).
+    """
+    return {
         "findings": [finding._asdict() for finding in findings],
         "environment": environment(machine),
     }
-    return json.dumps(report, indent=2)
 
 
 def _drivers(hardware: Hardware) -> str:

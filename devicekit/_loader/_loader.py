@@ -94,6 +94,11 @@ HANDOFF_S = 30.0
 feed to leave the DataLoader's one iterator (its next batch, being read), before it
 refuses to reset that iterator under it."""
 
+_clock = time.perf_counter
+"""What the loop's waits and steps are timed by, read once an epoch (the per-batch path
+calls the function it read, as fast as before): tests put a fake clock here, so that
+their figures never depend on how busy the machine is."""
+
 
 PREFETCHERS: dict[str, Callable[[torch.device, NonBlocking], Prefetcher]] = {}
 """The seam: prefetchers by device type, besides the side streams of this build's
@@ -402,7 +407,7 @@ class DeviceDataLoader(Generic[B]):
         of its own, saves the CPU path a frame per batch: a tenth of moving a small batch
         to the CPU (``benchmarks/bench_loader.py``).
         """
-        clock = time.perf_counter
+        clock = _clock
         waits, steps, count = record.waits, record.steps, record.count
         batch: Any
         asked = clock()

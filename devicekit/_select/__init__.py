@@ -26,6 +26,7 @@ from devicekit._select._launch import (
     LocalRank,
     parse_visible_devices,
     repeated_visible_device,
+    whole_number,
 )
 from devicekit._select._manager import DeviceManager, claim_holders
 from devicekit._select._selection import (
@@ -69,5 +70,6 @@ __all__ = [
     "probe",
     "repeated_visible_device",
     "who_uses",
+    "whole_number",
     "why_cpu",
 ]

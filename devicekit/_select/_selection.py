@@ -226,7 +226,7 @@ class _Choice:
             family = self.accelerators()
             if family is None or spec < 0 or spec >= len(family[1]):
                 return Refused(
-                    f"Expected the index of an accelerator device, got {spec}; "
+                    f"Expected the index of an accelerator device, got {shown(spec)}; "
                     f"devices here: {self.listed()}."
                 )
             return self.chosen(family[1][spec].device, f"asked for index {spec} of {family[0]}")
