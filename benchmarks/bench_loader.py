@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import devicekit as dk
 from devicekit._core import PACK_MAX_BYTES, map_leaves
 from devicekit._loader._cpus import machine_cpus
-from devicekit._loader._staging import Stager, StagingPool, pin_threads
+from devicekit._loader._staging import PAGEABLE, Stager, StagingPool, pin_threads
 from devicekit._loader._stats import HANDOVER_S
 
 
@@ -151,10 +151,6 @@ def _fresh_copy(leaf: Any, state: object) -> Any:
     return leaf
 
 
-def _pageable(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
-    return torch.empty(size, dtype=torch.uint8), lambda: None
-
-
 def pinning(repeat: int, quick: bool) -> list[str]:
     """The pinning stage's host time per batch, in a thread set up as the feed thread is."""
     threads = pin_threads(machine_cpus())
@@ -170,8 +166,8 @@ def pinning(repeat: int, quick: bool) -> list[str]:
     def measure() -> None:
         torch.set_num_threads(1)  # as the feed thread runs
         for name, batch in pinning_batches(quick).items():
-            one = Stager(StagingPool(None, 2, _pageable), 1)
-            many = Stager(StagingPool(None, 2, _pageable), threads)
+            one = Stager(StagingPool(None, 2, PAGEABLE.allocate), 1)
+            many = Stager(StagingPool(None, 2, PAGEABLE.allocate), threads)
 
             def fresh(batch: Any = batch) -> None:
                 map_leaves(_fresh_copy, batch)

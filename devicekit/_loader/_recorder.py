@@ -50,6 +50,7 @@ class EpochRecorder:
         self.pool: StagingPool | None = None  # the loader's, where it pins
         self.pool_before = PoolFigures()
         self.finished = False
+        self.closed = False  # ended by the loader's close(), not by the source's end
         # Where the loader reads this epoch's batches (see _pipeline.ahead).
         self.read_ahead = False
         self.reads_draw: bool | None = None
