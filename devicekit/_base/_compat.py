@@ -641,8 +641,9 @@ _SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
 def stored_bytes(tensor: torch.Tensor) -> int:
     """The bytes ``tensor`` holds, as a copy of it moves them: ``nbytes``, or its parts'.
 
-    ``Tensor.nbytes`` refuses sparse tensors; theirs are their indices' and values'
-    (``_indices``/``_values`` for COO: the public ones refuse an uncoalesced tensor).
+    ``Tensor.nbytes`` refuses a sparse COO tensor and gives a compressed one's dense size;
+    a sparse tensor's are its indices' and values' (``_indices``/``_values`` for COO:
+    the public ones refuse an uncoalesced tensor).
 
     >>> import torch
     >>> stored_bytes(torch.zeros(4))

@@ -23,8 +23,8 @@ from devicekit._loader._cpus import start_on_one_core
 
 __all__ = ["NOT_READY", "STOP_POLL_S", "BackgroundFeed"]
 
-# How often a background thread blocked on a full queue looks up to see whether it
-# was told to stop.
+# How often a thread blocked on the feed (its own on a full queue, the loop on an empty
+# one, a read waiting for the last batch's copy) looks whether the feed was stopped.
 STOP_POLL_S: Final = 0.1
 # How long the interpreter's exit waits for the feeds still reading: one item's read,
 # as DataLoader gives its workers to end (torch.utils.data's MP_STATUS_CHECK_INTERVAL).
