@@ -908,6 +908,31 @@ def test_a_source_that_refills_one_buffer_gets_every_batch_right(
     _no_thread_left()
 
 
+@pytest.mark.parametrize("loop", ["peek", "nested"])
+def test_live_epochs_of_large_batches_share_the_pinned_memory_without_a_hang(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Copying)
+    monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
+    batches = [torch.full((1 << 14,), float(index)) for index in range(6)]
+    loader = dk.DeviceDataLoader(batches, META)
+    expected = [float(index) for index in range(6)]
+    if loop == "peek":
+        peek = iter(loader)
+        first = next(peek)
+        time.sleep(0.05)  # its feed reads ahead, holding slabs, until its loop comes back
+        assert [batch[0].item() for batch in loader] == expected
+        assert (
+            loader.stats.unpinned_why is None or "another live epoch" in loader.stats.unpinned_why
+        )
+        assert [first[0].item()] + [batch[0].item() for batch in peek] == expected
+    else:
+        pairs = [(a[0].item(), b[0].item()) for a in loader for b in loader]
+        assert pairs == [(a, b) for a in expected for b in expected]
+    loader.close()
+    _no_thread_left()
+
+
 def test_close_from_another_thread_ends_an_epoch_waiting_for_its_source(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

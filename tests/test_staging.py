@@ -214,15 +214,31 @@ def test_a_pool_full_of_batches_not_yet_copied_waits_until_one_is_dropped() -> N
 
 def test_a_wait_for_a_slab_ends_when_the_feed_stops() -> None:
     stager = _stager(Memory(), limit=LARGE)
-    queued = stager.stage([_floats(LARGE)], NEVER)
     stop = threading.Event()
+    queued = stager.stage([_floats(LARGE)], stop)  # the feed's own batch, not yet copied
     got: list[Staged] = []
     waiting = threading.Thread(target=lambda: got.append(stager.stage([_floats(LARGE)], stop)))
     waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive()  # waits for its own epoch's batch to be copied
     stop.set()
     waiting.join()
     assert got[0].lease is None  # given up: the feed drops it unread
     assert queued.lease is not None
+
+
+def test_batches_of_another_live_epoch_holding_every_slab_are_not_waited_for() -> None:
+    # A peek's feed read ahead and holds the slabs until its loop comes back; that loop
+    # may be the one now running this epoch, which waiting would hang.
+    memory = Memory()
+    stager = _stager(memory, limit=LARGE)
+    peeked = stager.stage([_floats(LARGE)], threading.Event())
+    for stop in (threading.Event(), None):  # this epoch's feed, then its training thread
+        staged = stager.stage([_floats(LARGE, 1.0)], stop)
+        assert staged.lease is None
+        assert torch.equal(staged.batch[0], _floats(LARGE, 1.0))  # copied from pageable
+    assert stager.pool.figures.unpinned == stager.pool.figures.crowded == 2
+    assert peeked.lease is not None
 
 
 def test_a_batch_larger_than_the_cap_is_copied_from_pageable_memory() -> None:

@@ -191,6 +191,7 @@ class PoolFigures(NamedTuple):
     staged: int = 0  # batches staged in a slab
     reused: int = 0  # of them, in a slab the pool had already page-locked
     unpinned: int = 0  # batches copied from pageable memory instead
+    crowded: int = 0  # of them, because batches of other live epochs held every slab
     peak_bytes: int = 0  # the most page-locked bytes the pool held at once
     slabs: int = 0  # slabs page-locked
 
@@ -198,10 +199,11 @@ class PoolFigures(NamedTuple):
 class Lease:
     """A slab in use, from its batch's staging until its copy has finished."""
 
-    __slots__ = ("copy_done", "finished", "pool", "slab")
+    __slots__ = ("copy_done", "epoch", "finished", "pool", "slab")
 
-    def __init__(self, pool: StagingPool, slab: torch.Tensor) -> None:
+    def __init__(self, pool: StagingPool, slab: torch.Tensor, epoch: object) -> None:
         self.pool, self.slab = pool, slab
+        self.epoch = epoch  # the feed's stop event: which live epoch's batch holds it
         self.copy_done: CopyDone | None = None  # set when the copy is issued
         self.finished = False  # waited for: its copy has ended
 
@@ -260,22 +262,23 @@ class StagingPool:
     def acquire(self, size: int, stop: threading.Event | None) -> Lease | None:
         """A slab of at least ``size`` bytes, held; None: copy this batch from pageable memory.
 
-        Waits while the cap is reached for a copy to finish, or for a held batch to be
-        dropped, giving up where ``stop`` is set. None where the batch is larger than the
-        cap, page-locking failed, or the pool is closed, counted as unpinned; and where
-        ``stop`` is None (the thread that issues the copies asks: the held batches wait
-        for it) and only held batches hold the slabs, counted too.
+        ``stop`` is the asking feed's (None: the thread that issues the copies asks). Waits
+        while the cap is reached for a copy to finish, or for a batch this feed read ahead
+        to be copied, giving up where ``stop`` is set. None, counted as unpinned, where the
+        batch is larger than the cap, page-locking failed, the pool is closed, or only
+        batches of other live epochs (a peek, a nested loop) hold the slabs: their loop
+        may be the one waiting for this batch.
         """
         while True:
             with self._changed:
-                lease, oldest = self._try(size)
+                lease, oldest = self._try(size, stop)
                 if lease is not None or oldest is None:
                     if lease is None:
                         self._count(unpinned=1)
                     return lease
                 if oldest is _HELD:  # only batches not yet copied hold the slabs
-                    if stop is None:
-                        self._count(unpinned=1)
+                    if stop is None or all(held.epoch is not stop for held in self._held):
+                        self._count(unpinned=1, crowded=1)
                         return None
                     self._changed.wait(_WAIT_POLL_S)
                     if stop.is_set():
@@ -285,7 +288,7 @@ class StagingPool:
             # Ended, whatever the timer says: one that cannot time says None even then.
             oldest.finished = True
 
-    def _try(self, size: int) -> tuple[Lease | None, Any]:
+    def _try(self, size: int, epoch: object) -> tuple[Lease | None, Any]:
         """A lease now, or what to wait for: the oldest copy's lease, or _HELD; else None."""
         if self._closed or self.failure is not None:
             return None, None
@@ -297,7 +300,7 @@ class StagingPool:
         if fits:
             slab = self._free.pop(min(fits, key=lambda index: self._free[index].numel()))
             self._count(staged=1, reused=1)
-            return self._lease(slab), None
+            return self._lease(slab, epoch), None
         self._free.sort(key=torch.Tensor.numel)  # the smallest go first: least use later
         want = self._kept(self._new_slab(size))
         while self._free and self._bytes + want > self.cap:
@@ -314,7 +317,7 @@ class StagingPool:
         self._releases[id(slab)] = release
         self._bytes += want
         self._count(staged=1, slabs=1, peak_bytes=self._bytes)
-        return self._lease(slab), None
+        return self._lease(slab, epoch), None
 
     def _new_slab(self, size: int) -> int:
         """The bytes of a new slab for a batch of ``size``: the largest batch's, rounded.
@@ -327,8 +330,8 @@ class StagingPool:
             rounded = min(rounded, max(size, self.limit // max(1, self.limit // size)))
         return rounded
 
-    def _lease(self, slab: torch.Tensor) -> Lease:
-        lease = Lease(self, slab)
+    def _lease(self, slab: torch.Tensor, epoch: object) -> Lease:
+        lease = Lease(self, slab, epoch)
         self._held.add(lease)
         return lease
 
