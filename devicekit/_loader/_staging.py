@@ -566,36 +566,41 @@ class Stager:
 
     def _stage_leaves(self, leaves: list[Any], active: Any, job: _Batch) -> None:
         large: dict[int, torch.Tensor] = {}
-        counted: set[int] = set()
+        counted: set[int] = set()  # a tensor in two places is copied, and counted, once
         selves: dict[int, Any] = {}
-        replaced: set[int] = set()  # the leaves (by index) no longer the source's memory
+        moving, reads = 0, False
         for index in active:
             leaf = leaves[index]
             if isinstance(leaf, torch.Tensor):
-                if leaf.is_cpu and id(leaf) not in counted:
-                    counted.add(id(leaf))
-                    size = stored_bytes(leaf)
-                    job.moving += size
-                    if size > PACK_MAX_BYTES and _stageable(leaf):
-                        large[id(leaf)] = leaf
+                key = id(leaf)
+                if key in counted or not leaf.is_cpu:
+                    continue
+                counted.add(key)
+                size = stored_bytes(leaf)
+                moving += size
+                if size > PACK_MAX_BYTES and _stageable(leaf):
+                    large[key] = leaf
+                else:  # its copy reads it where the source put it
+                    reads = True
             elif _pins_itself(leaf):
                 if id(leaf) not in selves:
                     selves[id(leaf)] = copy.copy(leaf).pin_memory()
                 leaves[index] = selves[id(leaf)]
-                replaced.add(index)
-        if large:
-            offsets, size = _layout(large.values())
-            job.lease = self.pool.acquire(size, job.stop)
-            if job.lease is not None:
-                copies = self._fill(job.lease.slab, large.values(), offsets)
-                for index in active:
-                    leaf = leaves[index]
-                    if isinstance(leaf, torch.Tensor) and id(leaf) in copies:
-                        leaves[index] = copies[id(leaf)]
-                        replaced.add(index)
-        job.reads_source = any(
-            _reads_source(leaves[index]) for index in active if index not in replaced
-        )
+            elif leaf_how(type(leaf)).leaf in _MOVES_ITSELF:
+                reads = True
+        job.moving, job.reads_source = moving, reads
+        if not large:
+            return
+        offsets, size = _layout(large.values())
+        job.lease = self.pool.acquire(size, job.stop)
+        if job.lease is None:  # copied from pageable memory: from the source's
+            job.reads_source = True
+            return
+        copies = self._fill(job.lease.slab, large.values(), offsets)
+        for index in active:
+            leaf = leaves[index]
+            if isinstance(leaf, torch.Tensor) and id(leaf) in copies:
+                leaves[index] = copies[id(leaf)]
 
     def _fill(
         self, slab: torch.Tensor, tensors: Any, offsets: list[int]
