@@ -9,7 +9,10 @@ DataLoader worker, against reading it in the process: the figure behind
 loader batches: a fresh copy per large tensor on one thread (``pin_memory()``'s host
 work, as a pinning DataLoader does it), against the loader's staging pool on one thread
 and on its pinning threads (ordinary memory stands in for page-locked memory here; the
-target: never slower than the one thread). CI runs it with ``--quick``.
+target: never slower than the one thread). CI runs it with ``--quick``. ``--slabs``
+counts the slabs the staging pool page-locks over an epoch of growing and of varying
+batch sizes (each a cost of milliseconds on a GPU host); ``--waits`` measures the CPU a
+thread spends waiting for a copy through the prefetcher's timer, an event standing in.
 The loader's overlap and memory on a GPU, and real training loops through it, are in
 ``benchmarks/gpu_report.py``.
 """
@@ -20,6 +23,7 @@ import argparse
 import functools
 import os
 import platform
+import random
 import statistics
 import threading
 import time
@@ -32,7 +36,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import devicekit as dk
 from devicekit._core import PACK_MAX_BYTES, map_leaves
 from devicekit._loader._cpus import machine_cpus
-from devicekit._loader._staging import Stager, StagingPool, pin_threads
+from devicekit._loader._pipeline import StreamPrefetcher
+from devicekit._loader._staging import PAGEABLE, Stager, StagingPool, pin_threads
 from devicekit._loader._stats import HANDOVER_S
 
 
@@ -151,10 +156,6 @@ def _fresh_copy(leaf: Any, state: object) -> Any:
     return leaf
 
 
-def _pageable(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
-    return torch.empty(size, dtype=torch.uint8), lambda: None
-
-
 def pinning(repeat: int, quick: bool) -> list[str]:
     """The pinning stage's host time per batch, in a thread set up as the feed thread is."""
     threads = pin_threads(machine_cpus())
@@ -170,8 +171,8 @@ def pinning(repeat: int, quick: bool) -> list[str]:
     def measure() -> None:
         torch.set_num_threads(1)  # as the feed thread runs
         for name, batch in pinning_batches(quick).items():
-            one = Stager(StagingPool(None, 2, _pageable), 1)
-            many = Stager(StagingPool(None, 2, _pageable), threads)
+            one = Stager(StagingPool(None, 2, PAGEABLE.allocate), 1)
+            many = Stager(StagingPool(None, 2, PAGEABLE.allocate), threads)
 
             def fresh(batch: Any = batch) -> None:
                 map_leaves(_fresh_copy, batch)
@@ -206,6 +207,85 @@ def pinning(repeat: int, quick: bool) -> list[str]:
     return rows
 
 
+class _Copy:
+    """A copy's timer that ends when waited for, or when told."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def __call__(self, wait: bool) -> float | None:
+        self.done = self.done or wait
+        return 0.001 if self.done else None
+
+
+def slabs() -> list[str]:
+    """Slabs page-locked over 100 batches, each copy ending while the next is staged."""
+    large = PACK_MAX_BYTES + 4
+    growing = [int(4 * large * 1.01**step) // 4 * 4 for step in range(100)]
+    shuffled = random.Random(0)  # noqa: S311 - batch sizes, not secrets
+    varying = [shuffled.randrange(2 * large, 8 * large) // 4 * 4 for _ in range(100)]
+    rows = [f"{'100 batches':<34} {'new slabs':>9} {'page-locked MiB':>16}"]
+    for name, sizes in (("growing 1% a batch", growing), ("varying 2-8x at random", varying)):
+        stager = Stager(StagingPool(None, 2, PAGEABLE.allocate), 1)
+        running: list[_Copy] = []
+        for step, size in enumerate(sizes):
+            staged = stager.stage([torch.full((size // 4,), float(step))], threading.Event())
+            running.append(_Copy())
+            staged.copy_issued(running[-1])
+            if len(running) > 1:
+                running.pop(0).done = True
+        figures = stager.pool.figures
+        stager.close()
+        rows.append(f"{name:<34} {figures.slabs:>9} {figures.peak_bytes / 2**20:>16.2f}")
+    return rows
+
+
+class _StandInEvent:
+    """A CUDA event as a waiting thread sees it, on the host.
+
+    query() says whether the copy ended; synchronize() spins until it has, as
+    cudaEventSynchronize does on an event made without the blocking flag.
+    """
+
+    def __init__(self, ends: float) -> None:
+        self.ends = ends
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.ends
+
+    def synchronize(self) -> None:
+        while time.perf_counter() < self.ends:
+            pass
+
+    def elapsed_time(self, end: _StandInEvent) -> float:
+        return 0.0
+
+
+def waits(repeat: int) -> list[str]:
+    """The waiting thread's CPU while a 200 ms copy runs, through the prefetcher's timer."""
+    copy_s = 0.2
+    measured: list[tuple[float, float]] = []
+
+    def wait_for_copies() -> None:
+        for _ in range(repeat):
+            ready = _StandInEvent(time.perf_counter() + copy_s)
+            timer = StreamPrefetcher.timer(None, (None, _StandInEvent(0.0), ready))  # type: ignore[arg-type]
+            cpu, wall = time.thread_time(), time.perf_counter()
+            timer(True)
+            measured.append((time.thread_time() - cpu, time.perf_counter() - wall))
+
+    thread = threading.Thread(target=wait_for_copies, name="devicekit-feed")
+    thread.start()
+    thread.join()
+    cpu = statistics.median(c for c, _ in measured)
+    wall = statistics.median(w for _, w in measured)
+    said = (
+        f"a thread waiting for a {copy_s * 1e3:.0f} ms copy: {cpu * 1e3:.1f} ms of its CPU "
+        f"({cpu / wall:.1%} of a core); it sees the end {1e3 * (wall - copy_s):.2f} ms late"
+    )
+    return [said]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -219,7 +299,19 @@ def main() -> None:
         action="store_true",
         help="the feed thread's pinning stage, threads against one",
     )
+    parser.add_argument(
+        "--slabs", action="store_true", help="slabs page-locked for growing and varying batches"
+    )
+    parser.add_argument(
+        "--waits", action="store_true", help="the CPU a thread spends waiting for a copy"
+    )
     args = parser.parse_args()
+    if args.slabs:
+        print("\n".join(slabs()))
+        return
+    if args.waits:
+        print("\n".join(waits(2 if args.quick else 5)))
+        return
     if args.pinning:
         print("\n".join(pinning(3 if args.quick else 15, args.quick)))
         return

@@ -145,10 +145,6 @@ class _HostPrefetcher:
         return lambda wait: None  # the host copies in line: no copy time of its own
 
 
-def _pageable(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
-    return torch.empty(size, dtype=torch.uint8), lambda: None
-
-
 @contextlib.contextmanager
 def accelerator_on_the_cpu() -> Iterator[None]:
     """The meta device taken as an accelerator: packing, the feed thread, the pipeline.
@@ -157,7 +153,7 @@ def accelerator_on_the_cpu() -> Iterator[None]:
     accelerator), so the feed thread and its pinning threads run what they run on a GPU.
     """
     _loader.PREFETCHERS["meta"] = _HostPrefetcher
-    _staging.ALLOCATORS["meta"] = _pageable
+    _staging.ALLOCATORS["meta"] = _staging.PAGEABLE
     try:
         with as_accelerator("meta"):
             yield

@@ -80,7 +80,9 @@ def fake_pynvml(
     """pynvml for a machine of one H100 per entry of ``links``, each a GPU's PCIe figures.
 
     ``links[i]`` maps keys of :data:`LINK_READERS` to what NVML answers; a missing key is
-    NVML_ERROR_NOT_SUPPORTED. GPU ``i`` is ``GPU-<i>`` on PCI bus ``i + 1``; with ``migs``,
+    NVML_ERROR_NOT_SUPPORTED; a ``"c2c"`` key is what NVML says of NVLink-C2C (1: the GPU
+    reaches host memory over it, as a GH200 does), none where it does not know. GPU ``i``
+    is ``GPU-<i>`` on PCI bus ``i + 1``; with ``migs``,
     MIG mode is on and it has that many instances, ``MIG-<i>-<slot>``, whose link queries
     NVML does not support. ``calls`` collects the name of each function called.
     """
@@ -103,6 +105,11 @@ def fake_pynvml(
             return links[handle][reader]
 
         return read
+
+    def c2c(handle: Any) -> SimpleNamespace:
+        if isinstance(handle, tuple) or "c2c" not in links[handle]:
+            raise NvmlError  # a driver before C2C's query, or a MIG instance's handle
+        return SimpleNamespace(isC2cEnabled=links[handle]["c2c"])
 
     def uuid(handle: Any) -> bytes:
         return (
@@ -127,6 +134,7 @@ def fake_pynvml(
         "nvmlDeviceGetMigMode": (1, 1) if migs else unsupported,
         "nvmlDeviceGetMaxMigDeviceCount": migs,
         "nvmlDeviceGetMigDeviceHandleByIndex": lambda handle, slot: (handle, slot),
+        "nvmlDeviceGetC2cModeInfoV": c2c,
         **{reader: link(key) for key, reader in LINK_READERS.items()},
     }
     return SimpleNamespace(

@@ -419,3 +419,22 @@ def test_applying_a_change_to_a_module_s_own_tensors_is_module_apply_s() -> None
     assert torch.equal(model[0].running_var, torch.full((2,), 2.0))
     assert isinstance(model[0].weight, nn.Parameter)
     assert not model[0].weight.requires_grad
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")
+@pytest.mark.parametrize(
+    "layout",
+    [torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc],
+)
+def test_a_sparse_tensor_s_bytes_are_its_parts_as_a_copy_moves_them(layout: torch.layout) -> None:
+    blocked = layout in (torch.sparse_bsr, torch.sparse_bsc)
+    sparse = torch.eye(4).to_sparse(layout=layout, blocksize=(2, 2) if blocked else None)
+    parts = [getattr(sparse, part)() for part in _compat._SPARSE_PARTS[layout]]
+    assert _compat.stored_bytes(sparse) == sum(part.nbytes for part in parts)
+    assert sum(part.numel() for part in parts[-1:]) == sparse.values().numel()  # values last
+    # Why the parts are read: PyTorch refuses to say, or says the dense tensor's bytes.
+    if layout is torch.sparse_coo:
+        with pytest.raises(RuntimeError, match="nbytes is not defined for sparse tensors"):
+            _ = sparse.nbytes
+    else:
+        assert sparse.nbytes == torch.eye(4).nbytes != _compat.stored_bytes(sparse)

@@ -391,10 +391,6 @@ def test_requiring_interop_packages_fails_where_one_is_missing(
         require_package("no_such_package_here")
 
 
-def _pageable(size: int) -> tuple[torch.Tensor, Any]:
-    return torch.empty(size, dtype=torch.uint8), lambda: None
-
-
 def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -414,7 +410,8 @@ def test_objects_that_move_themselves_are_pinned_by_their_own_pin_memory(
     graph_features = batches["graph"].x
     for name, batch in batches.items():
         recorder.pinned.clear()
-        stager = _staging.Stager(_staging.StagingPool(None, 2, _pageable), threads=1)
+        pool = _staging.StagingPool(None, 2, _staging.PAGEABLE.allocate)
+        stager = _staging.Stager(pool, threads=1)
         # The feed's pinning: what moves itself is pinned by itself, on a shallow copy.
         pinned = stager.stage({"batch": batch, "id": 3}, threading.Event()).batch
         assert (4, 3) in [tuple(tensor.shape) for tensor in recorder.pinned], name

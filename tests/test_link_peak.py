@@ -182,3 +182,19 @@ def test_each_device_s_link_is_read_once(monkeypatch: pytest.MonkeyPatch) -> Non
     assert asked[2:] == [torch.device("cuda")] * 2
     register_link_reader(lambda device: LinkPeak(4, 16, 31.5))  # a new reader forgets
     assert link_peak(zero) == LinkPeak(4, 16, 31.5)
+
+
+@pytest.mark.parametrize(
+    ("c2c", "expected"),
+    [
+        ({"c2c": 1}, None),  # a GH200: host copies run over NVLink-C2C, not its PCIe link
+        ({"c2c": 0}, LinkPeak(5, 16, 32 * 128 / 130 / 8 * 16)),
+        ({}, LinkPeak(5, 16, 32 * 128 / 130 / 8 * 16)),  # a driver that cannot tell: PCIe
+    ],
+    ids=["c2c", "pcie", "unknown"],
+)
+def test_a_gpu_reaching_the_host_over_nvlink_c2c_is_judged_against_no_pcie_link(
+    c2c: dict[str, int], expected: LinkPeak | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _pynvml(monkeypatch, [{**GEN5_X16, **c2c}])
+    assert _nvml.read_link(torch.device("cuda", 0)) == expected

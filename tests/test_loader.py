@@ -338,3 +338,39 @@ def test_something_that_yields_no_batches_is_refused() -> None:
     msg = "Expected a loader to wrap: a DataLoader, a list or another re-iterable, or a function"
     with pytest.raises(TypeError, match=re.escape(msg)):
         dk.DeviceDataLoader(42)  # type: ignore[arg-type]
+
+
+# Each epoch tells the sampler its number, as Lightning and accelerate do: a DDP run never
+# repeats one order, unless the user says which epoch it is.
+
+
+def _epochs_seen(loader: dk.DeviceDataLoader[Any], sampler: DistributedSampler[Any]) -> int:
+    for _batch in loader:
+        pass
+    return sampler.epoch
+
+
+def test_each_epoch_tells_a_distributed_sampler_its_number() -> None:
+    dataset = _dataset(16)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=7)
+    loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=4, sampler=sampler), META)
+    assert [_epochs_seen(loader, sampler) for _ in range(3)] == [0, 1, 2]
+
+
+def test_the_epoch_the_user_sets_wins_and_the_count_goes_on_from_it() -> None:
+    dataset = _dataset(16)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=7)
+    loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=4, sampler=sampler), META)
+    loader.set_epoch(5)  # resumed at epoch 5
+    assert [_epochs_seen(loader, sampler) for _ in range(2)] == [5, 6]
+    sampler.set_epoch(10)  # told the sampler itself, as a plain DDP loop does
+    assert [_epochs_seen(loader, sampler) for _ in range(2)] == [10, 11]
+    for epoch in range(3):  # a loop that tells it every epoch, the same way
+        sampler.set_epoch(epoch)
+        assert _epochs_seen(loader, sampler) == epoch
+
+
+def test_a_sampler_without_set_epoch_is_left_alone() -> None:
+    loader = dk.DeviceDataLoader(DataLoader(_dataset(8), batch_size=4, shuffle=True), META)
+    for _ in range(2):
+        assert len(list(loader)) == 2

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
-from devicekit._loader import _loader, _staging
+from devicekit._loader import _loader, _pipeline, _staging
 
 from .conftest import WATCHDOG_S, Hang
 from .helpers import META
@@ -179,8 +179,11 @@ def test_full_epochs_and_the_next_ones(
     if prefetch:
         assert len(made) == 1  # one prefetcher (one side stream) for the loader's life
         assert made[0].handed == made[0].started == list(range(length)) * 3
-        # The first batch is read in this thread (it might draw random numbers), unpinned.
-        assert made[0].pinned_in == ({"devicekit-feed"} if pin and length > 1 else set())
+        # The first batch is read in this thread (it might draw random numbers), and
+        # pinned here; the feed thread pins the rest.
+        here = {threading.current_thread().name}
+        pinned_in = here | {"devicekit-feed"} if length > 1 else here
+        assert made[0].pinned_in == (pinned_in if pin else set())
 
 
 @pytest.mark.parametrize("prefetch", [0, 2], ids=["in-line", "ahead"])
@@ -556,7 +559,9 @@ class OneIterator:
     persistent_workers = True
 
     def __init__(self) -> None:
-        self.source = StuckSource(6, at=3)  # after one batch and the copies ahead of it
+        # Stuck on its third read: the feed reads the second, whether or not the loop's
+        # thread has taken it yet, then the third.
+        self.source = StuckSource(6, at=2)
         self.current: Iterator[int] = iter(())
 
     def __iter__(self) -> Iterator[int]:
@@ -597,7 +602,8 @@ def test_the_feed_thread_pins_on_one_core_and_leaves_the_training_thread_s(
     monkeypatch.setattr(_staging.Stager, "stage", counting)
     before = torch.get_num_threads()
     assert list(loader) == _expected(3, 1)
-    assert threads_seen == [1, 1]  # the first batch is read (and not pinned) in this thread
+    # The first batch is read and pinned in this thread, the others in the feed's.
+    assert threads_seen == [before, 1, 1]
     assert torch.get_num_threads() == before
     _no_thread_left()
 
@@ -833,3 +839,218 @@ def test_the_first_batch_arrives_while_the_second_is_still_being_read(
     assert got == [0, 10, 20, 30, 40]
     assert reads_before == [True]  # the second read ended once the first batch was out
     _no_thread_left()
+
+
+# Round seven: a source that refills one buffer, close() from another thread, an epoch
+# after a staging error, and the process's thread count, each under the watchdog.
+
+
+class Copying:
+    """A Prefetcher that copies each batch when its copy is issued, as a device copy does.
+
+    On an accelerator a batch's copy reads its host memory when it is issued (small
+    tensors are gathered into a pinned buffer, pageable ones staged by the driver), so a
+    source that refills its memory before then changes what arrives.
+    """
+
+    def __init__(self, device: torch.device, non_blocking: object) -> None:
+        pass
+
+    def start(self, batch: Any) -> Any:
+        return dk.to_device(batch, "cpu", copy=True)
+
+    def hand_over(self, ticket: Any) -> Any:
+        return ticket
+
+    def consumer_done(self) -> None:
+        pass
+
+    def timer(self, ticket: Any) -> Callable[[bool], float | None]:
+        return lambda wait: 0.001
+
+
+class Refilled:
+    """A reader that refills one preallocated buffer for every batch it yields.
+
+    As memory-mapped readers, rings of buffers and ``torch.from_numpy`` over a reused
+    array do: batch k's tensors are batch k's until batch k+1 is read.
+    """
+
+    def __init__(self, length: int, numel: int) -> None:
+        self.length = length
+        self.images = torch.empty(numel)
+        self.labels = torch.empty(4, dtype=torch.int64)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for index in range(self.length):
+            self.images.fill_(float(index))
+            self.labels.fill_(index)
+            yield {"image": self.images, "label": self.labels}
+
+
+@pytest.mark.parametrize("pin", PINNING, ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("numel", [16, 1 << 14], ids=["small", "large"])
+@pytest.mark.parametrize("prefetch", [1, 2, 4])
+def test_a_source_that_refills_one_buffer_gets_every_batch_right(
+    prefetch: int, numel: int, pin: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Copying)
+    monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
+    source = Refilled(8, numel)
+    plain = [(batch["image"][0].item(), batch["label"][0].item()) for batch in source]
+    loader = dk.DeviceDataLoader(source, META, prefetch=prefetch, pin_memory=pin)
+    for _ in range(2):
+        got = []
+        for batch in loader:
+            got.append((batch["image"][0].item(), batch["label"][0].item()))
+            assert torch.all(batch["image"] == batch["image"][0])  # one batch's, whole
+        assert got == plain
+    _no_thread_left()
+
+
+@pytest.mark.parametrize("loop", ["peek", "nested"])
+def test_live_epochs_of_large_batches_share_the_pinned_memory_without_a_hang(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Copying)
+    monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
+    batches = [torch.full((1 << 14,), float(index)) for index in range(6)]
+    loader = dk.DeviceDataLoader(batches, META)
+    expected = [float(index) for index in range(6)]
+    if loop == "peek":
+        peek = iter(loader)
+        first = next(peek)
+        time.sleep(0.05)  # its feed reads ahead, holding slabs, until its loop comes back
+        assert [batch[0].item() for batch in loader] == expected
+        assert (
+            loader.stats.unpinned_why is None or "another live epoch" in loader.stats.unpinned_why
+        )
+        assert [first[0].item()] + [batch[0].item() for batch in peek] == expected
+    else:
+        pairs = [(a[0].item(), b[0].item()) for a in loader for b in loader]
+        assert pairs == [(a, b) for a in expected for b in expected]
+    loader.close()
+    _no_thread_left()
+
+
+def test_close_from_another_thread_ends_an_epoch_waiting_for_its_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source = StuckSource(6, at=3)
+    loader, _ = _loader_for(source, 1, True, monkeypatch)
+    got: list[int] = []
+    loop = threading.Thread(target=lambda: got.extend(loader), name="training loop")
+    loop.start()
+    assert source.stuck.wait(WATCHDOG_S)
+    loader.close()
+    loop.join(WATCHDOG_S / 2)
+    ended = not loop.is_alive()
+    source.release.set()
+    loop.join()
+    assert ended  # woken by close(), not by the source
+    assert got == _expected(len(got), 1)
+    assert not loader.stats.finished  # ended by close(), not run to its end
+    _no_thread_left()
+
+
+def test_an_epoch_ended_by_close_is_not_finished(monkeypatch: pytest.MonkeyPatch) -> None:
+    loader, _ = _loader_for(Source(6), 1, True, monkeypatch)
+    epoch = iter(loader)
+    assert next(epoch) == 0
+    loader.close()
+    rest = list(epoch)  # what was copied ahead still arrives, then the epoch ends
+    assert rest == _expected(len(rest) + 1, 1)[1:]
+    assert not loader.stats.finished
+    assert list(loader) == _expected(6, 1)  # a later epoch opens the loader again
+    assert loader.stats.finished
+    _no_thread_left()
+
+
+class FailsToPin:
+    """Moves itself; its pin_memory() raises in the first epoch only."""
+
+    failed = False
+
+    def to(self, *args: Any, **kwargs: Any) -> FailsToPin:
+        return self
+
+    def pin_memory(self) -> FailsToPin:
+        if not FailsToPin.failed:
+            FailsToPin.failed = True
+            msg = "cannot pin this record"
+            raise OSError(msg)
+        return self
+
+
+def test_an_epoch_after_a_staging_error_runs_to_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Copying)
+    monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
+    monkeypatch.setattr(FailsToPin, "failed", False)
+    large = 1 << 14  # float32 elements: staged in a slab
+
+    def batches() -> Iterator[list[Any]]:
+        for index in range(6):
+            yield [torch.full((large,), float(index)), FailsToPin() if index == 3 else None]
+
+    loader = dk.DeviceDataLoader(batches, META, prefetch=1, pin_memory_limit=4 * large)
+    with pytest.raises(OSError, match="cannot pin this record"):
+        for _ in loader:
+            pass
+    got = [batch[0][0].item() for batch in loader]  # no slab kept by the error: no hang
+    assert got == [float(index) for index in range(6)]
+    loader.close()
+    _no_thread_left()
+
+
+def test_reading_ahead_leaves_the_process_s_thread_count_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The feed sets its own thread to one core; a thread started later (an evaluation
+    # thread, MKL's next call) must still get the process's count.
+    count = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loader, _ = _loader_for(Source(4), 1, True, monkeypatch)
+        assert list(loader) == _expected(4, 1)
+        seen: list[int] = []
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+        assert seen == [2]
+    finally:
+        torch.set_num_threads(count)
+    _no_thread_left()
+
+
+class CopyEvent:
+    """An event recorded after a copy that ends at the ``queries``-th query.
+
+    ``synchronize()`` stands for cudaEventSynchronize on an event made without the
+    blocking flag, which spins a core until the copy ends: it must not be called.
+    """
+
+    def __init__(self, queries: int) -> None:
+        self.queries, self.asked = queries, 0
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.asked > self.queries
+
+    def synchronize(self) -> None:
+        msg = "waited by spinning a core (cudaEventSynchronize on a non-blocking event)"
+        raise AssertionError(msg)
+
+    def elapsed_time(self, end: CopyEvent) -> float:
+        return 2.0  # milliseconds
+
+
+def test_waiting_for_a_copy_sleeps_between_looks(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(_pipeline, "_sleep", slept.append)
+    begin, ready = CopyEvent(0), CopyEvent(5)
+    timer = _pipeline.StreamPrefetcher.timer(None, (None, begin, ready))  # type: ignore[arg-type]
+    assert timer(False) is None  # still running: no wait
+    assert timer(True) == 0.002
+    assert len(slept) == 3  # a sleep between each look, none after the last
+    assert slept == sorted(slept)  # longer as the copy runs on, up to a bound
+    assert max(slept) <= _pipeline.WAIT_LOOK_MAX_S

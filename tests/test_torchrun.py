@@ -67,6 +67,45 @@ SAMPLER_SCRIPT = textwrap.dedent(
 )
 
 
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, warnings
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    import devicekit as dk
+
+    warnings.simplefilter("ignore", RuntimeWarning)
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    dataset = TensorDataset(torch.arange(40.0).unsqueeze(1))
+    seen = {}
+    for calls in ("none", "loader", "sampler"):  # who tells the sampler the epoch
+        sampler = DistributedSampler(dataset, shuffle=True, seed=3)
+        loader = dk.DeviceDataLoader(DataLoader(dataset, batch_size=4, sampler=sampler))
+        seen[calls] = []
+        for epoch in range(2):
+            if calls == "loader":
+                loader.set_epoch(epoch)
+            elif calls == "sampler":
+                sampler.set_epoch(epoch)
+            order = []
+            for (batch,) in loader:
+                loss = model(batch).square().mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                order += [int(value) for value in batch.cpu().flatten()]
+            seen[calls].append(order)
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as out:
+        json.dump(seen, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
 def _torchrun(python: str, tmp_path: Path, script: str, **environ: str) -> list[Any]:
     """What each of two ranks wrote, in rank order; ``environ`` added to the launch's."""
     path = tmp_path / "script.py"
@@ -87,6 +126,20 @@ def test_set_epoch_through_the_loader_reshuffles_disjoint_shards(
         assert not shards[0] & shards[1]
         assert shards[0] | shards[1] == set(range(40))
     assert any(rank["0"] != rank["1"] for rank in ranks)  # set_epoch reshuffled
+
+
+def test_a_ddp_loop_sees_a_new_order_each_epoch_whoever_sets_the_epoch(
+    tmp_path: Path, fresh_python: str
+) -> None:
+    ranks = _torchrun(fresh_python, tmp_path, DDP_SCRIPT)
+    for calls in ("none", "loader", "sampler"):
+        for epoch in (0, 1):
+            shards = [set(rank[calls][epoch]) for rank in ranks]
+            assert not shards[0] & shards[1], calls  # each rank its own samples
+            assert shards[0] | shards[1] == set(range(40)), calls
+        for rank in ranks:
+            assert rank[calls][0] != rank[calls][1], calls  # the second epoch reshuffled
+        assert ranks[0][calls] == ranks[0]["none"]  # the epoch numbers agree: 0, then 1
 
 
 def test_each_rank_gets_the_device_of_its_local_rank(tmp_path: Path, fresh_python: str) -> None:

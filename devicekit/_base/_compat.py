@@ -44,6 +44,7 @@ __all__ = [
     "run_while_tracing",
     "scaler_between_steps",
     "scaler_marks_kept",
+    "stored_bytes",
     "version_of",
     "weights_only_build_refusal",
     "weights_only_refusal",
@@ -626,3 +627,31 @@ def version_of(tensor: torch.Tensor) -> int | None:
         return tensor._version
     except RuntimeError:  # "Inference tensors do not track version counter."
         return None
+
+
+_SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` holds, as a copy of it moves them: ``nbytes``, or its parts'.
+
+    ``Tensor.nbytes`` refuses a sparse COO tensor and gives a compressed one's dense size;
+    a sparse tensor's are its indices' and values' (``_indices``/``_values`` for COO:
+    the public ones refuse an uncoalesced tensor).
+
+    >>> import torch
+    >>> stored_bytes(torch.zeros(4))
+    16
+    >>> stored_bytes(torch.eye(3).to_sparse())  # 2 x 3 int64 indices, 3 float32 values
+    60
+    """
+    parts = _SPARSE_PARTS.get(tensor.layout)
+    if parts is None:
+        return tensor.nbytes
+    return sum(getattr(tensor, part)().nbytes for part in parts)

@@ -1,17 +1,30 @@
-"""How many CPUs this process may really use: its affinity and its cgroup's CPU quota.
+"""How many CPUs this process may really use, and threads that each use one of them.
 
 ``os.cpu_count()`` is the host's: a container given 2 CPUs of a 64-core host sees 64,
 and advice sized by it (``num_workers=32``) oversubscribes the 2. The kernel enforces
 two limits: the affinity (which cores the scheduler may use) and the cgroup's quota
 (cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``). The
 smaller rules, rounded down and never below 1.
+
+The loader's own threads (the feed, the pinning threads) run PyTorch's ops on one core
+each, as PyTorch's pin-memory thread does, so that they never compete with the training
+thread's intra-op threads: :func:`start_on_one_core`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Callable
+from typing import Final
 
-__all__ = ["cgroup_quota", "machine_cpus"]
+import torch
+
+__all__ = ["cgroup_quota", "machine_cpus", "start_on_one_core"]
+
+SETTLE_S: Final = 5.0
+"""How long starting threads waits for them to set their count: a thread's first lines."""
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 MEMBERSHIP = "/proc/self/cgroup"
@@ -79,3 +92,29 @@ def _read(path: str) -> str | None:
             return file.read().strip()
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def start_on_one_core(start: Callable[[Callable[[], None]], object], threads: int) -> None:
+    """Start ``threads`` threads on one intra-op core each, leaving the process's count alone.
+
+    ``start(settle)`` starts them, and each calls ``settle()`` before anything else. Its
+    ``torch.set_num_threads(1)`` is the only way to one core, and it sets the count that
+    every thread takes at its first parallel op (and MKL's): set there alone, it would
+    leave later threads of the program on one core. So this thread's own count is
+    settled first, and, once every new thread has set its own, set back for the rest.
+    """
+    count = torch.get_num_threads()  # this thread's, settled before any thread sets 1
+    gate = threading.Barrier(threads + 1, timeout=SETTLE_S)
+
+    def settle() -> None:
+        # Its own count first, as every thread's first parallel op would take it: the
+        # count set next then holds (taken after, it would be the process's, put back).
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+        with contextlib.suppress(threading.BrokenBarrierError):  # the starter gave up
+            gate.wait()
+
+    start(settle)
+    with contextlib.suppress(threading.BrokenBarrierError):  # a thread that never began
+        gate.wait()
+    torch.set_num_threads(count)

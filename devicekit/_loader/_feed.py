@@ -19,12 +19,13 @@ from typing import Any, Final
 import torch
 
 from devicekit._base import streams_to
+from devicekit._loader._cpus import start_on_one_core
 
-__all__ = ["NOT_READY", "BackgroundFeed"]
+__all__ = ["NOT_READY", "STOP_POLL_S", "BackgroundFeed"]
 
-# How often a background thread blocked on a full queue looks up to see whether it
-# was told to stop.
-_STOP_POLL_S: Final = 0.1
+# How often a thread blocked on the feed (its own on a full queue, the loop on an empty
+# one, a read waiting for the last batch's copy) looks whether the feed was stopped.
+STOP_POLL_S: Final = 0.1
 # How long the interpreter's exit waits for the feeds still reading: one item's read,
 # as DataLoader gives its workers to end (torch.utils.data's MP_STATUS_CHECK_INTERVAL).
 EXIT_WAIT_S: Final = 5.0
@@ -39,7 +40,9 @@ class BackgroundFeed:
     The consumer gets the items in order, then the source's exception (the same object,
     with its traceback) if it raised; after either, the feed stays ended. :meth:`close`
     stops the thread: it ends as soon as the item it is waiting for arrives, and never
-    blocks on a full queue. :meth:`join` waits for that.
+    blocks on a full queue; a consumer waiting for an item (in another thread) is woken,
+    and ends as at the source's end, :attr:`closed_early` telling the two apart.
+    :meth:`join` waits for the thread.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class BackgroundFeed:
         # Given: the event a ``prepare`` that waits (for pinned memory) watches too.
         self._stop = threading.Event() if stop is None else stop
         self._ended = False
+        self.closed_early = False  # closed before the source's end reached the consumer
         self._error: BaseException | None = None  # the source's, raised after its items
         self._device = device
         # A daemon: a thread stuck in the source (a worker blocked on I/O) never holds
@@ -62,16 +66,17 @@ class BackgroundFeed:
             target=self._run, args=(batches, prepare), name="devicekit-feed", daemon=True
         )
         _running.add(self)
-        # A thread's first parallel op takes the intra-op count last set by any thread,
-        # so the feed's set_num_threads(1) below would leave a training thread that had
-        # not yet computed in parallel on one core: its count is settled here first.
-        torch.get_num_threads()
+        self._settle: Callable[[], None] = lambda: None
+        start_on_one_core(self._start, 1)
+
+    def _start(self, settle: Callable[[], None]) -> None:
+        self._settle = settle
         self._thread.start()
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():
             try:
-                self._items.put(item, timeout=_STOP_POLL_S)
+                self._items.put(item, timeout=STOP_POLL_S)
             except queue.Full:
                 continue
             return True
@@ -80,7 +85,7 @@ class BackgroundFeed:
     def _run(self, batches: Iterator[Any], prepare: Callable[[Any], Any]) -> None:
         # Set up as PyTorch's pin-memory thread is: pinning copies take one core (the
         # setting is the thread's own), and allocations go to the loader's device.
-        torch.set_num_threads(1)
+        self._settle()
         device = self._device
         if device is not None and device.index is not None and streams_to(device):
             torch.accelerator.set_device_index(device.index)
@@ -98,9 +103,13 @@ class BackgroundFeed:
         return self
 
     def __next__(self) -> Any:
-        if self._ended:
-            raise StopIteration
-        return self._received(self._items.get())
+        while not self._ended:  # close() from another thread ends the wait
+            try:
+                item = self._items.get(timeout=STOP_POLL_S)
+            except queue.Empty:
+                continue
+            return self._received(item)
+        raise StopIteration
 
     def ready(self) -> Any:
         """The next item where the thread has it already, else ``NOT_READY``; never waits.
@@ -121,7 +130,7 @@ class BackgroundFeed:
         """A batch as taken from the thread; its end or its source's error, raised here."""
         if item is not _DONE:
             return item
-        self.close()
+        self._end()
         error, self._error = self._error, None  # held by the raise alone, as a batch is
         if error is not None:
             raise error
@@ -129,6 +138,11 @@ class BackgroundFeed:
 
     def close(self) -> None:
         """Tell the thread to stop and drop what it prepared; does not wait for it."""
+        if not self._ended:
+            self.closed_early = True
+        self._end()
+
+    def _end(self) -> None:
         self._ended = True
         self._stop.set()
         while True:

@@ -67,13 +67,7 @@ from devicekit._loader._cpus import machine_cpus
 from devicekit._loader._feed import BackgroundFeed
 from devicekit._loader._pipeline import Prefetcher, StreamPrefetcher, ahead, profiling
 from devicekit._loader._recorder import EpochRecorder
-from devicekit._loader._staging import (
-    ALLOCATORS,
-    Stager,
-    StagingPool,
-    pin_threads,
-    pinned_by_torch,
-)
+from devicekit._loader._staging import ALLOCATORS, BY_TORCH, Stager, StagingPool, pin_threads
 from devicekit._loader._stats import (
     Counting,
     LoaderStats,
@@ -224,6 +218,11 @@ class DeviceDataLoader(Generic[B]):
         # The feeds of live epochs, while their threads run (each thread holds its feed).
         self._feeds: weakref.WeakSet[BackgroundFeed] = weakref.WeakSet()
         self._record: EpochRecorder | None = None  # the latest epoch's
+        # The epochs' numbers (see _next_epoch): the next one's, whether the user set it,
+        # and what the sampler was last told (at first, what it holds).
+        self._epoch = 0
+        self._epoch_said = False
+        self._told = getattr(self._epoch_owner(), "epoch", None)
 
     @property
     def stats(self) -> LoaderStats:
@@ -267,23 +266,51 @@ class DeviceDataLoader(Generic[B]):
         """Tell the sampler the epoch (a DistributedSampler reshuffles with it).
 
         Looked for on the wrapped loader, its ``sampler``, then its ``batch_sampler``'s
-        sampler.
+        sampler. The loader tells it each epoch's number itself (0, 1, 2, ...); this
+        sets the number of the next epoch, and the count goes on from it.
 
         Raises:
             TypeError: None of those has ``set_epoch``.
         """
+        owner = self._epoch_owner()
+        if owner is None:
+            msg = (
+                f"Expected the wrapped {type(self.loader).__name__}, its sampler or its batch "
+                "sampler to have set_epoch (a DistributedSampler does), but none has."
+            )
+            raise TypeError(msg)
+        owner.set_epoch(epoch)
+        self._epoch = self._told = epoch
+        self._epoch_said = True
+
+    def _epoch_owner(self) -> Any:
+        """What takes ``set_epoch``: the wrapped loader, its sampler or its batch sampler's."""
         batch_sampler = getattr(self.loader, "batch_sampler", None)
         sampler = getattr(self.loader, "sampler", None)
         for owner in (self.loader, sampler, getattr(batch_sampler, "sampler", None)):
-            tell = getattr(owner, "set_epoch", None)  # the owner's method, not this one
-            if callable(tell):
-                tell(epoch)
-                return
-        msg = (
-            f"Expected the wrapped {type(self.loader).__name__}, its sampler or its batch "
-            "sampler to have set_epoch (a DistributedSampler does), but none has."
-        )
-        raise TypeError(msg)
+            if callable(getattr(owner, "set_epoch", None)):  # the owner's, not this method
+                return owner
+        return None
+
+    def _next_epoch(self) -> None:
+        """Tell the sampler the number of the epoch starting, as Lightning and accelerate do.
+
+        Unless the user told it already: through :meth:`set_epoch`, or the sampler's own
+        ``set_epoch`` (seen where its ``epoch`` is not what the loader last told it, as
+        a DistributedSampler keeps it). A DDP run never repeats one order.
+        """
+        owner = self._epoch_owner()
+        if owner is None:
+            return
+        if not self._epoch_said:
+            seen = getattr(owner, "epoch", None)
+            if type(seen) is int and seen != self._told:
+                self._epoch = seen  # the user's call to the sampler itself
+            else:
+                owner.set_epoch(self._epoch)
+        self._epoch_said = False
+        self._told = self._epoch
+        self._epoch += 1
 
     # Iteration.
 
@@ -324,6 +351,7 @@ class DeviceDataLoader(Generic[B]):
 
     def __iter__(self) -> Iterator[B]:
         device = self._device
+        self._next_epoch()
         if getattr(self.loader, "persistent_workers", False) and self._feeds:
             self._end_live_epochs()
         make_prefetcher = PREFETCHERS.get(device.type) or (
@@ -355,8 +383,10 @@ class DeviceDataLoader(Generic[B]):
     def _staging(self) -> Stager:
         """The loader's pinned memory and pinning threads, made at its first pinned epoch."""
         if self._stager is None:
-            allocate = ALLOCATORS.get(self._device.type, pinned_by_torch)
-            pool = StagingPool(self._pin_memory_limit, self._prefetch + 1, allocate)
+            pinning = ALLOCATORS.get(self._device.type, BY_TORCH)
+            pool = StagingPool(
+                self._pin_memory_limit, self._prefetch + 1, pinning.allocate, pinning.kept
+            )
             self._stager = Stager(pool, pin_threads(machine_cpus()))
             # Collected without close(): the memory goes back once its copies have ended.
             # Not at the interpreter's exit, when the driver may be gone: the OS takes it.
@@ -425,7 +455,7 @@ class DeviceDataLoader(Generic[B]):
                         batch = move(batch)
                 got = clock()
                 if batch is _END:
-                    record.finished = True
+                    record.finished = not record.closed
                     self._record = record
                     return
                 waits.append(got - asked)

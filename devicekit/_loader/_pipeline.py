@@ -11,6 +11,7 @@ import collections
 import random
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Protocol
@@ -19,7 +20,7 @@ import torch
 
 from devicekit._base import profiler_running
 from devicekit._core import NonBlocking, to_device
-from devicekit._loader._feed import NOT_READY, BackgroundFeed
+from devicekit._loader._feed import NOT_READY, STOP_POLL_S, BackgroundFeed
 from devicekit._loader._recorder import CopyTimer, EpochRecorder
 from devicekit._loader._staging import Staged, measured
 
@@ -29,6 +30,15 @@ _END: Final = object()
 _READS_CHECKED: Final = 2
 """An epoch's reads watched for random draws before it reads ahead (see :func:`ahead`): the
 first read of a shuffled DataLoader draws the sampler's seed, however plain its data."""
+WAIT_LOOK_MIN_S: Final = 50e-6
+WAIT_LOOK_MAX_S: Final = 1e-3
+"""A wait for a copy looks whether it ended, sleeping between looks from 50 us, twice as
+long each time, up to 1 ms: a copy's end is seen within a millisecond of it, for about 2%
+of a core (a 200 ms copy: 4.4 ms of the waiting thread's CPU, this project's CI machine,
+an event standing in). ``event.synchronize()`` would spin a core for the whole copy
+(cudaEventSynchronize on an event made without the blocking flag, which ``torch.Event``
+cannot set)."""
+_sleep = time.sleep  # the seam the tests watch the waits through
 
 
 class Prefetcher(Protocol):
@@ -113,10 +123,10 @@ class StreamPrefetcher:
         _, begin, ready = ticket
 
         def seconds(wait: bool) -> float | None:
-            if wait:
-                ready.synchronize()
-            elif not ready.query():
-                return None
+            if not ready.query():
+                if not wait:
+                    return None
+                _wait_for(ready)
             return begin.elapsed_time(ready) / 1e3
 
         return seconds
@@ -125,15 +135,23 @@ class StreamPrefetcher:
         self._stream.wait_stream(torch.accelerator.current_stream(self._device))
 
 
+def _wait_for(event: torch.Event) -> None:
+    """Wait for ``event`` without spinning a core: look, sleep, look again (see WAIT_LOOK_*)."""
+    look = WAIT_LOOK_MIN_S
+    while not event.query():
+        _sleep(look)
+        look = min(2 * look, WAIT_LOOK_MAX_S)
+
+
 def _prefetched(
-    batches: Iterator[Any],
+    batches: Iterator[Staged],
     prefetcher: Prefetcher,
     depth: int,
     finish: Callable[[Any], Any],
     record: EpochRecorder,
     *,
     ready: Callable[[], Any] | None = None,
-    first: Any = NOT_READY,
+    first: Staged | None = None,
 ) -> Iterator[Any]:
     """The pipeline: copies up to ``depth`` batches ahead, hands them over in order.
 
@@ -151,6 +169,12 @@ def _prefetched(
     failure: list[Exception] = []  # the source's: raised once the batches before it are out
     ended = False
 
+    def issue(staged: Staged) -> None:
+        """Start the batch's copy; its slab, and the source's memory, wait for no more."""
+        ticket = start(staged.batch)
+        staged.copy_issued(prefetcher.timer(ticket))
+        in_flight.append((ticket, staged.nbytes))
+
     def take(read: Callable[[], Any]) -> bool:
         """Start the copy of what ``read`` gives; whether it gave a batch."""
         nonlocal ended
@@ -160,16 +184,12 @@ def _prefetched(
             item = read()
             if item is NOT_READY:
                 return False
-            if type(item) is Staged:  # read ahead: its slab waits for this copy
-                ticket = start(item.batch)
-                item.copy_issued(prefetcher.timer(ticket))
-                in_flight.append((ticket, item.nbytes))
-            else:
-                in_flight.append((start(item), None))
+            issue(item)
         except StopIteration:
             ended = True
             return False
         except Exception as error:  # re-raised below, unchanged, in its place
+            item = None  # its traceback holds this frame: the batch is not kept with it
             failure.append(error)
             ended = True
             return False
@@ -182,8 +202,8 @@ def _prefetched(
     # An epoch left early never came back for its last batch: order this epoch's first
     # copies after whatever the consumer queued since, as every later resume does.
     prefetcher.consumer_done()
-    if first is not NOT_READY:
-        in_flight.append((start(first), None))
+    if first is not None:
+        issue(first)
         del first
     while True:
         if not in_flight and not ended:
@@ -204,6 +224,30 @@ def _prefetched(
         raise failure[0]
 
 
+def _read_once_free(
+    batches: Iterator[Any], last: list[threading.Event], stop: threading.Event
+) -> Iterator[Any]:
+    """``batches``, each read once the batch before it no longer reads the source's memory.
+
+    ``last`` holds the ``source_read`` of the batch read last (see
+    :class:`~devicekit._loader._staging.Staged`), where it has one. A source may refill
+    the memory of the batch it yielded when it reads the next (memory-mapped readers, a
+    ring of buffers, ``torch.from_numpy`` over one array), as a plain loop allows: the
+    next read waits until that batch's copy has read it, or until the feed stops.
+    """
+    while True:
+        while last:
+            if last[-1].wait(STOP_POLL_S):
+                last.clear()
+            elif stop.is_set():
+                return
+        batch = next(batches, _END)
+        if batch is _END:
+            return
+        yield batch
+        del batch
+
+
 def ahead(
     batches: Iterator[Any],
     prefetcher: Prefetcher,
@@ -212,15 +256,18 @@ def ahead(
     *,
     depth: int,
     finish: Callable[[Any], Any],
-    stage: Callable[[Any, threading.Event], Staged] | None,
+    stage: Callable[[Any, threading.Event | None], Staged] | None,
     feeds: weakref.WeakSet[BackgroundFeed],
 ) -> Iterator[Any]:
     """An epoch's ``batches``, copied up to ``depth`` ahead, read ahead where reads draw nothing.
 
-    The feed that reads ahead goes into ``feeds`` while it lives, and pins each batch with
-    ``stage`` (None: devicekit does not pin); ``finish`` is the transform, ``record`` the
-    epoch's figures.
+    The feed that reads ahead goes into ``feeds`` while it lives. Every batch is pinned
+    with ``stage`` (None: devicekit does not pin), in the thread that reads it; ``finish``
+    is the transform, ``record`` the epoch's figures.
     """
+    ready_it = stage or measured
+    # In this thread: a full pool waits for none of the batches it holds (they wait for it).
+    stage_here = _in_range("devicekit.pin", lambda batch: ready_it(batch, None))
     # Reads that draw from the global random generators (augmentation without workers,
     # a sampler's shuffle, graph sampling) are made in this thread, between the loop's
     # steps, as in a plain loop: a thread reading ahead would interleave its draws with
@@ -243,20 +290,30 @@ def ahead(
             checks -= 1
             if not checks:
                 record.reads_draw = True  # every read is made here, from now on
-        yield from _prefetched(iter((batch,)), prefetcher, 1, finish, record)
+        yield from _prefetched(iter((stage_here(batch),)), prefetcher, 1, finish, record)
         del batch
     # The rest is read by a feed thread, pinned there where devicekit pins, so that a
     # batch ready on the device is handed over whatever the next one's read costs.
+    first = stage_here(batch)
+    del batch
     stop = threading.Event()
-    ready_it = stage or measured
-    pin = _in_range("devicekit.pin", lambda batch: ready_it(batch, stop))
-    feed = BackgroundFeed(batches, pin, depth, device, stop)
+    last = [] if first.source_read is None else [first.source_read]
+
+    def ready_there(batch: Any) -> Staged:
+        staged = ready_it(batch, stop)
+        if staged.source_read is not None:
+            last.append(staged.source_read)  # the next read waits for its copy
+        return staged
+
+    pin = _in_range("devicekit.pin", ready_there)
+    feed = BackgroundFeed(_read_once_free(batches, last, stop), pin, depth, device, stop)
     feeds.add(feed)
     record.read_ahead = True
-    pipeline = _prefetched(feed, prefetcher, depth, finish, record, ready=feed.ready, first=batch)
-    del batch
+    pipeline = _prefetched(feed, prefetcher, depth, finish, record, ready=feed.ready, first=first)
+    del first
     try:
         yield from pipeline
+        record.closed = feed.closed_early
     finally:
         # The end, an error, or a loop left early: the thread stops, the prefetched go.
         feed.close()

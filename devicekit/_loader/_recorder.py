@@ -28,6 +28,11 @@ from devicekit._loader._stats import (
 CopyTimer = Callable[[bool], "float | None"]
 """A copy's timer: its seconds once it finished, else None; given True, waits for it."""
 
+CROWDED: Final = (
+    "the loader's pinned memory was held by batches another live epoch read ahead (a peek "
+    "with next(iter(loader)), a nested loop): end that epoch first, or raise pin_memory_limit="
+)
+"""Why a batch read in the training thread was not pinned, where its pool was full."""
 PER_BATCH_KEPT: Final = 10_000
 """Batches whose times the per-batch tuples keep, the latest; the sums cover every batch."""
 _FOLD_AT: Final = 2 * PER_BATCH_KEPT
@@ -50,6 +55,7 @@ class EpochRecorder:
         self.pool: StagingPool | None = None  # the loader's, where it pins
         self.pool_before = PoolFigures()
         self.finished = False
+        self.closed = False  # ended by the loader's close(), not by the source's end
         # Where the loader reads this epoch's batches (see _pipeline.ahead).
         self.read_ahead = False
         self.reads_draw: bool | None = None
@@ -148,7 +154,8 @@ class EpochRecorder:
             "pinned_batches": now.staged - before.staged,
             "pinned_reused": now.reused - before.reused,
             "unpinned": now.unpinned - before.unpinned,
-            "unpinned_why": self.pool.failure,
+            "unpinned_why": self.pool.failure
+            or (CROWDED if now.crowded > before.crowded else None),
         }
 
     def snapshot(self) -> LoaderStats:

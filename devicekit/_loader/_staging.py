@@ -7,28 +7,35 @@ this room avoids both:
 
 - PyTorch's pinned allocator rounds each block up to a power of two (a 129.5 MB batch
   pins 256 MB) and keeps every block it made, and a new block costs milliseconds of
-  page-locking. A :class:`StagingPool` instead holds *slabs* of the exact bytes its
-  batches need (ordinary memory registered with the driver, where the accelerator
-  allows it), page-locked once and reused batch after batch, within a cap.
+  page-locking. A :class:`StagingPool` instead holds *slabs* (ordinary memory registered
+  with the driver, where the accelerator allows it), page-locked once and reused batch
+  after batch, within a cap. A slab is the size of the largest batch so far, rounded up
+  to one of eight sizes between powers of two (:func:`slab_size`, at most 12.5% more), so
+  that growing or varying batches find a free slab that fits instead of each needing
+  a new one.
 - One thread copies into pinned memory at about 7 GiB/s, eight at 30-48 GiB/s (a 16 MiB
   pin on an H100 host: 2.1-2.3 ms against 0.33-0.52 ms). A batch's bytes are copied in
   pieces of at least :data:`PIECE_MIN_BYTES` on up to :func:`pin_threads` threads.
 
-A slab's life (the pool's invariant: its slabs' bytes never exceed its cap)::
+A slab's life (the pool's invariant: its slabs' bytes never exceed its cap, and a slab
+is given back to the driver, unregistered, before its memory can be freed)::
 
     free ──acquire──> held ──its copy issued──> copying ──the copy done──> free
-                        └──the batch dropped before its copy──────────────> free
+                        └──the batch dropped, or its staging failed──────> free
 
 The feed thread acquires (waiting for a copy to finish where the cap is reached); the
 training thread issues the copy and hands the lease the copy's timer, which says when the
 slab may be filled again. A batch larger than the cap, or one met after page-locking
-failed, is copied from pageable memory, and the stats count it.
+failed, is copied from pageable memory, and the stats count it. Closing the pool waits
+for the copies in flight (at most ``prefetch`` of them), so that no slab outlives it
+still registered.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import mmap
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,19 +43,24 @@ from typing import Any, Final, NamedTuple
 
 import torch
 
-from devicekit._base import nbytes, warn
+from devicekit._base import nbytes, stored_bytes, warn
 from devicekit._core import PACK_MAX_BYTES, Leaf, flatten, leaf_how, map_flat
+from devicekit._loader._cpus import start_on_one_core
 
 __all__ = [
     "ALLOCATORS",
+    "PAGEABLE",
     "PIECE_MIN_BYTES",
+    "Pinning",
     "PoolFigures",
     "Staged",
     "Stager",
     "StagingPool",
+    "exact",
     "measured",
     "pin_threads",
-    "pinned_by_torch",
+    "power_of_two",
+    "slab_size",
 ]
 
 ALIGN: Final = 64
@@ -60,12 +72,52 @@ more than a second thread saves (1 MiB takes about 150 us on one thread at 7 GiB
 MAX_PIN_THREADS: Final = 8
 """Pinning threads at most: host memory bandwidth, not cores, bounds a copy; 8 threads
 reached 30-48 GiB/s on an H100 host, near what one socket's memory gives."""
+SIZES_PER_DOUBLING: Final = 8
+"""The slab sizes between two powers of two: a slab holds at most 1/8 more than asked.
+Batches growing 1% a step page-lock a new slab every twelfth step or so, where exact
+sizes page-locked one for each (``tests/test_staging.py``)."""
+PAGE: Final = mmap.PAGESIZE
 _WAIT_POLL_S: Final = 0.05  # how often a wait for a held slab looks whether to stop
 
 CopyDone = Callable[[bool], "float | None"]
 """A copy's timer (the pipeline's CopyTimer): None while it runs; given True, waits."""
-SlabAllocator = Callable[[int], tuple[torch.Tensor, Callable[[], None]]]
-"""``nbytes`` -> (a page-locked uint8 tensor of exactly that many bytes, its release)."""
+
+
+class Pinning(NamedTuple):
+    """How a device family page-locks host memory for the pool."""
+
+    allocate: Callable[[int], tuple[torch.Tensor, Callable[[], None]]]
+    """``nbytes`` -> (a page-locked uint8 tensor of that many bytes, its release)."""
+    kept: Callable[[int], int]
+    """The bytes it page-locks when asked for ``nbytes``: what the pool counts."""
+
+
+def exact(size: int) -> int:
+    """What registering ordinary memory page-locks for ``size`` bytes: those bytes."""
+    return size
+
+
+def slab_size(size: int) -> int:
+    """The bytes of the slab for ``size`` bytes: whole pages, one of 8 sizes per doubling.
+
+    >>> slab_size(1), slab_size(5000), slab_size(1_000_000), slab_size(1 << 20)
+    (4096, 8192, 1048576, 1048576)
+    >>> slab_size((1 << 20) + 1)  # 1/8 above a power of two, not twice it
+    1179648
+    """
+    if size <= PAGE:
+        return PAGE
+    step = max(PAGE, (1 << (size.bit_length() - 1)) // SIZES_PER_DOUBLING)
+    return -(-size // step) * step
+
+
+def power_of_two(size: int) -> int:
+    """What PyTorch's pinned allocator keeps for ``size`` bytes: the power of two above.
+
+    >>> power_of_two(3), power_of_two(4096), power_of_two(4097)
+    (4, 4096, 8192)
+    """
+    return 1 << (size - 1).bit_length()
 
 
 def pin_threads(cpus: int) -> int:
@@ -81,21 +133,25 @@ def pin_threads(cpus: int) -> int:
     return max(1, min(MAX_PIN_THREADS, cpus // 2))
 
 
-def _registered(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Ordinary host memory of exactly ``nbytes``, page-locked with the CUDA driver.
+def _registered(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Ordinary host memory of exactly ``size`` bytes, page-locked with the CUDA driver.
 
     cudaHostRegister pins the pages of memory the process already has, so the slab is
     the size asked for (PyTorch's pinned allocator would round it up to a power of two).
+    Its pages are touched first, one byte each, as PyTorch does before registering:
+    the driver would otherwise fault them in itself, under its global lock.
 
     Raises:
         RuntimeError: The driver refused (the memlock limit, a cgroup's, no memory).
     """
-    slab = torch.empty(nbytes, dtype=torch.uint8)
+    slab = torch.empty(size, dtype=torch.uint8)
+    slab[::PAGE].zero_()
     runtime = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # untyped in PyTorch
     pointer = slab.data_ptr()
-    error = runtime.cudaHostRegister(pointer, nbytes, 1)  # portable: pinned for every device
-    if int(error) != 0:
-        msg = f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(error)}."
+    error = int(runtime.cudaHostRegister(pointer, size, 1))  # portable: for every device
+    if error != 0:
+        said = runtime.cudaGetErrorString(error)
+        msg = f"cudaHostRegister of {size} bytes failed with CUDA error {error} ({said})"
         raise RuntimeError(msg)
 
     def release() -> None:
@@ -104,17 +160,29 @@ def _registered(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
     return slab, release
 
 
-def pinned_by_torch(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Page-locked memory from PyTorch's allocator, for accelerators without registration."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), lambda: None
+def _pinned_by_torch(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Page-locked memory from PyTorch's allocator, for accelerators without registration.
+
+    Its release gives the block back to PyTorch's cache of pinned blocks, which keeps it.
+    """
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True), lambda: None
 
 
-ALLOCATORS: dict[str, SlabAllocator] = {
+def _pageable(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    return torch.empty(size, dtype=torch.uint8), lambda: None
+
+
+BY_TORCH: Final = Pinning(_pinned_by_torch, power_of_two)
+"""PyTorch's pinned allocator: a block of the power of two above, kept once released."""
+PAGEABLE: Final = Pinning(_pageable, exact)
+"""Ordinary memory standing in for page-locked memory where nothing can be pinned: what
+the tests and the benchmarks register for their stand-in device."""
+ALLOCATORS: dict[str, Pinning] = {
     # ROCm's builds are "cuda" too, but registration is CUDA's: there, PyTorch's allocator.
-    "cuda": _registered if torch.version.hip is None else pinned_by_torch,
+    "cuda": Pinning(_registered, exact) if torch.version.hip is None else BY_TORCH,
 }
-"""How slabs are page-locked, by device type; others use PyTorch's pinned allocator. The
-seam: tests and the benchmarks register a stand-in for their device here."""
+"""How slabs are page-locked, by device type; others use :data:`BY_TORCH`. The seam:
+tests and the benchmarks register :data:`PAGEABLE` for their stand-in device here."""
 
 
 class PoolFigures(NamedTuple):
@@ -123,16 +191,19 @@ class PoolFigures(NamedTuple):
     staged: int = 0  # batches staged in a slab
     reused: int = 0  # of them, in a slab the pool had already page-locked
     unpinned: int = 0  # batches copied from pageable memory instead
+    crowded: int = 0  # of them, because batches of other live epochs held every slab
     peak_bytes: int = 0  # the most page-locked bytes the pool held at once
+    slabs: int = 0  # slabs page-locked
 
 
 class Lease:
     """A slab in use, from its batch's staging until its copy has finished."""
 
-    __slots__ = ("copy_done", "finished", "pool", "slab")
+    __slots__ = ("copy_done", "epoch", "finished", "pool", "slab")
 
-    def __init__(self, pool: StagingPool, slab: torch.Tensor) -> None:
+    def __init__(self, pool: StagingPool, slab: torch.Tensor, epoch: object) -> None:
         self.pool, self.slab = pool, slab
+        self.epoch = epoch  # the feed's stop event: which live epoch's batch holds it
         self.copy_done: CopyDone | None = None  # set when the copy is issued
         self.finished = False  # waited for: its copy has ended
 
@@ -140,17 +211,28 @@ class Lease:
         """The batch's copy was issued: the slab is free again once ``copy_done`` says so."""
         self.pool.copying(self, copy_done)
 
+    def release(self) -> None:
+        """The batch was dropped before its copy (or its staging failed): free at once."""
+        self.pool.release(self)
+
 
 class StagingPool:
-    """Page-locked slabs of exact sizes, reused across batches, within a cap in bytes.
+    """Page-locked slabs, reused across batches, within a cap in bytes.
 
-    ``limit`` is the cap; None caps it at ``batches`` times the largest batch staged so
-    far (what that many batches in flight need). Thread-safe: the feed thread acquires,
-    the training thread marks copies issued, a dropped batch releases from anywhere.
+    ``limit`` is the cap; None caps it at ``batches`` slabs for the largest batch staged
+    so far (what that many batches in flight need). ``kept`` is what page-locking keeps
+    for a request (see :class:`Pinning`). Thread-safe: the feed thread acquires, the
+    training thread marks copies issued, a dropped batch releases from anywhere.
     """
 
-    def __init__(self, limit: int | None, batches: int, allocate: SlabAllocator) -> None:
-        self.limit, self._batches, self._allocate = limit, batches, allocate
+    def __init__(
+        self,
+        limit: int | None,
+        batches: int,
+        allocate: Callable[[int], tuple[torch.Tensor, Callable[[], None]]],
+        kept: Callable[[int], int] = exact,
+    ) -> None:
+        self.limit, self._batches, self._allocate, self._kept = limit, batches, allocate, kept
         self._largest = 0
         self._free: list[torch.Tensor] = []
         self._releases: dict[int, Callable[[], None]] = {}  # by slab id: its unlock
@@ -167,7 +249,9 @@ class StagingPool:
     @property
     def cap(self) -> int:
         """The most page-locked bytes the pool may hold now."""
-        return self.limit if self.limit is not None else self._batches * self._largest
+        if self.limit is not None:
+            return self.limit
+        return self._batches * self._kept(slab_size(self._largest)) if self._largest else 0
 
     @property
     def figures(self) -> PoolFigures:
@@ -175,21 +259,27 @@ class StagingPool:
         with self._changed:
             return self._figures
 
-    def acquire(self, size: int, stop: threading.Event) -> Lease | None:
+    def acquire(self, size: int, stop: threading.Event | None) -> Lease | None:
         """A slab of at least ``size`` bytes, held; None: copy this batch from pageable memory.
 
-        Waits while the cap is reached for a copy to finish (or a held batch to be
-        dropped), and gives up where ``stop`` is set. None where the batch is larger than
-        the cap, page-locking failed, or the pool is closed.
+        ``stop`` is the asking feed's (None: the thread that issues the copies asks). Waits
+        while the cap is reached for a copy to finish, or for a batch this feed read ahead
+        to be copied, giving up where ``stop`` is set. None, counted as unpinned, where the
+        batch is larger than the cap, page-locking failed, the pool is closed, or only
+        batches of other live epochs (a peek, a nested loop) hold the slabs: their loop
+        may be the one waiting for this batch.
         """
         while True:
             with self._changed:
-                lease, oldest = self._try(size)
+                lease, oldest = self._try(size, stop)
                 if lease is not None or oldest is None:
                     if lease is None:
                         self._count(unpinned=1)
                     return lease
                 if oldest is _HELD:  # only batches not yet copied hold the slabs
+                    if stop is None or all(held.epoch is not stop for held in self._held):
+                        self._count(unpinned=1, crowded=1)
+                        return None
                     self._changed.wait(_WAIT_POLL_S)
                     if stop.is_set():
                         return None
@@ -198,37 +288,50 @@ class StagingPool:
             # Ended, whatever the timer says: one that cannot time says None even then.
             oldest.finished = True
 
-    def _try(self, size: int) -> tuple[Lease | None, Any]:
+    def _try(self, size: int, epoch: object) -> tuple[Lease | None, Any]:
         """A lease now, or what to wait for: the oldest copy's lease, or _HELD; else None."""
         if self._closed or self.failure is not None:
             return None, None
-        if self.limit is None and size > self._largest:
-            self._largest = size
-        if size > self.cap:
+        self._largest = max(self._largest, size)
+        if self._kept(size) > self.cap:
             return None, None
         self._reclaim()
         fits = [index for index, slab in enumerate(self._free) if slab.numel() >= size]
         if fits:
             slab = self._free.pop(min(fits, key=lambda index: self._free[index].numel()))
             self._count(staged=1, reused=1)
-            return self._lease(slab), None
+            return self._lease(slab, epoch), None
         self._free.sort(key=torch.Tensor.numel)  # the smallest go first: least use later
-        while self._free and self._bytes + size > self.cap:
+        want = self._kept(self._new_slab(size))
+        while self._free and self._bytes + want > self.cap:
             self._drop(self._free.pop(0))
-        if self._bytes + size > self.cap:
+        if self._bytes + want > self.cap:
+            want = self._kept(size)  # room for this batch alone
+        if self._bytes + want > self.cap:
             return None, self._copying[0] if self._copying else _HELD
         try:
-            slab, release = self._allocate(size)
+            slab, release = self._allocate(want)
         except RuntimeError as error:
-            self._failed(error, size)
+            self._failed(error, want)
             return None, None
         self._releases[id(slab)] = release
-        self._bytes += size
-        self._count(staged=1, peak_bytes=self._bytes)
-        return self._lease(slab), None
+        self._bytes += want
+        self._count(staged=1, slabs=1, peak_bytes=self._bytes)
+        return self._lease(slab, epoch), None
 
-    def _lease(self, slab: torch.Tensor) -> Lease:
-        lease = Lease(self, slab)
+    def _new_slab(self, size: int) -> int:
+        """The bytes of a new slab for a batch of ``size``: the largest batch's, rounded.
+
+        Batches after it then fit it too. Under a user's limit, rounded no further than
+        leaves room for as many batches of ``size`` as exact slabs would.
+        """
+        rounded = slab_size(self._largest)
+        if self.limit is not None:
+            rounded = min(rounded, max(size, self.limit // max(1, self.limit // size)))
+        return rounded
+
+    def _lease(self, slab: torch.Tensor, epoch: object) -> Lease:
+        lease = Lease(self, slab, epoch)
         self._held.add(lease)
         return lease
 
@@ -240,13 +343,21 @@ class StagingPool:
             self._give_back(self._copying.popleft().slab)
 
     def copying(self, lease: Lease, copy_done: CopyDone) -> None:
-        """``lease``'s copy was issued; its slab is reused once ``copy_done`` says it ended."""
+        """``lease``'s copy was issued; its slab is reused once ``copy_done`` says it ended.
+
+        On a closed pool the copy is waited for here, and the slab given back: nothing
+        else would look at it again.
+        """
         with self._changed:
-            if lease in self._held:
-                self._held.discard(lease)
-                lease.copy_done = copy_done
-                self._copying.append(lease)
-                self._changed.notify_all()  # a wait for held slabs now waits for this copy
+            if lease not in self._held:
+                return
+            self._held.discard(lease)
+            lease.copy_done = copy_done
+            self._copying.append(lease)
+            self._changed.notify_all()  # a wait for held slabs now waits for this copy
+            closed = self._closed
+        if closed:
+            self.wait_for_copies()
 
     def release(self, lease: Lease) -> None:
         """Give back the slab of a batch dropped before its copy was issued."""
@@ -278,10 +389,12 @@ class StagingPool:
         # Free slabs are given back first: the limit may allow this slab without them.
         while self._free:
             self._drop(self._free.pop())
-        self.failure = (
-            f"page-locking {nbytes(size)} failed ({error}); the memlock limit (ulimit -l) "
-            "or a container's limit may be too low for it"
-        )
+        said = str(error).rstrip(".")
+        self.failure = f"page-locking {nbytes(size)} failed ({said})"
+        if "out of memory" in said or "error 2 " in said:  # cudaErrorMemoryAllocation
+            self.failure += (
+                "; the memlock limit (ulimit -l) or a container's limit may be too low for it"
+            )
         msg = (
             f"DeviceDataLoader could not pin a batch: {self.failure}. Its batches are copied "
             "from pageable memory from now on, slower and blocking the training thread. "
@@ -290,13 +403,18 @@ class StagingPool:
         warn(msg, RuntimeWarning)
 
     def close(self) -> None:
-        """Give back every free slab now, and each one in use as its copy finishes."""
+        """Give back every slab: the free ones, and those in copies, once the copies end.
+
+        The copies in flight (at most ``prefetch``) are waited for here. A batch staged
+        but not yet copied gives its slab back as it is dropped, or once its copy ends.
+        """
         with self._changed:
             self._closed = True
-            self._reclaim()
+            self._changed.notify_all()
+        self.wait_for_copies()
+        with self._changed:
             while self._free:
                 self._drop(self._free.pop())
-            self._changed.notify_all()
 
     def wait_for_copies(self) -> None:
         """Wait until every issued copy has finished, and give their slabs back."""
@@ -316,33 +434,77 @@ _HELD: Final = object()  # what a full pool waits for: a batch that was not yet 
 class Staged:
     """A batch as the feed thread readied it: its large tensors in a slab, its bytes known.
 
+    ``source_read`` is set once the batch no longer reads the source's memory: its copy
+    was issued (or it was dropped). None where it never did: every host tensor is in the
+    slab already, or it has none. A source may refill its buffers once it is set.
     Dropped before its copy was issued (an epoch left early), it gives its slab back.
     """
 
-    __slots__ = ("batch", "lease", "nbytes")
+    __slots__ = ("batch", "lease", "nbytes", "source_read")
 
-    def __init__(self, batch: Any, lease: Lease | None, size: int) -> None:
+    def __init__(
+        self, batch: Any, lease: Lease | None, size: int, *, reads_source: bool = False
+    ) -> None:
         self.batch, self.lease, self.nbytes = batch, lease, size
+        self.source_read = threading.Event() if reads_source else None
 
     def copy_issued(self, copy_done: CopyDone) -> None:
         """The batch's copy was issued; ``copy_done`` says when its slab may be reused."""
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.copying(copy_done)
+        if self.source_read is not None:
+            self.source_read.set()
 
     def __del__(self) -> None:
         if self.lease is not None:
-            self.lease.pool.release(self.lease)
+            self.lease.release()
+        if self.source_read is not None:
+            self.source_read.set()
 
 
 def _stageable(tensor: torch.Tensor) -> bool:
-    """A large host tensor worth its own copy into a slab: plain, strided, not pinned."""
+    """A large host tensor worth its own copy into a slab: plain, strided, not pinned.
+
+    One that requires grad is left to its copy: autograd then records the copy to the
+    device from the source, as ``to_device`` does (filled into a slab, on several
+    threads at once, its graph would end at the slab).
+    """
     return (
         type(tensor) is torch.Tensor
         and tensor.layout is torch.strided
         and not tensor.is_quantized
+        and not tensor.requires_grad
         and not tensor.is_pinned()
     )
+
+
+def _reads_source(leaf: Any) -> bool:
+    """Whether ``leaf``'s copy, once issued, reads memory the source may refill.
+
+    A host tensor does, and an object that moves itself (it copies its own tensors then).
+    """
+    if isinstance(leaf, torch.Tensor):
+        return leaf.is_cpu
+    return leaf_how(type(leaf)).leaf in _MOVES_ITSELF
+
+
+_MOVES_ITSELF: Final = frozenset({Leaf.RULE, Leaf.TO_METHOD, Leaf.CACHE})
+
+
+class _Batch:
+    """One batch's staging, as the walk carries it (see :meth:`Stager.stage`)."""
+
+    __slots__ = ("failed", "lease", "moving", "reads_source", "stop")
+
+    def __init__(self, stop: threading.Event | None) -> None:
+        self.stop = stop
+        self.lease: Lease | None = None
+        self.moving = 0  # every distinct host tensor's bytes: what the copy will move
+        self.reads_source = False
+        # Set once a leaf has raised: the walk then moves each leaf again, alone, to name
+        # the one that fails, and that search must take no slab.
+        self.failed = False
 
 
 class Stager:
@@ -352,55 +514,93 @@ class Stager:
     staging buffer pinned already, and staging them too would copy them twice. Objects
     that move themselves (a TensorDict, a graph, a PackedSequence) are pinned by their
     own ``pin_memory()`` on a shallow copy, as PyTorch's pin-memory thread pins them.
+
+    Made in the training thread: the pinning threads start here, each on one core, and
+    the process's intra-op thread count is put back once they have (see
+    :func:`~devicekit._loader._cpus.start_on_one_core`). After :meth:`close`, a batch
+    still being staged is filled on the thread that stages it.
     """
 
     def __init__(self, pool: StagingPool, threads: int) -> None:
         self.pool = pool
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
+        if threads > 1:
+            executor = self._executor = ThreadPoolExecutor(threads - 1, "devicekit-pin")
+            start_on_one_core(
+                lambda settle: [executor.submit(settle) for _ in range(threads - 1)],
+                threads - 1,
+            )
 
-    def stage(self, batch: Any, stop: threading.Event) -> Staged:
-        """``batch`` with its large host tensors in one slab (aliases stay aliases)."""
-        found: list[tuple[Lease | None, int]] = []  # the slab and the bytes to move
-        moved = map_flat(self._staged_leaves, batch, (found, stop))
-        return Staged(moved, *found[0]) if found else Staged(moved, None, 0)
+    def stage(self, batch: Any, stop: threading.Event | None) -> Staged:
+        """``batch`` with its large host tensors in one slab (aliases stay aliases).
 
-    def _staged_leaves(
-        self,
-        leaves: list[Any],
-        active: Any,
-        state: tuple[list[tuple[Lease | None, int]], threading.Event],
-    ) -> list[Any]:
-        found, stop = state  # leaves: a list of flatten's own, changed in place
+        ``stop``: as :meth:`StagingPool.acquire` takes it (None from the training thread).
+        """
+        job = _Batch(stop)
+        try:
+            moved = map_flat(self._staged_leaves, batch, job)
+        except BaseException:
+            if job.lease is not None:
+                job.lease.release()
+            raise
+        return Staged(moved, job.lease, job.moving, reads_source=job.reads_source)
+
+    def _staged_leaves(self, leaves: list[Any], active: Any, job: _Batch) -> list[Any]:
+        """Stage ``leaves`` (a list of flatten's own, changed in place) for ``job``."""
+        if job.failed:  # looking for the leaf that failed: pin each object, take no slab
+            for index in active:
+                leaf = leaves[index]
+                if not isinstance(leaf, torch.Tensor) and _pins_itself(leaf):
+                    copy.copy(leaf).pin_memory()
+            return leaves
+        try:
+            self._stage_leaves(leaves, active, job)
+        except BaseException:
+            job.failed = True
+            if job.lease is not None:
+                job.lease.release()
+                job.lease = None
+            raise
+        return leaves
+
+    def _stage_leaves(self, leaves: list[Any], active: Any, job: _Batch) -> None:
         large: dict[int, torch.Tensor] = {}
-        moving = 0  # every host tensor's bytes: what the copy will move
+        counted: set[int] = set()  # a tensor in two places is copied, and counted, once
         selves: dict[int, Any] = {}
+        moving, reads = 0, False
         for index in active:
             leaf = leaves[index]
             if isinstance(leaf, torch.Tensor):
-                if leaf.is_cpu:
-                    size = leaf.nbytes
-                    moving += size
-                    if size > PACK_MAX_BYTES and id(leaf) not in large and _stageable(leaf):
-                        large[id(leaf)] = leaf
-            elif callable(getattr(leaf, "pin_memory", None)) and (
-                leaf_how(type(leaf)).leaf is Leaf.TO_METHOD
-            ):
+                key = id(leaf)
+                if key in counted or not leaf.is_cpu:
+                    continue
+                counted.add(key)
+                size = stored_bytes(leaf)
+                moving += size
+                if size > PACK_MAX_BYTES and _stageable(leaf):
+                    large[key] = leaf
+                else:  # its copy reads it where the source put it
+                    reads = True
+            elif _pins_itself(leaf):
                 if id(leaf) not in selves:
                     selves[id(leaf)] = copy.copy(leaf).pin_memory()
                 leaves[index] = selves[id(leaf)]
-        lease = None
-        if large:
-            offsets, size = _layout(large.values())
-            lease = self.pool.acquire(size, stop)
-            if lease is not None:
-                copies = self._fill(lease.slab, large.values(), offsets)
-                for index in active:
-                    leaf = leaves[index]
-                    if isinstance(leaf, torch.Tensor) and id(leaf) in copies:
-                        leaves[index] = copies[id(leaf)]
-        found.append((lease, moving))
-        return leaves
+            elif leaf_how(type(leaf)).leaf in _MOVES_ITSELF:
+                reads = True
+        job.moving, job.reads_source = moving, reads
+        if not large:
+            return
+        offsets, size = _layout(large.values())
+        job.lease = self.pool.acquire(size, job.stop)
+        if job.lease is None:  # copied from pageable memory: from the source's
+            job.reads_source = True
+            return
+        copies = self._fill(job.lease.slab, large.values(), offsets)
+        for index in active:
+            leaf = leaves[index]
+            if isinstance(leaf, torch.Tensor) and id(leaf) in copies:
+                leaves[index] = copies[id(leaf)]
 
     def _fill(
         self, slab: torch.Tensor, tensors: Any, offsets: list[int]
@@ -417,15 +617,11 @@ class Stager:
                 target = target.as_strided(like.shape, like.stride())
             copies[id(tensor)] = target
             pieces += _pieces(target, tensor, self.threads)
-        if len(pieces) == 1 or self.threads == 1:
+        executor = self._executor  # None once closed: this thread copies every piece
+        if len(pieces) == 1 or executor is None:
             for target, source in pieces:
                 target.copy_(source)
             return copies
-        executor = self._executor
-        if executor is None:
-            executor = self._executor = ThreadPoolExecutor(
-                self.threads - 1, "devicekit-pin", initializer=torch.set_num_threads, initargs=(1,)
-            )
         # This thread copies the first piece itself: one hand-off fewer.
         futures: list[Future[Any]] = [
             executor.submit(target.copy_, source) for target, source in pieces[1:]
@@ -437,11 +633,18 @@ class Stager:
         return copies
 
     def close(self) -> None:
-        """Stop the pinning threads; the pool gives its slabs back as their copies end."""
+        """Stop the pinning threads, and give back the pool's slabs (see StagingPool.close)."""
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False)
         self.pool.close()
+
+
+def _pins_itself(leaf: Any) -> bool:
+    """An object that moves itself and has a ``pin_memory()`` (TensorDict, a graph, ...)."""
+    return callable(getattr(leaf, "pin_memory", None)) and (
+        leaf_how(type(leaf)).leaf is Leaf.TO_METHOD
+    )
 
 
 def _layout(tensors: Any) -> tuple[list[int], int]:
@@ -469,7 +672,14 @@ def _pieces(
     yield from zip(target.tensor_split(count, dim), source.tensor_split(count, dim), strict=True)
 
 
-def measured(batch: Any, stop: threading.Event) -> Staged:
+def measured(batch: Any, stop: threading.Event | None) -> Staged:
     """``batch`` as it is, with the bytes its copy will move: where devicekit does not pin."""
-    tensors = (leaf for leaf in flatten(batch).leaves if isinstance(leaf, torch.Tensor))
-    return Staged(batch, None, sum(tensor.nbytes for tensor in tensors if tensor.is_cpu))
+    flat = flatten(batch)
+    leaves = {id(leaf): leaf for leaf in (flat.leaves[index] for index in flat.active)}
+    size = sum(
+        stored_bytes(leaf)
+        for leaf in leaves.values()
+        if isinstance(leaf, torch.Tensor) and leaf.is_cpu
+    )
+    reads = any(_reads_source(leaf) for leaf in leaves.values())
+    return Staged(batch, None, size, reads_source=reads)

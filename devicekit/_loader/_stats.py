@@ -129,7 +129,9 @@ class LoaderStats:
     """This epoch's batches copied from pageable memory, which blocks the training thread:
     larger than the pool's cap, or met after page-locking failed (``unpinned_why``)."""
     unpinned_why: str | None = None
-    """Why page-locking failed, where it did (the loader warned once); else None."""
+    """Why batches were not pinned, where their size was not the reason: page-locking
+    failed (the loader warned once), or another live epoch's batches held the memory.
+    Else None."""
     finished: bool = False
     """Whether the epoch ran to its end; False while it runs, or when it was left early."""
     read_ahead: bool = False
@@ -258,10 +260,10 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     >>> samples_in((torch.zeros(35, 20), torch.zeros(7, 20)), dim=-1)[0]
     20
     """
-    # A tensor has dimension dim where its rank is above this: dim=-1 needs one dimension.
-    below = dim if dim >= 0 else -dim - 1
     if type(batch) is torch.Tensor:
-        return (batch.shape[dim], WHOLE, False) if batch.dim() > below else (None, NOWHERE, False)
+        size = _size_along(batch, dim)
+        # A nested tensor is looked at whole each batch: its shape cannot be read.
+        return (None, NOWHERE, False) if size is None else (size, _where(batch, WHOLE), False)
     node = decide(type(batch)).read
     if not isinstance(node, Node):
         return None, NOWHERE, False
@@ -281,12 +283,16 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
     if sequence and dim == 0 and _per_sample(batch):
         lengths.insert(0, (len(batch), WHOLE))
     # The entries that are tensors themselves, by identity: the first entry that holds one.
-    direct = {id(child): key for key, child in reversed(entries) if isinstance(child, torch.Tensor)}
+    direct = {
+        id(child): _where(child, key)
+        for key, child in reversed(entries)
+        if isinstance(child, torch.Tensor)
+    }
     # (a size along dim, the entry it is read from, whether it may share)
     sizes = [
-        (leaf.shape[dim], direct.get(id(leaf), NOWHERE), leaf.numel() != 1)
+        (size, direct.get(id(leaf), NOWHERE), leaf.numel() != 1)
         for leaf in leaves
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > below
+        if isinstance(leaf, torch.Tensor) and (size := _size_along(leaf, dim)) is not None
     ]
     voters = [size for size, _, votes in sizes if votes]
     shared = [size for size in set(voters) if voters.count(size) >= 2]
@@ -298,6 +304,27 @@ def samples_in(batch: Any, dim: int = 0) -> tuple[int | None, Any, bool]:
         return None, NOWHERE, False
     key = next((key for size, key, _ in sizes if size == found and key is not NOWHERE), NOWHERE)
     return found, key, False
+
+
+def _size_along(tensor: torch.Tensor, dim: int) -> int | None:
+    """``tensor``'s size along ``dim`` (from the last where negative); None where it has none.
+
+    A nested tensor's samples are its components, along dimension 0; its other
+    dimensions are ragged, and count none.
+    """
+    if tensor.is_nested:
+        return tensor.size(0) if dim == 0 else None
+    # A tensor has dimension dim where its rank is above this: dim=-1 needs one dimension.
+    below = dim if dim >= 0 else -dim - 1
+    return tensor.shape[dim] if tensor.dim() > below else None
+
+
+def _where(tensor: torch.Tensor, key: Any) -> Any:
+    """``key``, where later batches may be counted by reading ``tensor``'s place again.
+
+    Not for a nested tensor, whose shape cannot be read: each batch is looked at whole.
+    """
+    return NOWHERE if tensor.is_nested else key
 
 
 def dataloader_counting(loader: object) -> Counting:

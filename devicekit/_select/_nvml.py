@@ -143,7 +143,12 @@ def _read_link(nvml: Any, handle: Any) -> LinkPeak | None:
     current figures would judge a copy against a link that is not the one it runs on.
     NVML's maximum is the device's and the system's both (a gen5 GPU in a gen4 slot says
     4). Where NVML does not give it (some boards), the current figure is taken.
+
+    None where the GPU reaches host memory over NVLink-C2C (GH200, GB200: about 350 GB/s
+    measured, ten times its PCIe link's): its copies do not use the PCIe link.
     """
+    if _over_c2c(nvml, handle):
+        return None
     generation = _asked(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", handle) or _asked(
         nvml, "nvmlDeviceGetCurrPcieLinkGeneration", handle
     )
@@ -154,6 +159,17 @@ def _read_link(nvml: Any, handle: Any) -> LinkPeak | None:
         return None
     peak = pcie_peak(generation, width)
     return None if peak is None else LinkPeak(generation, width, peak)
+
+
+def _over_c2c(nvml: Any, handle: Any) -> bool:
+    """Whether NVML says the GPU's host link is NVLink-C2C; False where it cannot tell."""
+    query = getattr(nvml, "nvmlDeviceGetC2cModeInfoV", None)  # nvidia-ml-py 12.550 and later
+    if query is None:
+        return False
+    try:
+        return bool(query(handle).isC2cEnabled)
+    except nvml.NVMLError:  # a driver before the query, a board without C2C, MIG handles
+        return False
 
 
 def _utilization(nvml: Any, handle: Any) -> float | None:
