@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib
 import os
 from collections import namedtuple
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+
+import devicekit as dk
 
 from .reference import tensors_of
 
@@ -46,6 +48,30 @@ class PinRecorder:
     def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.pinned.append(tensor)
         return tensor.clone()
+
+
+class HostCopies:
+    """A Prefetcher (the loader's seam) that copies each batch on the host as it is issued.
+
+    As a device copy does, it reads the batch's host memory when it is issued, so a
+    source that refilled that memory earlier would change what arrives. Each copy "takes"
+    1 ms, known at once.
+    """
+
+    def __init__(self, device: torch.device, non_blocking: object) -> None:
+        pass
+
+    def start(self, batch: Any) -> Any:
+        return dk.to_device(batch, "cpu", copy=True)
+
+    def hand_over(self, ticket: Any) -> Any:
+        return ticket
+
+    def consumer_done(self) -> None:
+        pass
+
+    def timer(self, ticket: Any) -> Callable[[bool], float | None]:
+        return lambda wait: 0.001
 
 
 def tensor_leaves(data: Any) -> Iterator[torch.Tensor]:

@@ -29,7 +29,7 @@ import devicekit as dk
 from devicekit._loader import _loader, _pipeline, _staging
 
 from .conftest import WATCHDOG_S, Hang
-from .helpers import META
+from .helpers import META, HostCopies
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
@@ -845,30 +845,6 @@ def test_the_first_batch_arrives_while_the_second_is_still_being_read(
 # after a staging error, and the process's thread count, each under the watchdog.
 
 
-class Copying:
-    """A Prefetcher that copies each batch when its copy is issued, as a device copy does.
-
-    On an accelerator a batch's copy reads its host memory when it is issued (small
-    tensors are gathered into a pinned buffer, pageable ones staged by the driver), so a
-    source that refills its memory before then changes what arrives.
-    """
-
-    def __init__(self, device: torch.device, non_blocking: object) -> None:
-        pass
-
-    def start(self, batch: Any) -> Any:
-        return dk.to_device(batch, "cpu", copy=True)
-
-    def hand_over(self, ticket: Any) -> Any:
-        return ticket
-
-    def consumer_done(self) -> None:
-        pass
-
-    def timer(self, ticket: Any) -> Callable[[bool], float | None]:
-        return lambda wait: 0.001
-
-
 class Refilled:
     """A reader that refills one preallocated buffer for every batch it yields.
 
@@ -894,7 +870,7 @@ class Refilled:
 def test_a_source_that_refills_one_buffer_gets_every_batch_right(
     prefetch: int, numel: int, pin: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Copying)
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
     monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
     source = Refilled(8, numel)
     plain = [(batch["image"][0].item(), batch["label"][0].item()) for batch in source]
@@ -912,7 +888,7 @@ def test_a_source_that_refills_one_buffer_gets_every_batch_right(
 def test_live_epochs_of_large_batches_share_the_pinned_memory_without_a_hang(
     loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Copying)
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
     monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
     batches = [torch.full((1 << 14,), float(index)) for index in range(6)]
     loader = dk.DeviceDataLoader(batches, META)
@@ -983,7 +959,7 @@ class FailsToPin:
 
 
 def test_an_epoch_after_a_staging_error_runs_to_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", Copying)
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
     monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
     monkeypatch.setattr(FailsToPin, "failed", False)
     large = 1 << 14  # float32 elements: staged in a slab

@@ -34,7 +34,7 @@ from devicekit._loader import _loader, _staging, _stats
 from devicekit._loader._recorder import PER_BATCH_KEPT
 from devicekit._loader._stats import HANDOVER_S, Counting, LoaderStats, Setup, samples_in, verdict
 
-from .helpers import META
+from .helpers import META, HostCopies
 
 SOURCE_S, STEP_S = 0.030, 0.005  # input-bound: the loop waits 30 of every 35 ms
 COPY_S = 0.004
@@ -981,25 +981,6 @@ def test_a_loop_over_cheap_batches_from_a_generator_is_not_told_to_add_workers()
 # Round seven: the figures say what happened.
 
 
-class HostCopy:
-    """A Prefetcher that copies each batch on the host when it is issued, each copy 1 ms."""
-
-    def __init__(self, device: torch.device, non_blocking: object) -> None:
-        pass
-
-    def start(self, batch: Any) -> Any:
-        return dk.to_device(batch, "cpu", copy=True)
-
-    def hand_over(self, ticket: Any) -> Any:
-        return ticket
-
-    def consumer_done(self) -> None:
-        pass
-
-    def timer(self, ticket: Any) -> Callable[[bool], float | None]:
-        return lambda wait: 0.001
-
-
 LARGE = 1 << 14  # float32 elements: a tensor staged in the loader's pinned pool
 
 
@@ -1007,7 +988,7 @@ LARGE = 1 << 14  # float32 elements: a tensor staged in the loader's pinned pool
 def test_batches_read_in_the_training_thread_are_pinned_and_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopy)
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
     monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
 
     def drawing() -> Iterator[torch.Tensor]:  # augmentation: every read draws
@@ -1029,7 +1010,7 @@ def test_batches_read_in_the_training_thread_are_pinned_and_counted(
 def test_a_tensor_in_two_places_of_a_batch_is_copied_and_counted_once(
     pin: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopy)
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
     monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
     images = [torch.randn(LARGE) for _ in range(6)]
     # An autoencoder's batch: the input is its own target.
@@ -1045,7 +1026,7 @@ def test_a_tensor_in_two_places_of_a_batch_is_copied_and_counted_once(
 def test_a_sparse_tensor_in_a_batch_is_copied_and_counted(
     pin: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopy)
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
     monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
     adjacency = torch.eye(4).to_sparse()  # 2 x 4 int64 indices, 4 float32 values: 80 bytes
     batches = [{"adjacency": adjacency, "features": torch.randn(LARGE)} for _ in range(4)]

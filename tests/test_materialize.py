@@ -607,6 +607,31 @@ def test_a_transformers_model_built_on_meta_from_its_config() -> None:
 
 # FSDP2: two gloo ranks, each materializing its shards of one model.
 
+# How each rank's script ends: one collective more (a rank hung in an earlier one fails
+# the run at its timeout), then what it found, in a file of its own.
+# Indented as the scripts are: each is dedented after this is added to it.
+REPORT_AND_EXIT = """
+    seven = torch.tensor([7])
+    dist.all_reduce(seven)
+    found["then"] = seven.item()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
+        json.dump(found, out)
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of the group: gloo's can wait on a peer that has left
+    """
+
+
+def _found_by_each_rank(
+    script: str, tmp_path: Path, start_two_ranks: TwoRanks, timeout: float
+) -> list[dict[str, Any]]:
+    """Run ``script`` on two ranks; what each found, in rank order."""
+    path = tmp_path / "ranks.py"
+    path.write_text(script)
+    result = start_two_ranks(path, tmp_path, timeout=timeout)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
 FSDP_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
@@ -682,14 +707,8 @@ FSDP_SCRIPT = textwrap.dedent(
     except dk.DeviceKitError as error:
         found["refused"] = str(error)
     found["meta again"] = all(p.is_meta for p in broken.parameters())
-    seven = torch.tensor([7])
-    dist.all_reduce(seven)
-    found["then"] = seven.item()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
-        json.dump(found, out)
-    sys.stdout.flush()
-    os._exit(0)  # no teardown of the group: gloo's can wait on a peer that has left
     """
+    + REPORT_AND_EXIT
 )
 
 
@@ -700,13 +719,7 @@ FSDP_SCRIPT = textwrap.dedent(
 def test_fsdp2_shards_built_on_meta_are_materialized_on_each_rank(
     tmp_path: Path, start_two_ranks: TwoRanks
 ) -> None:
-    script = tmp_path / "fsdp.py"
-    script.write_text(FSDP_SCRIPT)
-    result = start_two_ranks(script, tmp_path, timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    found: list[dict[str, Any]] = [
-        json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)
-    ]
+    found = _found_by_each_rank(FSDP_SCRIPT, tmp_path, start_two_ranks, timeout=300)
     for mine in found:
         assert math.isfinite(mine["loss"])
         assert mine["grads finite"]
@@ -813,14 +826,8 @@ AGREE_SCRIPT = textwrap.dedent(
             self.gain.to_local().data[0] = 1.0  # through .data: no write counted
 
     found["replicated"] = outcome(Gains(), None)
-    seven = torch.tensor([7])
-    dist.all_reduce(seven)
-    found["then"] = seven.item()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
-        json.dump(found, out)
-    sys.stdout.flush()
-    os._exit(0)  # no teardown of the group: gloo's can wait on a peer that has left
     """
+    + REPORT_AND_EXIT
 )
 
 
@@ -831,14 +838,8 @@ AGREE_SCRIPT = textwrap.dedent(
 def test_sharded_ranks_agree_when_one_rank_s_initialiser_writes_less_or_raises(
     tmp_path: Path, start_two_ranks: TwoRanks
 ) -> None:
-    script = tmp_path / "agree.py"
-    script.write_text(AGREE_SCRIPT)
     # A rank left waiting in a collective fails the test at the timeout (both ranks killed).
-    result = start_two_ranks(script, tmp_path, timeout=240)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    found: list[dict[str, Any]] = [
-        json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)
-    ]
+    found = _found_by_each_rank(AGREE_SCRIPT, tmp_path, start_two_ranks, timeout=240)
     # A plain buffer that rank 0's init writes and rank 1's does not: both refuse, alike.
     for mine in found:
         kind, said = mine["one rank writes"]
@@ -938,14 +939,8 @@ LEFT_SCRIPT = textwrap.dedent(
             module.steps[0] = 0
 
     found["first step"] = outcome(sharded(), first_step)
-    seven = torch.tensor([7])
-    dist.all_reduce(seven)
-    found["then"] = seven.item()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
-        json.dump(found, out)
-    sys.stdout.flush()
-    os._exit(0)  # no teardown of the group: gloo's can wait on a peer that has left
     """
+    + REPORT_AND_EXIT
 )
 
 
@@ -956,13 +951,7 @@ LEFT_SCRIPT = textwrap.dedent(
 def test_sharded_ranks_name_what_a_counted_write_left_on_any_rank_alike(
     tmp_path: Path, start_two_ranks: TwoRanks
 ) -> None:
-    script = tmp_path / "left.py"
-    script.write_text(LEFT_SCRIPT)
-    result = start_two_ranks(script, tmp_path, timeout=240)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    found: list[dict[str, Any]] = [
-        json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)
-    ]
+    found = _found_by_each_rank(LEFT_SCRIPT, tmp_path, start_two_ranks, timeout=240)
     for case, lines in {
         "rescaled": "\n  0.weight, after an in-place write\n  1.weight, after an in-place write\n",
         "rank 0's rows": (  # rank 1's shard, half of each weight: its rows are named

@@ -24,7 +24,7 @@ from devicekit._loader import _loader, _staging
 from devicekit._loader._staging import ALIGN, PIECE_MIN_BYTES, Staged, Stager, StagingPool
 
 from .conftest import WATCHDOG_S
-from .helpers import META
+from .helpers import META, HostCopies
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
@@ -305,27 +305,7 @@ def test_the_loader_stages_read_ahead_batches_and_reports_the_pool(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     memory = Memory()
-    copies: list[Copy] = []
-
-    class HostPrefetcher:
-        def __init__(self, device: torch.device, non_blocking: object) -> None:
-            pass
-
-        def start(self, batch: Any) -> Any:
-            copies.append(Copy())
-            copies[-1].end()  # copied at once, out of the slab, as to a device
-            return dk.to_device(batch, "cpu", copy=True)
-
-        def hand_over(self, ticket: Any) -> Any:
-            return ticket
-
-        def consumer_done(self) -> None:
-            pass
-
-        def timer(self, ticket: Any) -> Callable[[bool], float | None]:
-            return copies[-1]
-
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostPrefetcher)
+    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)  # copies as issued
     monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.Pinning(memory, _staging.exact))
     batches = [[_floats(LARGE, i)] for i in range(8)]
     loader = dk.DeviceDataLoader(batches, META, prefetch=2)
