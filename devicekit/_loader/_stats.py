@@ -129,9 +129,9 @@ class LoaderStats:
     """This epoch's batches copied from pageable memory, which blocks the training thread:
     larger than the pool's cap, or met after page-locking failed (``unpinned_why``)."""
     unpinned_why: str | None = None
-    """Why batches were not pinned, where their size was not the reason: page-locking
-    failed (the loader warned once), or another live epoch's batches held the memory.
-    Else None."""
+    """Why batches were not pinned, where their size was not the reason (page-locking
+    failed, and the loader warned once; or another live epoch's batches held the
+    memory); else None."""
     finished: bool = False
     """Whether the epoch ran to its end; False while it runs, or when it was left early."""
     read_ahead: bool = False
