@@ -31,7 +31,14 @@ from devicekit._commands import (
     train,
 )
 from devicekit._doctor import diagnose, look, refusal, report_lines, report_object
-from devicekit._select import DeviceManager, Holder, claim_holders, who_uses, whole_number
+from devicekit._select import (
+    DeviceManager,
+    Holder,
+    claim_holders,
+    family_notes,
+    who_uses,
+    whole_number,
+)
 
 
 class UserError(Exception):
@@ -266,11 +273,7 @@ def _refused_json(error: Exception) -> str:
     """
     machine = look()
     devices = tuple(info for family in machine.families for info in family.devices)
-    notes = {  # as DeviceManager.notes() says them
-        family.name: family.note
-        for family in machine.families
-        if family.note and not family.devices
-    }
+    notes = family_notes(machine.families)
     choice = {
         "selected": None,
         "reason": None,

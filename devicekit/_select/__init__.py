@@ -37,6 +37,7 @@ from devicekit._select._selection import (
     Request,
     Seen,
     choose,
+    family_notes,
 )
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "cuda_started",
     "describe",
     "directory_problem",
+    "family_notes",
     "parse_visible_devices",
     "probe",
     "repeated_visible_device",

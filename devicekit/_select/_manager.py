@@ -60,6 +60,7 @@ from devicekit._select._selection import (
     Seen,
     Wait,
     choose,
+    family_notes,
 )
 
 __all__ = ["DeviceManager", "Fallback", "Policy", "claim_holders"]
@@ -329,11 +330,7 @@ class DeviceManager:
 
     def notes(self) -> dict[str, str]:
         """Why families found nothing, by family name (``{"cuda": "no CUDA support ..."}``)."""
-        return {
-            family.name: family.note
-            for family in self._seen.families
-            if family.note and not family.devices
-        }
+        return family_notes(self._seen.families)
 
     def explain(self) -> str:
         """A few lines: what was chosen and why, the default-device rule, what was seen.

@@ -18,7 +18,7 @@ tests/test_selection.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, TypeAlias, cast
 
@@ -102,6 +102,11 @@ class Seen(NamedTuple):
     def devices(self) -> tuple[DeviceInfo, ...]:
         """Every device seen, family by family."""
         return tuple(info for family in self.families for info in family.devices)
+
+
+def family_notes(families: Iterable[Family]) -> dict[str, str]:
+    """Why families found no device, by family name (``{"cuda": "no CUDA support ..."}``)."""
+    return {family.name: family.note for family in families if family.note and not family.devices}
 
 
 class Request(NamedTuple):
