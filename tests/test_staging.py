@@ -547,3 +547,20 @@ def test_pinning_threads_leave_the_process_s_thread_count_alone() -> None:
         assert seen == [2]
     finally:
         torch.set_num_threads(count)
+
+
+def test_a_page_locking_failure_not_for_memory_does_not_blame_the_memlock_limit() -> None:
+    def registered_already(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        msg = (
+            "cudaHostRegister of 36864 bytes failed with CUDA error 712 (part or all of the "
+            "requested memory range is already mapped)"
+        )
+        raise RuntimeError(msg)
+
+    stager = Stager(StagingPool(None, 2, registered_already), threads=1)
+    with pytest.warns(RuntimeWarning, match="could not pin a batch") as said:
+        assert stager.stage([_floats(LARGE)], NEVER).lease is None
+    assert "CUDA error 712 (part or all of the requested memory range is already mapped)" in str(
+        said[0].message
+    )
+    assert "memlock" not in str(said[0].message)

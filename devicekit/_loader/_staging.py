@@ -34,8 +34,10 @@ still registered.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import mmap
+import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,6 +80,8 @@ Batches growing 1% a step page-lock a new slab every twelfth step or so, where e
 sizes page-locked one for each (``tests/test_staging.py``)."""
 PAGE: Final = mmap.PAGESIZE
 _WAIT_POLL_S: Final = 0.05  # how often a wait for a held slab looks whether to stop
+# A refusal for want of memory (cudaErrorMemoryAllocation is 2), where a limit is the cause.
+_OUT_OF_MEMORY: Final = re.compile(r"out of memory|\berror 2\b")
 
 CopyDone = Callable[[bool], "float | None"]
 """A copy's timer (the pipeline's CopyTimer): None while it runs; given True, waits."""
@@ -148,10 +152,12 @@ def _registered(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
     slab[::PAGE].zero_()
     runtime = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # untyped in PyTorch
     pointer = slab.data_ptr()
-    error = int(runtime.cudaHostRegister(pointer, size, 1))  # portable: for every device
-    if error != 0:
-        said = runtime.cudaGetErrorString(error)
-        msg = f"cudaHostRegister of {size} bytes failed with CUDA error {error} ({said})"
+    error = runtime.cudaHostRegister(pointer, size, 1)  # portable: for every device
+    if int(error) != 0:
+        msg = f"cudaHostRegister of {size} bytes failed with CUDA error {int(error)}"
+        # Its name where the binding gives it: 2 is out of memory, 712 registered already.
+        with contextlib.suppress(TypeError, RuntimeError):
+            msg += f" ({runtime.cudaGetErrorString(error)})"
         raise RuntimeError(msg)
 
     def release() -> None:
@@ -391,7 +397,7 @@ class StagingPool:
             self._drop(self._free.pop())
         said = str(error).rstrip(".")
         self.failure = f"page-locking {nbytes(size)} failed ({said})"
-        if "out of memory" in said or "error 2 " in said:  # cudaErrorMemoryAllocation
+        if _OUT_OF_MEMORY.search(said):
             self.failure += (
                 "; the memlock limit (ulimit -l) or a container's limit may be too low for it"
             )
