@@ -40,12 +40,12 @@ import re
 import stat
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, NamedTuple, overload
 
 from devicekit._select import _file_locks
+from devicekit._select._fork_locks import ForkSafeLock
 
 if sys.platform != "win32":
     import pwd
@@ -60,9 +60,10 @@ _ADVICE = (
 # Never follow a link at the last step, never wait on a FIFO, never leak into exec'd programs.
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC if sys.platform != "win32" else 0
 
-# This process's claims by GPU key; `take` and `release` change it under the lock.
+# This process's claims by GPU key; `take` and `release` change it under the lock, which
+# no fork leaves held (a forked child forgets the table: _forget_after_fork).
 _taken: dict[str, Claim] = {}
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 
 
 def claim_dir() -> Path:
@@ -408,36 +409,19 @@ def _holder(
         os.close(descriptor)
 
 
-def _before_fork() -> None:
-    _lock.acquire()  # no other thread is then inside `take` or `release`
-
-
-def _after_fork_in_parent() -> None:
-    _lock.release()
-
-
 def _forget_after_fork() -> None:
     """In a forked child: close its copies of the parent's locks, which unlocks nothing.
 
     A lock belongs to the open file both processes share: closing the child's copy leaves
     the parent's claim whole, so the claim ends with the parent, not with its last worker.
     """
-    global _lock  # noqa: PLW0603 - the child's own lock, in place of the parent's
     for claim in _taken.values():
         if claim._descriptor is not None:
             with contextlib.suppress(OSError):
                 os.close(claim._descriptor)
         claim._descriptor, claim._holders = None, 0
     _taken.clear()
-    _lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    # The lock is held across the fork, so no other thread is inside `take` or `release`
-    # with it when the child starts (that thread would not exist there to let go). The
-    # handlers look `_lock` up when they run: the child's is a new one.
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_forget_after_fork,
-    )
+    os.register_at_fork(after_in_child=_forget_after_fork)

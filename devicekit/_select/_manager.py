@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -51,6 +50,7 @@ from devicekit._select._backends import (
     describe,
 )
 from devicekit._select._fallback import Finding, Machine, why_cpu
+from devicekit._select._fork_locks import ForkSafeLock
 from devicekit._select._selection import (
     Chosen,
     Fallback,
@@ -106,9 +106,9 @@ _sleep = time.sleep
 
 # Held while a manager counts its `with` blocks and closes or claims again as a count
 # says, so that a thread entering never finds the manager half closed by one leaving.
-# Reentrant: leaving a block closes the manager, and close() takes it too. Taken by the
-# forking thread around each fork and made anew in the child, as _claims' lock is.
-_blocks_lock = threading.RLock()
+# Reentrant: leaving a block closes the manager, and close() takes it too. Made after
+# _claims' lock, so taken before it around a fork, in the order __exit__ takes the two.
+_blocks_lock = ForkSafeLock(reentrant=True)
 
 
 def _claim_key(info: DeviceInfo) -> str:
@@ -571,27 +571,3 @@ def _process_default() -> DeviceManager:
 
 # current_device()'s fallback: the process-wide manager, made on first use.
 register_process_default(lambda: _process_default().device)
-
-
-def _before_fork() -> None:
-    _blocks_lock.acquire()  # no other thread is then counting blocks
-
-
-def _after_fork_in_parent() -> None:
-    _blocks_lock.release()
-
-
-def _forget_blocks_lock() -> None:
-    global _blocks_lock  # noqa: PLW0603 - the child's own lock, in place of the parent's
-    _blocks_lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    # Held across the fork, as _claims' lock is, and taken before it (handlers registered
-    # later run first), in the order __exit__ takes the two. The handlers look the lock
-    # up when they run: the child's is a new one.
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_forget_blocks_lock,
-    )

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
 from devicekit._base import LinkPeak, register_link_reader
+from devicekit._select._fork_locks import ForkSafeLock
 from devicekit._select._launch import parse_visible_devices
 
 __all__ = [
@@ -236,28 +236,7 @@ def _binding() -> Any:
 
 
 # Held while NVML is read, and by the forking thread around each fork (see the module).
-_reading = threading.Lock()
-
-
-def _before_fork() -> None:
-    _reading.acquire()
-
-
-def _after_fork_in_parent() -> None:
-    _reading.release()
-
-
-def _after_fork_in_child() -> None:
-    global _reading  # noqa: PLW0603 - the child's own lock, in place of the forking thread's
-    _reading = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # the handlers look `_reading` up when they run
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
-    )
+_reading = ForkSafeLock()
 
 
 def unforked(read: Callable[[], _T]) -> _T:
