@@ -609,7 +609,33 @@ def test_a_transformers_model_built_on_meta_from_its_config() -> None:
 
 # How each rank's script ends: one collective more (a rank hung in an earlier one fails
 # the run at its timeout), then what it found, in a file of its own.
-# Indented as the scripts are: each is dedented after this is added to it.
+# How each rank's script begins: its group of two over gloo, a mesh, and a model of two
+# layers of a script's own kind, each sharded with FSDP2. Indented as the scripts are:
+# each is dedented after these are added to it.
+RANK_PRELUDE = """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import devicekit as dk
+
+    folder, rank = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+
+    def two_sharded(layer):
+        def sharded():
+            with torch.device("meta"):
+                model = nn.Sequential(layer(), layer())
+            for each in model:
+                fully_shard(each, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model
+
+        return sharded
+    """
 REPORT_AND_EXIT = """
     seven = torch.tensor([7])
     dist.all_reduce(seven)
@@ -633,18 +659,8 @@ def _found_by_each_rank(
 
 
 FSDP_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    import devicekit as dk
-
-    folder, rank = sys.argv[1], int(sys.argv[2])
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
+    RANK_PRELUDE
+    + """
 
     def build(layers=3):
         return nn.Sequential(
@@ -740,31 +756,15 @@ def test_fsdp2_shards_built_on_meta_are_materialized_on_each_rank(
 
 
 AGREE_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    import devicekit as dk
-
-    folder, rank = sys.argv[1], int(sys.argv[2])
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
+    RANK_PRELUDE
+    + """
 
     class Counted(nn.Linear):  # FSDP2 shards the parameters; the buffer stays a plain tensor
         def __init__(self):
             super().__init__(16, 16)
             self.register_buffer("seen", torch.empty(4))
 
-    def sharded():
-        with torch.device("meta"):
-            model = nn.Sequential(Counted(), Counted())
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+    sharded = two_sharded(Counted)
 
     def outcome(model, init):
         try:
@@ -872,18 +872,8 @@ def test_sharded_ranks_agree_when_one_rank_s_initialiser_writes_less_or_raises(
 
 
 LEFT_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    import devicekit as dk
-
-    folder, rank = sys.argv[1], int(sys.argv[2])
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
+    RANK_PRELUDE
+    + """
 
     class Counted(nn.Linear):  # FSDP2 shards the parameters; the buffer stays a plain tensor
         def __init__(self):
@@ -893,13 +883,7 @@ LEFT_SCRIPT = textwrap.dedent(
         def reset_parameters(self):  # init= writes every tensor of the layer
             pass
 
-    def sharded():
-        with torch.device("meta"):
-            model = nn.Sequential(Counted(), Counted())
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+    sharded = two_sharded(Counted)
 
     def outcome(model, init):
         try:
