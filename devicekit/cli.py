@@ -91,17 +91,11 @@ def _json(report: object) -> str:
       "name": "caf\u00e9"
     }
     """
-
-    def valid(value: object) -> object:
-        if isinstance(value, str):
-            return _SURROGATE.sub(lambda found: _escaped(found[0]), value)
-        if isinstance(value, dict):
-            return {valid(key): valid(item) for key, item in value.items()}
-        if isinstance(value, list | tuple):
-            return [valid(item) for item in value]
-        return value
-
-    return json.dumps(valid(report), indent=2)
+    # Written unescaped first, a lone surrogate can stand only inside a string: there it
+    # becomes the JSON of its escape's six characters, and the text is written again.
+    raw = json.dumps(report, ensure_ascii=False)
+    text = _SURROGATE.sub(lambda found: json.dumps(_escaped(found[0]))[1:-1], raw)
+    return json.dumps(json.loads(text), indent=2)
 
 
 def _say(*lines: str, file: Any = None, flush: bool = False) -> None:

@@ -134,16 +134,20 @@ def _parts(module: torch.nn.Module, name: str) -> Iterator[tuple[str, torch.devi
 
     A module all on one device is one part, named as the user knows it (``Net.head``);
     one split across devices gives its own parameters and buffers, then its children's
-    parts. A module holding no tensor is no part.
+    parts, in order. A module holding no tensor is no part. Walked with a stack, not by
+    recursion: a model may nest deeper than Python recurses.
     """
-    devices = {tensor.device for _, tensor in tensors_of(module, own=False)}
-    if len(devices) == 1:
-        yield name, devices.pop()
-    elif devices:
-        for key, tensor in tensors_of(module, own=True):
-            yield f"{name}.{key}", tensor.device
-        for key, child in module.named_children():
-            yield from _parts(child, f"{name}.{key}")
+    stack = [(module, name)]
+    while stack:
+        module, name = stack.pop()
+        devices = {tensor.device for _, tensor in tensors_of(module, own=False)}
+        if len(devices) == 1:
+            yield name, devices.pop()
+        elif devices:
+            for key, tensor in tensors_of(module, own=True):
+                yield f"{name}.{key}", tensor.device
+            children = [(child, f"{name}.{key}") for key, child in module.named_children()]
+            stack += reversed(children)  # the first child is taken next
 
 
 def split_model(
