@@ -29,6 +29,7 @@ __all__ = [
     "LinkPeak",
     "accelerator_type",
     "available_devices",
+    "forget_accelerator",
     "has_backend",
     "link_peak",
     "mesh_of",
@@ -50,8 +51,9 @@ Work on them runs on the calling thread (``meta`` only computes shapes), so a co
 them needs no stream to order it and nothing to wait on; every other type is an
 accelerator's. Listed in this order by :func:`available_devices`."""
 
-# Accelerator families in the order devicekit prefers them when nothing is asked for.
-_ACCELERATORS = ("cuda", "xpu", "mps")
+# Accelerator families in the order devicekit prefers them when nothing is asked for; a
+# backend registered from Python or by an extension (accelerator_type()) comes after them.
+_BUILT_IN = ("cuda", "xpu", "mps")
 _EXAMPLES = "'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
 
 # Resolutions that cannot change while the process runs: "cpu", "meta", "cuda:1".
@@ -107,7 +109,7 @@ def available_devices() -> list[str]:
     ['cpu', 'meta']
     """
     found = [
-        f"{kind}:{index}" for kind in _ACCELERATORS for index in range(_device_count(kind) or 0)
+        f"{kind}:{index}" for kind in _accelerators() for index in range(_device_count(kind) or 0)
     ]
     return [*found, *HOST_TYPES]
 
@@ -152,7 +154,25 @@ def no_backend(spec: str, device_type: str) -> str:
 @functools.cache
 def _default_family() -> str:
     """The accelerator family a bare index refers to: the first found, else cpu."""
-    return next((kind for kind in _ACCELERATORS if _device_count(kind)), "cpu")
+    return next((kind for kind in _accelerators() if _device_count(kind)), "cpu")
+
+
+def _accelerators() -> tuple[str, ...]:
+    """The accelerator families to look for: the built-in ones and the build's own."""
+    other = accelerator_type()
+    return _BUILT_IN if other is None or other in _BUILT_IN else (*_BUILT_IN, other)
+
+
+def forget_accelerator() -> None:
+    """Read the accelerator again: a backend was registered while the process ran.
+
+    devicekit reads the build's accelerator once, as fixed; a Python backend (the
+    stand-in of :mod:`devicekit.testing`) changes it.
+    """
+    for cached in (accelerator_type, _device_count, _default_family):
+        cached.cache_clear()
+    _resolved.clear()
+    _links.clear()
 
 
 def _did_you_mean(spec: str) -> str:

@@ -28,7 +28,7 @@ from devicekit._select._launch import (
     repeated_visible_device,
     whole_number,
 )
-from devicekit._select._manager import DeviceManager, claim_holders
+from devicekit._select._manager import DeviceManager, claim_holders, forget_process_default
 from devicekit._select._selection import (
     Chosen,
     Outcome,
@@ -68,6 +68,7 @@ __all__ = [
     "describe",
     "directory_problem",
     "family_notes",
+    "forget_process_default",
     "parse_visible_devices",
     "probe",
     "repeated_visible_device",

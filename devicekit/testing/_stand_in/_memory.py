@@ -1,0 +1,179 @@
+"""The stand-in's memory: a capacity per device, CUDA's figures, and a ledger of pinned host memory.
+
+Device memory is counted by storage: a tensor and its views hold one storage, counted
+once, until the last of them is gone. ``reserved`` follows a caching allocator's rule
+(it keeps what was freed until ``empty_cache()``, and gives it up before failing), so
+``free`` is the capacity less what is reserved, as ``torch.cuda.mem_get_info`` reports.
+
+Host memory is pinned two ways, and the ledger names both: ``tensor.pin_memory()``
+(and a pinning DataLoader) gives a pinned copy, pinned while it lives; ``host_register``
+page-locks memory the process already has, as ``cudaHostRegister`` does, pinned until
+``host_unregister``: a registration nobody undoes is what :func:`still_pinned` names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+
+from devicekit._base import nbytes
+
+__all__ = ["DeviceMemory", "charge", "host_register", "host_unregister", "memory", "still_pinned"]
+
+
+@dataclasses.dataclass
+class DeviceMemory:
+    """One device's figures, in bytes."""
+
+    capacity: int
+    allocated: int = 0
+    reserved: int = 0
+    peak: int = 0
+    peak_reserved: int = 0
+    holders: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    """Each live storage's first byte -> [its bytes, how many tensors hold it]."""
+
+    def figures(self) -> dict[str, int]:
+        """``memory_stats()``'s names for the figures."""
+        return {
+            "allocated_bytes.all.current": self.allocated,
+            "allocated_bytes.all.peak": self.peak,
+            "reserved_bytes.all.current": self.reserved,
+            "reserved_bytes.all.peak": self.peak_reserved,
+        }
+
+
+_devices: list[DeviceMemory] = []
+
+
+def start(count: int, capacity: int) -> None:
+    """Give each of ``count`` devices ``capacity`` bytes."""
+    _devices.extend(DeviceMemory(capacity) for _ in range(count))
+
+
+def memory(index: int) -> DeviceMemory:
+    """The figures of device ``index``."""
+    return _devices[index]
+
+
+def charge(index: int, holder: torch.Tensor, data: torch.Tensor) -> None:
+    """Count ``data``'s storage against device ``index`` while ``holder`` lives.
+
+    Raises:
+        torch.OutOfMemoryError: The storage is new and does not fit, as CUDA raises it.
+    """
+    storage = data.untyped_storage()
+    first, size = storage.data_ptr(), storage.nbytes()
+    if size == 0:
+        return
+    device = _devices[index]
+    held = device.holders.get(first)
+    if held is None:
+        if device.allocated + size > device.capacity:
+            _refuse(index, device, size)
+        held = device.holders[first] = [size, 0]
+        device.allocated += size
+        device.peak = max(device.peak, device.allocated)
+        device.reserved = max(device.reserved, device.allocated)
+        device.peak_reserved = max(device.peak_reserved, device.reserved)
+    held[1] += 1
+    weakref.finalize(holder, _release, device, first)
+
+
+def _release(device: DeviceMemory, first: int) -> None:
+    held = device.holders.get(first)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] == 0:
+        del device.holders[first]
+        device.allocated -= held[0]
+
+
+def empty_cache(index: int) -> None:
+    """Give back what is reserved but not allocated (``empty_cache()``)."""
+    device = _devices[index]
+    device.reserved = device.allocated
+
+
+def _refuse(index: int, device: DeviceMemory, size: int) -> None:
+    from devicekit.testing._stand_in._device import started  # noqa: PLC0415 - a cycle
+
+    free = device.capacity - device.allocated
+    msg = (
+        f"{started().name} out of memory. Tried to allocate {nbytes(size)}. Device {index} has "
+        f"a total capacity of {nbytes(device.capacity)} of which {nbytes(free)} is free. Of the "
+        f"allocated memory {nbytes(device.allocated)} is allocated by PyTorch. (The stand-in "
+        "accelerator's capacity, set by stand_in(memory=...).)"
+    )
+    device.reserved = device.allocated  # a caching allocator frees its cache before failing
+    raise torch.OutOfMemoryError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pinned:
+    size: int
+    how: str
+
+
+_pinned: dict[int, _Pinned] = {}
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.pin_memory()``: a copy, in the ledger while its storage lives."""
+    copy = torch.empty_like(tensor, memory_format=torch.preserve_format)
+    copy.copy_(tensor)
+    storage = copy.untyped_storage()
+    first = storage.data_ptr()
+    _pinned[first] = _Pinned(storage.nbytes(), "pinned by tensor.pin_memory()")
+    weakref.finalize(copy, _pinned.pop, first, None)
+    return copy
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """Whether a CPU tensor's memory is pinned or registered (``tensor.is_pinned()``)."""
+    return tensor.untyped_storage().data_ptr() in _pinned
+
+
+def host_register(tensor: torch.Tensor) -> None:
+    """Page-lock a CPU tensor's memory in place, as ``cudaHostRegister`` does.
+
+    Raises:
+        RuntimeError: It is registered already (CUDA's error 712).
+    """
+    storage = tensor.untyped_storage()
+    first = storage.data_ptr()
+    if first in _pinned:
+        msg = "host_register failed: part or all of the memory is registered already (CUDA error 712)"
+        raise RuntimeError(msg)
+    _pinned[first] = _Pinned(storage.nbytes(), "registered by host_register")
+
+
+def host_unregister(tensor: Any) -> None:
+    """Undo :func:`host_register`.
+
+    Raises:
+        RuntimeError: It is not registered (CUDA's error 713).
+    """
+    first = tensor.untyped_storage().data_ptr()
+    found = _pinned.get(first)
+    if found is None or not found.how.startswith("registered"):
+        msg = "host_unregister failed: the memory is not registered (CUDA error 713)"
+        raise RuntimeError(msg)
+    del _pinned[first]
+
+
+def still_pinned() -> list[str]:
+    """The ledger: each block of host memory pinned or registered now, one line each.
+
+    Memory registered and never unregistered stays pinned until the process ends, as
+    it does with ``cudaHostRegister``; a pinned copy is listed while it lives.
+
+    >>> import devicekit as dk
+    >>> isinstance(dk.testing.still_pinned(), list)
+    True
+    """
+    return [f"{nbytes(block.size)} at {first:#x}, {block.how}" for first, block in _pinned.items()]

@@ -1,0 +1,59 @@
+"""``torch.save``/``torch.load`` of stand-in tensors, with ``map_location`` honoured as for a GPU.
+
+A GPU tensor is saved as its storage's bytes and the storage's location (``"cuda:1"``);
+``torch.load`` hands each storage to ``map_location``, then to the deserializer of the
+location it ends at. A stand-in tensor has no storage of its own, so it is saved as its
+CPU values, their storage tagged with the stand-in location; at load the tag goes
+through ``map_location`` like a GPU's, and the deserializer notes where it ended: a
+storage sent to the CPU stays a CPU tensor, one sent to the stand-in is wrapped again.
+The rebuild function is allowed under ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.serialization
+
+from devicekit.testing._stand_in._device import started
+
+__all__ = ["reduce", "register"]
+
+_saving: dict[int, str] = {}  # a storage's first byte -> the stand-in location it was saved from
+_loaded: dict[int, torch.device] = {}  # a storage's first byte -> where torch.load put it
+
+
+def _tag(storage: Any) -> str | None:
+    if storage.device.type != "cpu":
+        return None
+    return _saving.get(storage.data_ptr())
+
+
+def _restore(storage: Any, location: str) -> Any:
+    if not location.startswith(started().name):
+        return None
+    _loaded[storage.data_ptr()] = torch.device(location)
+    return storage
+
+
+def rebuild_stand_in(values: torch.Tensor, requires_grad: bool) -> torch.Tensor:  # noqa: FBT001 - pickled positionally
+    """A saved stand-in tensor, where ``torch.load`` put its storage."""
+    from devicekit.testing._stand_in._tensor import StandInTensor  # noqa: PLC0415 - a cycle
+
+    device = _loaded.get(values.untyped_storage().data_ptr())
+    rebuilt: torch.Tensor = values if device is None else StandInTensor(values, device.index or 0)
+    return rebuilt.requires_grad_(requires_grad)
+
+
+def reduce(tensor: Any) -> tuple[Any, ...]:
+    """What pickling a stand-in tensor writes: its values, tagged with its location."""
+    values = tensor._data
+    _saving[values.untyped_storage().data_ptr()] = str(tensor.device)
+    return (rebuild_stand_in, (values, tensor.requires_grad))
+
+
+def register() -> None:
+    """Teach ``torch.save``/``torch.load`` the stand-in's location (once, at start)."""
+    torch.serialization.register_package(1, _tag, _restore)
+    torch.serialization.add_safe_globals([rebuild_stand_in])

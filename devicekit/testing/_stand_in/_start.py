@@ -1,0 +1,169 @@
+"""``stand_in()``: start the stand-in accelerator, once per process.
+
+Starting it renames PyTorch's PrivateUse1 device type for the whole process (PyTorch
+allows that once), registers the device module, a kernel for factories, the pinning of
+CPU tensors and the save format, and points ``torch.accelerator``'s functions at the
+device module. Nothing of this is undone: a process that starts it keeps it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Final
+
+import torch
+
+from devicekit._base import DeviceKitError, parse_bytes, whole_number
+from devicekit.testing._stand_in import _device, _memory, _module, _saving, _tensor
+
+__all__ = ["NAME", "stand_in"]
+
+NAME: Final = "standin"
+"""The stand-in's device type: ``torch.device("standin:1")``."""
+
+_FIRST_RELEASE = "2.9"  # the first PyTorch with Python backends (pytorch#157859, July 2025)
+_libraries: list[torch.library.Library] = []  # kept alive: dropping one unregisters its kernels
+
+# torch.accelerator's functions that a Python backend's C++ side cannot serve, and what
+# serves them instead.
+_ACCELERATOR_FUNCTIONS: Final = {
+    "device_count": _module.device_count,
+    "current_device_index": _module.current_device,
+    "current_device_idx": _module.current_device,
+    "set_device_index": _module.set_device,
+    "set_device_idx": _module.set_device,
+    "current_stream": _module.current_stream,
+    "set_stream": _module.set_stream,
+    "synchronize": _module.synchronize,
+    "empty_cache": _module.empty_cache,
+    "get_memory_info": _module.mem_get_info,
+    "max_memory_allocated": _module.max_memory_allocated,
+    "max_memory_reserved": _module.max_memory_reserved,
+    "memory_allocated": _module.memory_allocated,
+    "memory_reserved": _module.memory_reserved,
+    "memory_stats": _module.memory_stats,
+    "reset_peak_memory_stats": _module.reset_peak_memory_stats,
+}
+
+
+def stand_in(devices: int = 2, *, memory: int | str | None = None) -> str:
+    """Start a CPU-backed accelerator that PyTorch and devicekit treat as a GPU.
+
+    Tensors on it hold real values, computed on the CPU, so a loop run on it computes
+    what it computes on the CPU, bit for bit. It keeps CUDA's rules: mixing it with CPU
+    tensors raises CUDA's error, and work that CUDA may run late (non-blocking copies,
+    work on a side stream) runs as late as the program's waits allow, reading as NaN
+    until then. See :doc:`/guide/testing`.
+
+    Started once per process: it renames PyTorch's PrivateUse1 device. Asked again with
+    the same arguments, it returns the same name.
+
+    >>> import torch, devicekit as dk
+    >>> name = dk.testing.stand_in()
+    >>> x = torch.ones(2, device=f"{name}:1")
+    >>> (x * 2).cpu(), x.device
+    (tensor([2., 2.]), device(type='standin', index=1))
+
+    Args:
+        devices: How many devices, 1 or more.
+        memory: Each device's capacity, in bytes or as ``"2GiB"``; None for the host's
+            memory. Allocations past it raise :class:`torch.OutOfMemoryError`.
+
+    Returns:
+        Its device type, ``"standin"``.
+
+    Raises:
+        DeviceKitError: Started before with other arguments; another PrivateUse1 backend
+            is registered; or this PyTorch has no Python backends (before 2.9).
+    """
+    count = whole_number(devices, 1, "devices")
+    capacity = None if memory is None else parse_bytes(memory, "memory")
+    asked = _device.Started(NAME, count, capacity)
+    if _device._started:
+        if _device.started() != asked:
+            msg = (
+                f"The stand-in accelerator was started with {_said(_device.started())} and "
+                f"cannot start again with {_said(asked)}: it is started once per process."
+            )
+            raise DeviceKitError(msg)
+        return NAME
+    _refuse_where_unfit()
+    _register(asked)
+    return NAME
+
+
+def _said(record: _device.Started) -> str:
+    memory = "the host's memory" if record.capacity is None else f"memory={record.capacity}"
+    return f"devices={record.count} and {memory}"
+
+
+def _refuse_where_unfit() -> None:
+    from torch.utils import backend_registration  # noqa: PLC0415 - only where started
+
+    if not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"):
+        msg = (
+            f"The stand-in accelerator needs PyTorch {_FIRST_RELEASE} or later (Python "
+            f"backends); this is PyTorch {torch.__version__}."
+        )
+        raise DeviceKitError(msg)
+    taken = torch._C._get_privateuse1_backend_name()
+    if taken != "privateuseone":
+        msg = (
+            f"The stand-in accelerator cannot start: PyTorch's PrivateUse1 device is taken "
+            f"by the {taken!r} backend, and a process has one."
+        )
+        raise DeviceKitError(msg)
+
+
+def _register(record: _device.Started) -> None:
+    from torch.utils import backend_registration  # noqa: PLC0415 - only where started
+
+    capacity = record.capacity if record.capacity is not None else _host_memory()
+    _device.start(record)
+    _memory.start(record.count, capacity)
+    backend_registration._setup_privateuseone_for_python_backend(  # type: ignore[no-untyped-call]
+        NAME, backend_module=sys.modules[_module.__name__]
+    )
+    found = torch.accelerator.current_accelerator()
+    if found is None or found.type != NAME:
+        msg = (
+            f"The stand-in accelerator started, but torch.accelerator reports {found}: this "
+            "PyTorch build has an accelerator of its own, which it prefers."
+        )
+        raise DeviceKitError(msg)
+    factories = torch.library.Library("_", "IMPL")
+    factories.fallback(_tensor.factory, "PrivateUse1")
+    pinning = torch.library.Library("aten", "IMPL")
+    pinning.impl("_pin_memory", _pin_memory, "CPU")
+    pinning.impl("is_pinned", _is_pinned, "CPU")
+    _libraries.extend((factories, pinning))
+    _saving.register()
+    for name, function in _ACCELERATOR_FUNCTIONS.items():
+        setattr(torch.accelerator, name, function)
+        if hasattr(torch.accelerator.memory, name):
+            setattr(torch.accelerator.memory, name, function)
+    _forget_what_devicekit_read()
+
+
+def _pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:  # noqa: ARG001 - aten's signature
+    return _memory.pinned_copy(tensor)
+
+
+def _is_pinned(tensor: torch.Tensor, device: Any = None) -> bool:  # noqa: ARG001 - aten's signature
+    return _memory.is_pinned(tensor)
+
+
+def _host_memory() -> int:
+    from devicekit._select._backends import CpuBackend  # noqa: PLC0415 - the one reader of it
+
+    total = CpuBackend().devices()[0].total_memory
+    return total if total is not None else 16 << 30
+
+
+def _forget_what_devicekit_read() -> None:
+    """devicekit read this build's accelerator once, as fixed; it changed."""
+    from devicekit._base import forget_accelerator  # noqa: PLC0415
+    from devicekit._select import forget_process_default  # noqa: PLC0415
+
+    forget_accelerator()
+    forget_process_default()
