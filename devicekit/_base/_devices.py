@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import numbers
 from collections.abc import Callable
-from typing import Final, NamedTuple, TypeAlias, cast
+from typing import Any, Final, NamedTuple, TypeAlias, cast
 
 import torch
 
@@ -33,6 +33,8 @@ __all__ = [
     "has_backend",
     "link_peak",
     "mesh_of",
+    "new_event",
+    "new_stream",
     "no_backend",
     "parse_device",
     "register_link_reader",
@@ -100,6 +102,32 @@ def streams_to(device: torch.device) -> bool:
     (False, False)
     """
     return device.type == accelerator_type() and device.type not in _WITHOUT_STREAMS
+
+
+def _own(device: torch.device, kind: str) -> Callable[..., Any] | None:
+    """A backend's own ``Stream`` or ``Event``, where it is registered from Python.
+
+    Such a backend keeps its streams and events in its module: the ones ``torch.Stream``
+    makes for it order nothing (its C++ side has none).
+    """
+    if device.type != torch._C._get_privateuse1_backend_name():
+        return None
+    found = getattr(getattr(torch, device.type, None), kind, None)
+    return found if callable(found) else None
+
+
+def new_stream(device: torch.device) -> torch.Stream:
+    """A new stream of an accelerator ``device``, for copies that overlap compute."""
+    own = _own(device, "Stream")
+    return torch.Stream(device=device) if own is None else cast("torch.Stream", own(device))
+
+
+def new_event(device: torch.device, *, enable_timing: bool = False) -> torch.Event:
+    """A new event of an accelerator ``device``, to record on its streams."""
+    own = _own(device, "Event")
+    if own is None:
+        return torch.Event(device=device, enable_timing=enable_timing)
+    return cast("torch.Event", own(device, enable_timing=enable_timing))
 
 
 def available_devices() -> list[str]:

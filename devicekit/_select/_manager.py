@@ -71,11 +71,12 @@ _FALLBACKS = get_args(Fallback)
 _FAMILIES = ("cuda", "rocm", "xpu", "mps", "cpu")
 
 
-def _default_prefer() -> tuple[str, ...]:
-    """CUDA, XPU, MPS, the build's own accelerator where it is another, then the CPU."""
+def _default_prefer(backends: Sequence[Backend]) -> tuple[str, ...]:
+    """CUDA, XPU, MPS, the build's own accelerator where a backend finds it, then the CPU."""
     built_in = ("cuda", "xpu", "mps")
     other = accelerator_type()
-    return (*built_in, *(() if other is None or other in built_in else (other,)), "cpu")
+    found = other is not None and other not in built_in and any(b.name == other for b in backends)
+    return (*built_in, *((other,) if found else ()), "cpu")
 
 
 class _Once:
@@ -244,7 +245,7 @@ class DeviceManager:
                 )
                 raise TypeError(msg)
         if prefer is None:
-            prefer = _default_prefer()
+            prefer = _default_prefer(self._backends)
         known = {*_FAMILIES, *(b.name for b in self._backends)}
         if isinstance(prefer, str) or not prefer or not all(name in known for name in prefer):
             msg = (

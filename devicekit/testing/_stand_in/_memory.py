@@ -147,7 +147,9 @@ def host_register(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     first = storage.data_ptr()
     if first in _pinned:
-        msg = "host_register failed: part or all of the memory is registered already (CUDA error 712)"
+        msg = (
+            "host_register failed: part or all of the memory is registered already (CUDA error 712)"
+        )
         raise RuntimeError(msg)
     _pinned[first] = _Pinned(storage.nbytes(), "registered by host_register")
 

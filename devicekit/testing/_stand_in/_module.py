@@ -90,11 +90,11 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
 
 
-def manual_seed(seed: int) -> None:  # noqa: ARG001 - torch.cuda's signature
+def manual_seed(seed: int) -> None:
     """Nothing to seed: random numbers on the stand-in come from the CPU's generator."""
 
 
-def manual_seed_all(seed: int) -> None:  # noqa: ARG001 - torch.cuda's signature
+def manual_seed_all(seed: int) -> None:
     """Nothing to seed: random numbers on the stand-in come from the CPU's generator."""
 
 

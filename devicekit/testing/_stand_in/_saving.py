@@ -37,7 +37,7 @@ def _restore(storage: Any, location: str) -> Any:
     return storage
 
 
-def rebuild_stand_in(values: torch.Tensor, requires_grad: bool) -> torch.Tensor:  # noqa: FBT001 - pickled positionally
+def rebuild_stand_in(values: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A saved stand-in tensor, where ``torch.load`` put its storage."""
     from devicekit.testing._stand_in._tensor import StandInTensor  # noqa: PLC0415 - a cycle
 

@@ -133,6 +133,8 @@ def _register(record: _device.Started) -> None:
         raise DeviceKitError(msg)
     factories = torch.library.Library("_", "IMPL")
     factories.fallback(_tensor.factory, "PrivateUse1")
+    # autocast is accepted and casts nothing: operations run in the dtypes they are given.
+    factories.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     pinning = torch.library.Library("aten", "IMPL")
     pinning.impl("_pin_memory", _pin_memory, "CPU")
     pinning.impl("is_pinned", _is_pinned, "CPU")
@@ -145,11 +147,11 @@ def _register(record: _device.Started) -> None:
     _forget_what_devicekit_read()
 
 
-def _pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:  # noqa: ARG001 - aten's signature
+def _pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
     return _memory.pinned_copy(tensor)
 
 
-def _is_pinned(tensor: torch.Tensor, device: Any = None) -> bool:  # noqa: ARG001 - aten's signature
+def _is_pinned(tensor: torch.Tensor, device: Any = None) -> bool:
     return _memory.is_pinned(tensor)
 
 
@@ -161,7 +163,7 @@ def _host_memory() -> int:
 
 
 def _forget_what_devicekit_read() -> None:
-    """devicekit read this build's accelerator once, as fixed; it changed."""
+    """Devicekit read this build's accelerator once, as fixed; it changed."""
     from devicekit._base import forget_accelerator  # noqa: PLC0415
     from devicekit._select import forget_process_default  # noqa: PLC0415
 

@@ -55,7 +55,7 @@ def poison(tensor: torch.Tensor) -> None:
     """
     filler = filler_of(tensor.dtype)
     if filler is None:
-        tensor.fill_(True)  # noqa: FBT003 - bool and the types with no filler
+        tensor.fill_(True)
     else:
         fill(tensor, filler)
 
@@ -141,7 +141,7 @@ class Stream(torch.Stream):
 
     _queue: Queue
 
-    def __new__(cls, device: Any = None, priority: int = 0, *, stream_id: int | None = None) -> Any:  # noqa: ARG004 - CUDA's signature
+    def __new__(cls, device: Any = None, priority: int = 0, *, stream_id: int | None = None) -> Any:
         from devicekit.testing._stand_in._device import index_of  # noqa: PLC0415 - a cycle
 
         index = index_of(device)

@@ -74,7 +74,7 @@ class StandInTensor(torch.Tensor):
         _memory.charge(index, wrapper, data)
         return wrapper
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         # As a GPU tensor prints: its values read to the host (a blocking copy), then
         # PyTorch's own suffixes (device, dtype, grad_fn).
         if tensor_contents is None:
@@ -215,11 +215,15 @@ def _wrap(result: Any, inputs: dict[int, StandInTensor], index: int | None) -> A
 
 
 def _writes(func: Any) -> bool:
-    return any(arg.alias_info is not None and arg.alias_info.is_write for arg in func._schema.arguments)
+    return any(
+        arg.alias_info is not None and arg.alias_info.is_write for arg in func._schema.arguments
+    )
 
 
 def _is_view(func: Any) -> bool:
-    return any(ret.alias_info is not None and not ret.alias_info.is_write for ret in func._schema.returns)
+    return any(
+        ret.alias_info is not None and not ret.alias_info.is_write for ret in func._schema.returns
+    )
 
 
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -304,7 +308,9 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if device is None or device == source.device:
             return _run(func, args, kwargs)
         blocking = not kwargs.get("non_blocking", False)
-        rest = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking", "pin_memory")}
+        rest = {
+            k: v for k, v in kwargs.items() if k not in ("device", "non_blocking", "pin_memory")
+        }
         shaped = func(_unwrap(source), **rest)  # the copy's dtype, layout and strides, now
         if not _is_ours(device):
             pinned = not blocking
@@ -373,7 +379,9 @@ def _into_host(target: torch.Tensor, source: StandInTensor, *, blocking: bool) -
 
 def _same_bytes(now: torch.Tensor, kept: torch.Tensor) -> bool:
     if now.dtype.is_floating_point or now.dtype.is_complex:
-        return bool(torch.equal(now.contiguous().view(torch.uint8), kept.contiguous().view(torch.uint8)))
+        return bool(
+            torch.equal(now.contiguous().view(torch.uint8), kept.contiguous().view(torch.uint8))
+        )
     return bool(torch.equal(now, kept))
 
 
