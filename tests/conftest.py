@@ -60,6 +60,23 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.slow)
 
 
+# The stand-in accelerator (devicekit.testing.stand_in) stays started once started: it
+# renames PyTorch's PrivateUse1 device for the process, and DeviceManager() then chooses
+# it. So the tests that start it (those asking for stand_in_device, the doctests of its
+# own modules) run last, after every test that expects this machine as it is.
+_STAND_IN_MODULES = "devicekit/testing/_stand_in/"
+
+
+def _starts_the_stand_in(item: pytest.Item) -> bool:
+    return "stand_in_device" in getattr(item, "fixturenames", ()) or item.nodeid.startswith(
+        _STAND_IN_MODULES
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=_starts_the_stand_in)  # stable: each group keeps its order
+
+
 @pytest.fixture(scope="session")
 def fresh_python() -> str:
     """The interpreter a test starts its programs with; asking for it makes the test slow.
