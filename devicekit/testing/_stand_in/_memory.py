@@ -29,6 +29,8 @@ class DeviceMemory:
     """One device's figures, in bytes."""
 
     capacity: int
+    limit: int | None = None
+    """The share of it this process may allocate (``set_per_process_memory_fraction``)."""
     allocated: int = 0
     reserved: int = 0
     peak: int = 0
@@ -72,7 +74,7 @@ def charge(index: int, holder: torch.Tensor, data: torch.Tensor) -> None:
     device = _devices[index]
     held = device.holders.get(first)
     if held is None:
-        if device.allocated + size > device.capacity:
+        if device.allocated + size > (device.capacity if device.limit is None else device.limit):
             _refuse(index, device, size)
         held = device.holders[first] = [size, 0]
         device.allocated += size
@@ -103,11 +105,16 @@ def _refuse(index: int, device: DeviceMemory, size: int) -> None:
     from devicekit.testing._stand_in._device import started  # noqa: PLC0415 - a cycle
 
     free = device.capacity - device.allocated
+    allowed = (
+        "set by stand_in(memory=...)"
+        if device.limit is None
+        else f"limited to {nbytes(device.limit)} by set_per_process_memory_fraction"
+    )
     msg = (
         f"{started().name} out of memory. Tried to allocate {nbytes(size)}. Device {index} has "
         f"a total capacity of {nbytes(device.capacity)} of which {nbytes(free)} is free. Of the "
         f"allocated memory {nbytes(device.allocated)} is allocated by PyTorch. (The stand-in "
-        "accelerator's capacity, set by stand_in(memory=...).)"
+        f"accelerator's capacity, {allowed}.)"
     )
     device.reserved = device.allocated  # a caching allocator frees its cache before failing
     raise torch.OutOfMemoryError(msg)

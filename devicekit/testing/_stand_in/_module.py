@@ -44,6 +44,7 @@ __all__ = [
     "memory_stats",
     "reset_peak_memory_stats",
     "set_device",
+    "set_per_process_memory_fraction",
     "set_stream",
     "stream",
     "synchronize",
@@ -163,6 +164,15 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 def memory_stats(device: Any = None) -> OrderedDict[str, Any]:
     """The figures under ``torch.cuda.memory_stats``'s names."""
     return OrderedDict(sorted(_memory.memory(index_of(device)).figures().items()))
+
+
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    """Let this process allocate ``fraction`` of ``device``'s capacity (1.0: all of it)."""
+    if not 0 <= fraction <= 1:
+        msg = f"Expected a fraction from 0 to 1, got {fraction!r}."
+        raise ValueError(msg)
+    figures = _memory.memory(index_of(device))
+    figures.limit = None if fraction == 1 else int(figures.capacity * fraction)
 
 
 def empty_cache() -> None:
