@@ -8,7 +8,9 @@ device module. Nothing of this is undone: a process that starts it keeps it.
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
@@ -140,11 +142,25 @@ def _register(record: _device.Started) -> None:
     pinning.impl("is_pinned", _is_pinned, "CPU")
     _libraries.extend((factories, pinning))
     _saving.register()
+    # Autograd's engine gives each device index a thread, as many as the device guard
+    # counts; a Python backend's counts one, so a backward on index 1 would fail an
+    # internal assert. Backward passes run in the calling thread instead, as on the CPU.
+    torch.autograd.backward = _in_calling_thread(torch.autograd.backward)
+    torch.autograd.grad = _in_calling_thread(torch.autograd.grad)
     for name, function in _ACCELERATOR_FUNCTIONS.items():
         setattr(torch.accelerator, name, function)
         if hasattr(torch.accelerator.memory, name):
             setattr(torch.accelerator.memory, name, function)
     _forget_what_devicekit_read()
+
+
+def _in_calling_thread(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.set_multithreading_enabled(False):
+            return function(*args, **kwargs)
+
+    return run
 
 
 def _pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
