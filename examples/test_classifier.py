@@ -17,6 +17,8 @@ import devicekit as dk
 
 
 class Net(nn.Module):
+    """The tutorial's classifier: one convolution, pooled, then a linear head."""
+
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
@@ -25,6 +27,7 @@ class Net(nn.Module):
         self.head = nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Three scores per image."""
         return self.head(self.features(x))
 
 
@@ -42,9 +45,10 @@ def train(device: torch.device | str, *, move_batches: bool = True) -> list[floa
     loader = DataLoader(dataset(), batch_size=64, shuffle=True, pin_memory=True)
     losses = []
     for _ in range(2):
-        for x, y in loader:
+        for images, labels in loader:
+            x, y = images, labels
             if move_batches:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()

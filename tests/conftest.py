@@ -68,13 +68,13 @@ _STAND_IN_MODULES = "devicekit/testing/_stand_in/"
 
 
 def _starts_the_stand_in(item: pytest.Item) -> bool:
-    return "stand_in_device" in getattr(item, "fixturenames", ()) or item.nodeid.startswith(
-        _STAND_IN_MODULES
-    )
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=_starts_the_stand_in)  # stable: each group keeps its order
+    if "stand_in_device" in getattr(item, "fixturenames", ()):
+        return True
+    if item.nodeid.startswith(_STAND_IN_MODULES):
+        return True
+    # A docstring's example run by tests/test_docs.py, stand_in()'s own among them.
+    example = getattr(getattr(item, "callspec", None), "params", {}).get("example")
+    return "stand_in(" in str(getattr(example, "docstring", ""))
 
 
 @pytest.fixture(scope="session")
@@ -170,6 +170,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+    items.sort(key=_starts_the_stand_in)  # stable: each group keeps its order
 
 
 # How many modules were imported when the collector last froze what was alive.

@@ -1,4 +1,4 @@
-"""The stand-in accelerator itself (devicekit.testing.stand_in): values, CUDA's rules, asynchrony, memory.
+"""The stand-in accelerator itself: values, CUDA's rules, asynchrony, memory, the ledger.
 
 Every test takes the ``stand_in_device`` fixture, which starts it once; tests/conftest.py
 runs them after every test that expects this machine without it.
@@ -120,7 +120,12 @@ def test_a_pinning_data_loader_pins(on0: torch.device) -> None:
 
 @pytest.mark.parametrize(
     ("map_location", "expected"),
-    [(None, "standin:1"), ("cpu", "cpu"), ("standin:0", "standin:0"), ({"standin:1": "cpu"}, "cpu")],
+    [
+        (None, "standin:1"),
+        ("cpu", "cpu"),
+        ("standin:0", "standin:0"),
+        ({"standin:1": "cpu"}, "cpu"),
+    ],
 )
 def test_torch_load_honours_map_location(
     on1: torch.device, map_location: object, expected: str
@@ -135,7 +140,7 @@ def test_torch_load_honours_map_location(
     assert loaded["row"].cpu().tolist() == [30.0, 4.0, 5.0]
 
 
-def test_devicekit_saves_and_loads_onto_it(on0: torch.device, on1: torch.device, tmp_path) -> None:  # noqa: ANN001
+def test_devicekit_saves_and_loads_onto_it(on0: torch.device, on1: torch.device, tmp_path) -> None:
     path = tmp_path / "state.pt"
     dk.save({"weight": torch.ones(2, device=on0)}, path)
     assert dk.load(path, on1)["weight"].device == on1
@@ -186,24 +191,36 @@ MIXES_REFUSED = [
 MIXES_TAKEN = [
     ("a 0-dim CPU tensor", lambda d, _: _vector(d) * torch.tensor(2.0), [0.0, 2.0, 4.0, 6.0]),
     ("CPU indices", lambda d, _: _vector(d)[torch.tensor([3, 0])], [3.0, 0.0]),
-    ("CPU indices, written", lambda d, _: _vector(d).index_put_((torch.tensor([1]),), torch.tensor(9.0)), [0.0, 9.0, 2.0, 3.0]),  # noqa: E501
+    (
+        "CPU indices, written",
+        lambda d, _: _vector(d).index_put_((torch.tensor([1]),), torch.tensor(9.0)),
+        [0.0, 9.0, 2.0, 3.0],
+    ),
     ("a copy across", lambda d, e: _vector(e).copy_(_vector("cpu")).to(d), [0.0, 1.0, 2.0, 3.0]),
-    ("foreach, one device a position", lambda d, _: torch._foreach_add([_vector(d)], [_vector(d)])[0], [0.0, 2.0, 4.0, 6.0]),  # noqa: E501
+    (
+        "foreach, one device a position",
+        lambda d, _: torch._foreach_add([_vector(d)], [_vector(d)])[0],
+        [0.0, 2.0, 4.0, 6.0],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("case", "run", "devices"), MIXES_REFUSED, ids=[m[0] for m in MIXES_REFUSED])
+@pytest.mark.parametrize(
+    ("case", "run", "devices"), MIXES_REFUSED, ids=[m[0] for m in MIXES_REFUSED]
+)
 def test_a_mix_cuda_refuses_is_refused_in_its_words(
-    on0: torch.device, on1: torch.device, case: str, run, devices: str  # noqa: ANN001
+    on0: torch.device, on1: torch.device, case: str, run, devices: str
 ) -> None:
-    said = f"Expected all tensors to be on the same device, but found at least two devices, {devices}!"
+    said = (
+        f"Expected all tensors to be on the same device, but found at least two devices, {devices}!"
+    )
     with pytest.raises(RuntimeError, match=re.escape(said)):
         run(on0, on1)
 
 
 @pytest.mark.parametrize(("case", "run", "values"), MIXES_TAKEN, ids=[m[0] for m in MIXES_TAKEN])
 def test_a_mix_cuda_takes_is_taken(
-    on0: torch.device, on1: torch.device, case: str, run, values: list[float]  # noqa: ANN001
+    on0: torch.device, on1: torch.device, case: str, run, values: list[float]
 ) -> None:
     result = run(on0, on1)
     assert result.device.type == NAME
@@ -322,7 +339,10 @@ def test_memory_is_counted_per_storage_and_freed_with_it(on1: torch.device) -> N
 def test_past_the_limit_an_allocation_is_cuda_s_out_of_memory(on1: torch.device) -> None:
     torch.standin.set_per_process_memory_fraction(0.0, on1)
     try:
-        with pytest.raises(torch.OutOfMemoryError, match="standin out of memory. Tried to allocate 4.0 KiB"):
+        with pytest.raises(
+            torch.OutOfMemoryError,
+            match=re.escape("standin out of memory. Tried to allocate 4.0 KiB"),
+        ):
             torch.empty(1024, device=on1)
     finally:
         torch.standin.set_per_process_memory_fraction(1.0, on1)
@@ -336,7 +356,9 @@ def test_the_ledger_names_what_is_pinned_or_registered(on0: torch.device) -> Non
     slab = torch.empty(4096, dtype=torch.uint8)
     torch.standin.host_register(slab)
     assert slab.is_pinned()
-    assert any("4.0 KiB" in line and "registered by host_register" in line for line in still_pinned())
+    assert any(
+        "4.0 KiB" in line and "registered by host_register" in line for line in still_pinned()
+    )
     with pytest.raises(RuntimeError, match="registered already"):
         torch.standin.host_register(slab)
     torch.standin.host_unregister(slab)

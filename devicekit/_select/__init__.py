@@ -8,6 +8,7 @@ It stands on the base alone: selection never moves data.
 
 from devicekit._select._backends import (
     Backend,
+    CpuBackend,
     DeviceInfo,
     Family,
     GpuProcess,
@@ -47,6 +48,7 @@ __all__ = [
     "BadRank",
     "Build",
     "Chosen",
+    "CpuBackend",
     "DeviceInfo",
     "DeviceManager",
     "Family",

@@ -374,6 +374,8 @@ class AcceleratorBackend:
         name_of = getattr(getattr(torch, kind, None), "get_device_name", None)
         found = []
         for index in range(count):
+            free: int | None
+            total: int | None
             try:
                 free, total = torch.accelerator.get_memory_info(index)
             except (RuntimeError, NotImplementedError):  # a backend that keeps no figures

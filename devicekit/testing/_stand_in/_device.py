@@ -71,8 +71,8 @@ def index_of(device: Any) -> int:
     if isinstance(device, int):
         check_index(device)
         return device
-    parsed = torch.device(device)
-    if parsed.index is None:
+    index: int | None = torch.device(device).index  # None for "standin", whatever the stubs say
+    if index is None:
         return current_index()
-    check_index(parsed.index)
-    return parsed.index
+    check_index(index)
+    return index

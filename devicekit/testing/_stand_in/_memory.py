@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from devicekit._base import nbytes
+from devicekit.testing._stand_in._device import started
 
 __all__ = ["DeviceMemory", "charge", "host_register", "host_unregister", "memory", "still_pinned"]
 
@@ -102,8 +103,6 @@ def empty_cache(index: int) -> None:
 
 
 def _refuse(index: int, device: DeviceMemory, size: int) -> None:
-    from devicekit.testing._stand_in._device import started  # noqa: PLC0415 - a cycle
-
     free = device.capacity - device.allocated
     allowed = (
         "set by stand_in(memory=...)"
@@ -181,8 +180,10 @@ def still_pinned() -> list[str]:
     Memory registered and never unregistered stays pinned until the process ends, as
     it does with ``cudaHostRegister``; a pinned copy is listed while it lives.
 
-    >>> import devicekit as dk
-    >>> isinstance(dk.testing.still_pinned(), list)
-    True
+    >>> import torch, devicekit.testing
+    >>> name = devicekit.testing.stand_in()
+    >>> pinned = torch.ones(1024).pin_memory()
+    >>> [line for line in devicekit.testing.still_pinned() if line.startswith("4.0 KiB")]
+    ['4.0 KiB at 0x..., pinned by tensor.pin_memory()']
     """
     return [f"{nbytes(block.size)} at {first:#x}, {block.how}" for first, block in _pinned.items()]

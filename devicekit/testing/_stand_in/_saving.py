@@ -11,6 +11,7 @@ The rebuild function is allowed under ``weights_only=True``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,12 +38,13 @@ def _restore(storage: Any, location: str) -> Any:
     return storage
 
 
-def rebuild_stand_in(values: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """A saved stand-in tensor, where ``torch.load`` put its storage."""
-    from devicekit.testing._stand_in._tensor import StandInTensor  # noqa: PLC0415 - a cycle
+_wrap: list[Callable[[torch.Tensor, int], torch.Tensor]] = []  # StandInTensor, once registered
 
+
+def rebuild_stand_in(values: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A saved stand-in tensor, where ``torch.load`` put its storage (pickled positionally)."""
     device = _loaded.get(values.untyped_storage().data_ptr())
-    rebuilt: torch.Tensor = values if device is None else StandInTensor(values, device.index or 0)
+    rebuilt = values if device is None else _wrap[0](values, device.index or 0)
     return rebuilt.requires_grad_(requires_grad)
 
 
@@ -53,7 +55,11 @@ def reduce(tensor: Any) -> tuple[Any, ...]:
     return (rebuild_stand_in, (values, tensor.requires_grad))
 
 
-def register() -> None:
-    """Teach ``torch.save``/``torch.load`` the stand-in's location (once, at start)."""
+def register(wrap: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+    """Teach ``torch.save``/``torch.load`` the stand-in's location (once, at start).
+
+    ``wrap(values, index)`` puts loaded values on device ``index``.
+    """
+    _wrap.append(wrap)
     torch.serialization.register_package(1, _tag, _restore)
     torch.serialization.add_safe_globals([rebuild_stand_in])

@@ -60,8 +60,8 @@ def stand_in(devices: int = 2, *, memory: int | str | None = None) -> str:
     Started once per process: it renames PyTorch's PrivateUse1 device. Asked again with
     the same arguments, it returns the same name.
 
-    >>> import torch, devicekit as dk
-    >>> name = dk.testing.stand_in()
+    >>> import torch, devicekit.testing
+    >>> name = devicekit.testing.stand_in()
     >>> x = torch.ones(2, device=f"{name}:1")
     >>> (x * 2).cpu(), x.device
     (tensor([2., 2.]), device(type='standin', index=1))
@@ -123,7 +123,7 @@ def _register(record: _device.Started) -> None:
     capacity = record.capacity if record.capacity is not None else _host_memory()
     _device.start(record)
     _memory.start(record.count, capacity)
-    backend_registration._setup_privateuseone_for_python_backend(  # type: ignore[no-untyped-call]
+    backend_registration._setup_privateuseone_for_python_backend(
         NAME, backend_module=sys.modules[_module.__name__]
     )
     found = torch.accelerator.current_accelerator()
@@ -133,15 +133,16 @@ def _register(record: _device.Started) -> None:
             "PyTorch build has an accelerator of its own, which it prefers."
         )
         raise DeviceKitError(msg)
-    factories = torch.library.Library("_", "IMPL")
+    # torch.library is untyped: its calls are checked by the tests, not by mypy.
+    factories: Any = torch.library.Library("_", "IMPL")  # type: ignore[no-untyped-call]
     factories.fallback(_tensor.factory, "PrivateUse1")
     # autocast is accepted and casts nothing: operations run in the dtypes they are given.
     factories.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
-    pinning = torch.library.Library("aten", "IMPL")
+    pinning: Any = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
     pinning.impl("_pin_memory", _pin_memory, "CPU")
     pinning.impl("is_pinned", _is_pinned, "CPU")
     _libraries.extend((factories, pinning))
-    _saving.register()
+    _saving.register(_tensor.StandInTensor)
     # Autograd's engine gives each device index a thread, as many as the device guard
     # counts; a Python backend's counts one, so a backward on index 1 would fail an
     # internal assert. Backward passes run in the calling thread instead, as on the CPU.
@@ -172,7 +173,7 @@ def _is_pinned(tensor: torch.Tensor, device: Any = None) -> bool:
 
 
 def _host_memory() -> int:
-    from devicekit._select._backends import CpuBackend  # noqa: PLC0415 - the one reader of it
+    from devicekit._select import CpuBackend  # noqa: PLC0415 - the one reader of it
 
     total = CpuBackend().devices()[0].total_memory
     return total if total is not None else 16 << 30

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from devicekit._memory._filler import fill, filler_of
+from devicekit._memory import fill, filler_of
 
 __all__ = ["LOCK", "Event", "Queue", "Stream", "poison", "queue_of", "streams_of"]
 
@@ -170,7 +170,7 @@ class Stream(torch.Stream):
 
     def record_event(self, event: Any = None) -> Event:
         """Record ``event`` (a new one when None) on this stream."""
-        recorded = Event() if event is None else event
+        recorded: Event = Event() if event is None else event
         recorded.record(self)
         return recorded
 
@@ -196,7 +196,8 @@ class Stream(torch.Stream):
 
 def stream_of(device: int, stream_id: int) -> Stream:
     """The :class:`Stream` object of an existing stream (the default one included)."""
-    return Stream(device, stream_id=stream_id)
+    stream: Stream = Stream(device, stream_id=stream_id)
+    return stream
 
 
 class Event(torch.Event):
@@ -267,7 +268,8 @@ def current_stream(device: int) -> Stream:
 
 def _device_type() -> int:
     # PrivateUse1's number in torch's DeviceType enum: what a torch.Stream is made with.
-    return int(torch._C._autograd.DeviceType.PrivateUse1)  # type: ignore[attr-defined]
+    kind: Any = torch._C._autograd.DeviceType.PrivateUse1
+    return int(kind)
 
 
 def pending_count() -> Iterator[Queue]:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Final
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from devicekit.testing._stand_in import _memory, _streams
+from devicekit.testing._stand_in import _memory, _saving, _streams
 from devicekit.testing._stand_in._device import index_of, started
 
 __all__ = ["MIXES", "StandInTensor", "factory", "mismatch"]
@@ -38,9 +38,13 @@ __all__ = ["MIXES", "StandInTensor", "factory", "mismatch"]
 _aten = torch.ops.aten
 _COPIES: Final = frozenset({_aten.copy_.default, _aten._to_copy.default})
 _INDEXING: Final = frozenset(
-    {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default}
+    {
+        _aten.index.Tensor,
+        _aten.index_put_.default,
+        _aten.index_put.default,
+        _aten._index_put_impl_.default,
+    }
 )
-_INDEXING |= {_aten._index_put_impl_.default}
 
 MIXES: Final = {
     "copies": "any device",
@@ -55,10 +59,11 @@ class StandInTensor(torch.Tensor):
     """A tensor of the stand-in device: a CPU tensor (``_data``) under a device of its own."""
 
     _data: torch.Tensor
-    __torch_function__: ClassVar = torch._C._disabled_torch_function_impl
+    # Below autograd only: torch functions on it run as on any tensor, then dispatch here.
+    __torch_function__: ClassVar = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, index: int) -> StandInTensor:
+    def __new__(cls: type[StandInTensor], data: torch.Tensor, index: int) -> StandInTensor:
         """Wrap ``data`` as a tensor of device ``index``, counted against its memory."""
         wrapper = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -74,13 +79,13 @@ class StandInTensor(torch.Tensor):
         _memory.charge(index, wrapper, data)
         return wrapper
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         # As a GPU tensor prints: its values read to the host (a blocking copy), then
         # PyTorch's own suffixes (device, dtype, grad_fn).
         if tensor_contents is None:
             values = self.detach().cpu()
-            tensor_contents = torch._tensor_str._tensor_str(values, len("tensor("))
-        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+            tensor_contents = torch._tensor_str._tensor_str(values, len("tensor("))  # type: ignore[no-untyped-call]
+        text: str = torch._tensor_str._str(self, tensor_contents=tensor_contents)  # type: ignore[no-untyped-call]
         return text.replace(f"{type(self).__name__}(", "tensor(", 1)
 
     def tolist(self) -> Any:
@@ -90,8 +95,8 @@ class StandInTensor(torch.Tensor):
     def __format__(self, format_spec: str) -> str:
         # Tensor.__format__ formats a 0-dim tensor's value for its own class only.
         if self.dim() == 0:
-            return self.item().__format__(format_spec)
-        return super().__format__(format_spec)
+            return str(self.item().__format__(format_spec))
+        return str(super().__format__(format_spec))  # type: ignore[no-untyped-call]
 
     def numpy(self, *, force: bool = False) -> Any:
         """Refused, as on CUDA: the values are on the device."""
@@ -106,12 +111,10 @@ class StandInTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Saved as its values on the host, their storage tagged with this device, so that
         # torch.load's map_location moves them as it would a GPU's (see _saving).
-        from devicekit.testing._stand_in._saving import reduce  # noqa: PLC0415 - a cycle
-
-        return reduce(self)
+        return _saving.reduce(self)
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub omits func
         cls,
         func: Any,
         types: Any,
@@ -140,8 +143,9 @@ def _unwrap(value: Any) -> Any:
 def mismatch(first: object, second: object) -> RuntimeError:
     """CUDA's refusal of two devices in one operation.
 
-    >>> str(mismatch("fakegpu:0", "cpu"))
-    'Expected all tensors to be on the same device, but found at least two devices, fakegpu:0 and cpu!'
+    >>> print(mismatch("standin:0", "cpu"))  # doctest: +NORMALIZE_WHITESPACE
+    Expected all tensors to be on the same device, but found at least two devices,
+    standin:0 and cpu!
     """
     return RuntimeError(
         "Expected all tensors to be on the same device, but found at least two devices, "
@@ -202,16 +206,16 @@ def _host_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 def _wrap(result: Any, inputs: dict[int, StandInTensor], index: int | None) -> Any:
     """Put results on the stand-in: an input's own data comes back as that input."""
     flat, spec = tree_flatten(result)
-    out = []
-    for value in flat:
-        if isinstance(value, torch.Tensor) and not isinstance(value, StandInTensor):
-            kept = inputs.get(id(value))
-            if kept is not None:
-                value = kept
-            elif index is not None:
-                value = StandInTensor(value, index)
-        out.append(value)
-    return tree_unflatten(out, spec)
+    return tree_unflatten([_placed(value, inputs, index) for value in flat], spec)
+
+
+def _placed(value: Any, inputs: dict[int, StandInTensor], index: int | None) -> Any:
+    if not isinstance(value, torch.Tensor) or isinstance(value, StandInTensor):
+        return value
+    kept = inputs.get(id(value))
+    if kept is not None:
+        return kept
+    return value if index is None else StandInTensor(value, index)
 
 
 def _writes(func: Any) -> bool:
@@ -237,15 +241,14 @@ def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return _wrap(func(*host_args, **host_kwargs), inputs, index)
     queue = _streams.current_queue(index)
     if queue.stream_id != 0 and not _is_view(func):
-        return _later(func, host_args, host_kwargs, inputs, index, queue)
+        return _later(func, (host_args, host_kwargs), inputs, index, queue)
     queue.run_all()  # what was issued to this stream before runs first
     return _wrap(func(*host_args, **host_kwargs), inputs, index)
 
 
 def _later(
     func: Any,
-    host_args: tuple[Any, ...],
-    host_kwargs: dict[str, Any],
+    host: tuple[tuple[Any, ...], dict[str, Any]],
     inputs: dict[int, StandInTensor],
     index: int,
     queue: _streams.Queue,
@@ -255,17 +258,13 @@ def _later(
     An operation that writes its arguments writes them then. One that makes new tensors
     is run now only for their shapes: they hold poison until the stream's work runs.
     """
+    host_args, host_kwargs = host
     if _writes(func):
         queue.issue(lambda: func(*host_args, **host_kwargs))
         return _wrap(_written_results(func, host_args, host_kwargs), inputs, index)
     shaped = func(*host_args, **host_kwargs)
     flat, spec = tree_flatten(shaped)
-    poisoned = []
-    for value in flat:
-        if isinstance(value, torch.Tensor):
-            value = torch.empty_like(value)
-            _streams.poison(value)
-        poisoned.append(value)
+    poisoned = [_poisoned_like(value) for value in flat]
 
     def work() -> None:
         results, _ = tree_flatten(func(*host_args, **host_kwargs))
@@ -275,6 +274,14 @@ def _later(
 
     queue.issue(work)
     return _wrap(tree_unflatten(poisoned, spec), inputs, index)
+
+
+def _poisoned_like(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    empty = torch.empty_like(value)
+    _streams.poison(empty)
+    return empty
 
 
 def _written_results(func: Any, host_args: tuple[Any, ...], host_kwargs: dict[str, Any]) -> Any:
@@ -374,7 +381,11 @@ def _into_host(target: torch.Tensor, source: StandInTensor, *, blocking: bool) -
         target.copy_(data)
         return
     _streams.poison(target)
-    queue.issue(lambda: target.copy_(data))
+
+    def work() -> None:
+        target.copy_(data)
+
+    queue.issue(work)
 
 
 def _same_bytes(now: torch.Tensor, kept: torch.Tensor) -> bool:
