@@ -122,10 +122,15 @@ class StandInTensor(torch.Tensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """Run ``func`` on the CPU tensors inside, in stream order, and wrap its results."""
-        with _streams.LOCK:
-            if func in _COPIES:
-                return _copy(func, args, kwargs or {})
-            return _run(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
+
+
+@torch._disable_dynamo  # type: ignore[attr-defined]  # the device's kernels: not the program's to trace
+def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with _streams.LOCK:
+        if func in _COPIES:
+            return _copy(func, args, kwargs)
+        return _run(func, args, kwargs)
 
 
 def _name() -> str:
