@@ -60,11 +60,14 @@ def stand_in(devices: int = 2, *, memory: int | str | None = None) -> str:
     Started once per process: it renames PyTorch's PrivateUse1 device. Asked again with
     the same arguments, it returns the same name.
 
-    >>> import torch, devicekit.testing
-    >>> name = devicekit.testing.stand_in()
-    >>> x = torch.ones(2, device=f"{name}:1")
-    >>> (x * 2).cpu(), x.device
-    (tensor([2., 2.]), device(type='standin', index=1))
+    .. doctest::
+       :skipif: True  # run by the tests, not the docs build, which it would change
+
+       >>> import torch, devicekit.testing
+       >>> name = devicekit.testing.stand_in()
+       >>> x = torch.ones(2, device=f"{name}:1")
+       >>> (x * 2).cpu(), x.device
+       (tensor([2., 2.]), device(type='standin', index=1))
 
     Args:
         devices: How many devices, 1 or more.
