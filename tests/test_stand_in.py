@@ -140,6 +140,17 @@ def test_torch_load_honours_map_location(
     assert loaded["row"].cpu().tolist() == [30.0, 4.0, 5.0]
 
 
+def test_a_load_is_not_misled_by_an_earlier_load_at_the_same_address(on0: torch.device) -> None:
+    saved = io.BytesIO()
+    torch.save(torch.arange(4.0).to(on0), saved)
+    for map_location in ["standin:1", "cpu"] * 20:  # freed storages' addresses come back
+        loaded = torch.load(io.BytesIO(saved.getvalue()), map_location=map_location)
+        assert str(loaded.device) == map_location
+    cpu_saved = io.BytesIO()
+    torch.save(torch.arange(4.0), cpu_saved)
+    assert torch.load(io.BytesIO(cpu_saved.getvalue())).device.type == "cpu"
+
+
 def test_devicekit_saves_and_loads_onto_it(on0: torch.device, on1: torch.device, tmp_path) -> None:
     path = tmp_path / "state.pt"
     dk.save({"weight": torch.ones(2, device=on0)}, path)

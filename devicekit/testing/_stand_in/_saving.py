@@ -11,6 +11,7 @@ The rebuild function is allowed under ``weights_only=True``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,21 +22,28 @@ from devicekit.testing._stand_in._device import started
 
 __all__ = ["reduce", "register"]
 
-_saving: dict[int, str] = {}  # a storage's first byte -> the stand-in location it was saved from
-_loaded: dict[int, torch.device] = {}  # a storage's first byte -> where torch.load put it
+# Storages are told apart by their first byte, which a freed storage's successor may
+# reuse: a saved one is kept with its values (dead once they are), and every storage
+# torch.load restores overwrites what an earlier load said of its address.
+_saving: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # first byte -> values, location
+_loaded: dict[int, torch.device | None] = {}  # first byte -> where torch.load put it
 
 
 def _tag(storage: Any) -> str | None:
     if storage.device.type != "cpu":
         return None
-    return _saving.get(storage.data_ptr())
+    first = storage.data_ptr()
+    values, location = _saving.get(first, (None, None))
+    if values is None or values() is None:
+        _saving.pop(first, None)
+        return None
+    return location
 
 
 def _restore(storage: Any, location: str) -> Any:
-    if not location.startswith(started().name):
-        return None
-    _loaded[storage.data_ptr()] = torch.device(location)
-    return storage
+    ours = location.startswith(started().name)
+    _loaded[storage.data_ptr()] = torch.device(location) if ours else None
+    return storage if ours else None
 
 
 _wrap: list[Callable[[torch.Tensor, int], torch.Tensor]] = []  # StandInTensor, once registered
@@ -51,7 +59,7 @@ def rebuild_stand_in(values: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 def reduce(tensor: Any) -> tuple[Any, ...]:
     """What pickling a stand-in tensor writes: its values, tagged with its location."""
     values = tensor._data
-    _saving[values.untyped_storage().data_ptr()] = str(tensor.device)
+    _saving[values.untyped_storage().data_ptr()] = (weakref.ref(values), str(tensor.device))
     return (rebuild_stand_in, (values, tensor.requires_grad))
 
 
