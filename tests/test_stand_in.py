@@ -146,6 +146,7 @@ def test_a_load_is_not_misled_by_an_earlier_load_at_the_same_address(on0: torch.
     for map_location in ["standin:1", "cpu"] * 20:  # freed storages' addresses come back
         loaded = torch.load(io.BytesIO(saved.getvalue()), map_location=map_location)
         assert str(loaded.device) == map_location
+        del loaded
     cpu_saved = io.BytesIO()
     torch.save(torch.arange(4.0), cpu_saved)
     assert torch.load(io.BytesIO(cpu_saved.getvalue())).device.type == "cpu"
