@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import _devicekit_cli
 import devicekit as dk
 from devicekit.testing import stand_in, still_pinned
 
@@ -50,6 +51,19 @@ def test_torch_accelerator_reports_it(on0: torch.device) -> None:
     assert torch.accelerator.device_count() == 2
     assert isinstance(torch.accelerator.current_stream(), torch.Stream)
     assert dk.DeviceManager().device == on0
+
+
+def test_devicekit_info_and_doctor_show_it(
+    on0: torch.device, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _devicekit_cli.main(["info"]) == 0
+    said = capsys.readouterr().out
+    assert re.search(
+        r"^\*  standin:0 +standin +devicekit stand-in \(CPU-backed\)", said, re.MULTILINE
+    )
+    assert "selected: standin:0" in said
+    assert _devicekit_cli.main(["doctor"]) == 0
+    assert "  standin:1 devicekit stand-in (CPU-backed)" in capsys.readouterr().out
 
 
 # Values
