@@ -14,14 +14,20 @@ project where devicekit is installed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["pytest_addoption", "pytest_configure", "stand_in_device"]
+__all__ = [
+    "pytest_addoption",
+    "pytest_configure",
+    "pytest_terminal_summary",
+    "stand_in_device",
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,6 +46,16 @@ def pytest_configure(config: pytest.Config) -> None:
         from devicekit.testing import stand_in  # noqa: PLC0415 - only where asked
 
         stand_in()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Name the host memory the session leaves pinned or registered, where the stand-in ran."""
+    testing = sys.modules.get("devicekit.testing")
+    left = [] if testing is None else testing.still_pinned()
+    if left:
+        terminalreporter.section("devicekit stand-in: host memory still pinned")
+        for line in left:
+            terminalreporter.line(line)
 
 
 @pytest.fixture(scope="session")

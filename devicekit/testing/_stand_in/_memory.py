@@ -14,6 +14,7 @@ page-locks memory the process already has, as ``cudaHostRegister`` does, pinned 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from typing import Any
 
@@ -172,6 +173,14 @@ def host_unregister(tensor: Any) -> None:
         msg = "host_unregister failed: the memory is not registered (CUDA error 713)"
         raise RuntimeError(msg)
     del _pinned[first]
+
+
+def registered_at_exit() -> None:
+    """Name, on stderr, the registrations the process ends with (the stand-in stops then)."""
+    left = [line for line in still_pinned() if "registered by" in line]
+    if left:
+        lines = "".join(f"\n  {line}" for line in left)
+        sys.stderr.write(f"devicekit stand-in: host memory still registered at exit:{lines}\n")
 
 
 def still_pinned() -> list[str]:

@@ -8,6 +8,7 @@ device module. Nothing of this is undone: a process that starts it keeps it.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import sys
 from collections.abc import Callable
@@ -156,6 +157,7 @@ def _register(record: _device.Started) -> None:
         if hasattr(torch.accelerator.memory, name):
             setattr(torch.accelerator.memory, name, function)
     _forget_what_devicekit_read()
+    atexit.register(_memory.registered_at_exit)
 
 
 def _in_calling_thread(function: Callable[..., Any]) -> Callable[..., Any]:
