@@ -94,3 +94,22 @@ def test_fit_batch_finds_the_largest_batch_under_a_capacity(fresh_python: str) -
     largest, found, kind = result.stdout.split()
     assert kind == "OutOfMemoryError"
     assert 0.9 * int(largest) <= int(found) <= int(largest)
+
+
+_LEAVES_REGISTERED = """
+import torch, devicekit.testing
+devicekit.testing.stand_in()
+kept = torch.empty(8192, dtype=torch.uint8)
+torch.standin.host_register(kept)
+given_back = torch.empty(4096, dtype=torch.uint8)
+torch.standin.host_register(given_back)
+torch.standin.host_unregister(given_back)
+"""
+
+
+def test_registrations_left_at_exit_are_named(fresh_python: str) -> None:
+    result = run_program([fresh_python, "-c", _LEAVES_REGISTERED], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = result.stderr.splitlines()
+    assert said[-2] == "devicekit stand-in: host memory still registered at exit:"
+    assert re.fullmatch(r"  8\.0 KiB at 0x[0-9a-f]+, registered by host_register", said[-1])
