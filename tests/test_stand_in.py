@@ -125,6 +125,20 @@ def test_a_module_and_its_optimizer_train_as_on_the_cpu(on0: torch.device) -> No
         assert torch.equal(mine, cpus)
 
 
+def test_an_optimizer_made_before_the_move_trains_the_moved_parameters(on1: torch.device) -> None:
+    model = torch.nn.Linear(2, 1)
+    weight = model.weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.to(on1)  # as on CUDA, the Parameter objects stay: the optimizer holds them
+    assert model.weight is weight
+    assert isinstance(weight, torch.nn.Parameter)
+    assert weight.device == on1
+    before = weight.detach().cpu()
+    model(torch.ones(1, 2, device=on1)).sum().backward()
+    optimizer.step()
+    assert torch.equal(weight.detach().cpu(), before - 1.0)
+
+
 def test_a_pinning_data_loader_pins(on0: torch.device) -> None:
     loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4, pin_memory=True)
     batches = [batch for (batch,) in loader]
@@ -333,6 +347,21 @@ def test_work_on_a_side_stream_reads_its_inputs_when_it_runs(on0: torch.device) 
     source.fill_(5.0)  # the default stream writes it first, since nothing ordered them
     side.synchronize()
     assert doubled.tolist() == [10.0, 10.0]
+
+
+def test_an_allocation_reads_as_poison_and_waits_for_no_work(on0: torch.device) -> None:
+    assert torch.empty(3, device=on0).isnan().all().item()  # never written: what it held
+    side = torch.standin.Stream(on0)
+    pinned = torch.arange(3.0).pin_memory()
+    with side:
+        moved = pinned.to(on0, non_blocking=True)
+        torch.empty(1, device=on0)  # an allocation runs nothing queued before it
+        filled = torch.full((2,), 7.0, device=on0)
+    pinned.fill_(-1.0)  # so the copy, still queued, reads a rewritten buffer
+    assert filled.isnan().all().item()
+    side.synchronize()
+    assert moved.isnan().all().item()
+    assert filled.tolist() == [7.0, 7.0]
 
 
 def test_each_device_keeps_its_own_queue(on0: torch.device, on1: torch.device) -> None:

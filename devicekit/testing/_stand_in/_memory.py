@@ -63,8 +63,11 @@ def memory(index: int) -> DeviceMemory:
     return _devices[index]
 
 
-def charge(index: int, holder: torch.Tensor, data: torch.Tensor) -> None:
-    """Count ``data``'s storage against device ``index`` while ``holder`` lives.
+def charge(index: int, data: torch.Tensor) -> None:
+    """Count ``data``'s storage against device ``index`` while ``data`` lives.
+
+    Watched through ``data`` (the CPU tensor inside), never through the stand-in tensor:
+    a tensor with a weak reference cannot be swapped, and ``Module.to`` swaps.
 
     Raises:
         torch.OutOfMemoryError: The storage is new and does not fit, as CUDA raises it.
@@ -84,7 +87,7 @@ def charge(index: int, holder: torch.Tensor, data: torch.Tensor) -> None:
         device.reserved = max(device.reserved, device.allocated)
         device.peak_reserved = max(device.peak_reserved, device.reserved)
     held[1] += 1
-    weakref.finalize(holder, _release, device, first)
+    weakref.finalize(data, _release, device, first)
 
 
 def _release(device: DeviceMemory, first: int) -> None:

@@ -152,6 +152,15 @@ def _register(record: _device.Started) -> None:
     # internal assert. Backward passes run in the calling thread instead, as on the CPU.
     torch.autograd.backward = _in_calling_thread(torch.autograd.backward)
     torch.autograd.grad = _in_calling_thread(torch.autograd.grad)
+    # Module.to keeps each Parameter object, as on CUDA, only where it can set the moved
+    # tensor into it (a CPU and a CUDA tensor can; a Python backend's cannot) or swaps
+    # the two, which it does for wrapper tensors it may trace. The stand-in's are not
+    # for tracing (torch.compile runs its kernels eagerly), so it is named to the module
+    # alone: an optimizer made before model.to() then holds the moved parameters.
+    traced = torch.nn.modules.module.is_traceable_wrapper_subclass
+    torch.nn.modules.module.is_traceable_wrapper_subclass = lambda tensor: (
+        isinstance(tensor, _tensor.StandInTensor) or traced(tensor)
+    )
     for name, function in _ACCELERATOR_FUNCTIONS.items():
         setattr(torch.accelerator, name, function)
         if hasattr(torch.accelerator.memory, name):

@@ -76,7 +76,7 @@ class StandInTensor(torch.Tensor):
             requires_grad=data.requires_grad,
         )
         wrapper._data = data
-        _memory.charge(index, wrapper, data)
+        _memory.charge(index, data)
         return wrapper
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -402,7 +402,13 @@ def _same_bytes(now: torch.Tensor, kept: torch.Tensor) -> bool:
 
 
 def factory(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The PrivateUse1 fallback: an operation whose only tie to the stand-in is ``device=``."""
+    """The PrivateUse1 fallback: an operation whose only tie to the stand-in is ``device=``.
+
+    Allocating (``empty``, the destination of every copy to the device) waits for no
+    work, and gives poison, as recycled device memory holds what it held. One that writes
+    values (``scalar_tensor``, ``randperm``) is work on the current
+    stream: after what was issued there, and on a side stream, poison until it runs.
+    """
     device = kwargs.get("device")
     if not _is_ours(device):
         msg = f"The {_name()} stand-in has no kernel for {op} without one of its tensors."
@@ -411,5 +417,17 @@ def factory(op: Any, *args: Any, **kwargs: Any) -> Any:
     host = {**kwargs, "device": torch.device("cpu")}
     host.pop("pin_memory", None)
     with _streams.LOCK:
-        _streams.current_queue(index).run_all()
-        return StandInTensor(op(*args, **host), index)
+        if op._schema.name.startswith("aten::empty"):
+            return StandInTensor(_poisoned_like(op(*args, **host)), index)
+        queue = _streams.current_queue(index)
+        if queue.stream_id == 0:
+            queue.run_all()
+            return StandInTensor(op(*args, **host), index)
+        values = op(*args, **host)
+        made = _poisoned_like(values)
+
+        def work() -> None:
+            made.copy_(values)
+
+        queue.issue(work)
+        return StandInTensor(made, index)
