@@ -157,8 +157,9 @@ def _register(record: _device.Started) -> None:
     # the two, which it does for wrapper tensors it may trace. The stand-in's are not
     # for tracing (torch.compile runs its kernels eagerly), so it is named to the module
     # alone: an optimizer made before model.to() then holds the moved parameters.
-    traced = torch.nn.modules.module.is_traceable_wrapper_subclass
-    torch.nn.modules.module.is_traceable_wrapper_subclass = lambda tensor: (
+    modules: Any = torch.nn.modules.module
+    traced = modules.is_traceable_wrapper_subclass
+    modules.is_traceable_wrapper_subclass = lambda tensor: (
         isinstance(tensor, _tensor.StandInTensor) or traced(tensor)
     )
     for name, function in _ACCELERATOR_FUNCTIONS.items():
