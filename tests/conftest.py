@@ -8,7 +8,9 @@ from __future__ import annotations
 import doctest
 import functools
 import gc
+import importlib
 import os
+import pkgutil
 import re
 import shlex
 import signal
@@ -25,6 +27,7 @@ import devicekit as dk
 from devicekit._base import _current
 from devicekit._core import _kinds
 from devicekit._select._launch import LAUNCHERS
+from devicekit.testing import _stand_in
 
 from .programs import TwoRanks, run_two_ranks
 
@@ -63,18 +66,35 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 # The stand-in accelerator (devicekit.testing.stand_in) stays started once started: it
 # renames PyTorch's PrivateUse1 device for the process, and DeviceManager() then chooses
 # it. So the tests that start it (those asking for stand_in_device, the doctests of its
-# own modules) run last, after every test that expects this machine as it is.
+# own modules, and a test that runs one of their docstring examples as its parameter:
+# tests/test_docs.py) run last, after every test that expects this machine as it is
+# (sorted in pytest_collection_modifyitems, below).
 _STAND_IN_MODULES = "devicekit/testing/_stand_in/"
 
 
-def _starts_the_stand_in(item: pytest.Item) -> bool:
-    return "stand_in_device" in getattr(item, "fixturenames", ()) or item.nodeid.startswith(
-        _STAND_IN_MODULES
+@functools.cache
+def _stand_in_docstrings() -> frozenset[str]:
+    """The docstrings of the stand-in's own modules (importing them starts nothing)."""
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    modules = (
+        importlib.import_module(f"{_stand_in.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(_stand_in.__path__)
+    )
+    return frozenset(
+        test.docstring for module in modules for test in finder.find(module) if test.docstring
     )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=_starts_the_stand_in)  # stable: each group keeps its order
+def _starts_the_stand_in(item: pytest.Item) -> bool:
+    if "stand_in_device" in getattr(item, "fixturenames", ()) or item.nodeid.startswith(
+        _STAND_IN_MODULES
+    ):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(
+        isinstance(param, doctest.DocTest) and param.docstring in _stand_in_docstrings()
+        for param in callspec.params.values()
+    )
 
 
 @pytest.fixture(scope="session")
@@ -170,6 +190,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+    items.sort(key=_starts_the_stand_in)  # stable: each group keeps its order
 
 
 # How many modules were imported when the collector last froze what was alive.
