@@ -194,11 +194,6 @@ def test_a_module_moves_and_computes_as_on_the_host(stand_in_device: torch.devic
     assert int(back[1].num_batches_tracked) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stand-in: Module.to replaces a module's Parameter objects (CUDA moves them in "
-    "place), and swap_module_params_on_conversion fails on the weakref of its memory ledger",
-)
 def test_a_module_moved_to_the_stand_in_keeps_its_parameter_objects(
     stand_in_device: torch.device,
 ) -> None:
@@ -208,11 +203,6 @@ def test_a_module_moved_to_the_stand_in_keeps_its_parameter_objects(
     assert model.weight is weight
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stand-in: autograd's engine sizes its device queues once, at the process's first "
-    "backward, from the C++ side's count (one device, or none before the stand-in started)",
-)
 def test_a_backward_runs_on_the_second_stand_in_device(stand_in_device: torch.device) -> None:
     weight = torch.ones(2, device=STANDIN_1, requires_grad=True)
     weight.sum().backward()
@@ -220,12 +210,8 @@ def test_a_backward_runs_on_the_second_stand_in_device(stand_in_device: torch.de
 
 
 def _host_gradients(model: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
-    """The gradients of one step, computed on the host.
-
-    No backward runs on the stand-in in these tests: its autograd fails once the process
-    ran a backward before the stand-in started, as the rest of the suite does (the xfail
-    above).
-    """
+    """The gradients of one step, computed on the host, where a run without the stand-in
+    computes them: the optimizer's steps are then compared with that run's."""
     model.zero_grad(set_to_none=True)
     model(inputs).square().mean().backward()
     return [param.grad.clone() for param in model.parameters()]  # type: ignore[union-attr]
@@ -236,8 +222,7 @@ def test_an_optimizers_state_follows_its_parameters_onto_the_stand_in(
 ) -> None:
     # Its state on the host, its parameters on the stand-in (a checkpoint loaded there):
     # to_device moves the state to its parameters' device, the step kept on the host.
-    # The optimizer is made after the model moves: the stand-in's Module.to replaces the
-    # Parameter objects (the xfail above), so one made before would hold the old ones.
+    # The moved copy gets an optimizer of its own, its state the host one's.
     inputs = torch.randn(32, 8, generator=torch.Generator().manual_seed(6))
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
@@ -409,8 +394,9 @@ def small_devices(stand_in_device: torch.device, monkeypatch: pytest.MonkeyPatch
     """Each stand-in device with SMALL bytes free, for the length of the test; SMALL.
 
     The stand-in takes one capacity for the process, at its start (``stand_in(memory=)``),
-    and the stand_in_device fixture starts it with the host's memory: no public call sets
-    it later, so the test sets its private figure (monkeypatch puts it back).
+    and the stand_in_device fixture starts it with the host's memory. A limit set later
+    (``set_per_process_memory_fraction``) is a share of the capacity, not of what is free
+    now, so the test sets the private figure (monkeypatch puts it back).
     """
     gc.collect()
     torch.accelerator.empty_cache()  # reserved = allocated: free = capacity - allocated
