@@ -37,6 +37,7 @@ __all__ = [
     "new_stream",
     "no_backend",
     "parse_device",
+    "pinned_bytes",
     "register_link_reader",
     "resolve_device",
     "streams_to",
@@ -128,6 +129,18 @@ def new_event(device: torch.device, *, enable_timing: bool = False) -> torch.Eve
     if own is None:
         return torch.Event(device=device, enable_timing=enable_timing)
     return cast("torch.Event", own(device, enable_timing=enable_timing))
+
+
+def pinned_bytes(size: int) -> torch.Tensor:
+    """``size`` bytes of page-locked host memory, for copies to the build's accelerator.
+
+    A backend registered from Python has no pinned allocator for ``torch.empty(...,
+    pin_memory=True)`` to ask: its memory is pinned by ``pin_memory()``.
+    """
+    accelerator = accelerator_type()
+    if accelerator is not None and _own(torch.device(accelerator), "host_register"):
+        return torch.empty(size, dtype=torch.uint8).pin_memory()
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
 
 def available_devices() -> list[str]:
