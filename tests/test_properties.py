@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import devicekit as dk
 from devicekit._core._transfer import as_accelerator
-from devicekit.testing import batches, tensors
+from devicekit.testing import assert_batches_equal, batches, tensors
 
 from .helpers import CPU, META, assert_unchanged, snapshot, tensor_leaves
 from .reference import assert_moved_like, reference_move
@@ -70,21 +70,22 @@ def test_ci_runs_each_property_on_at_least_200_examples() -> None:
 _ALIKE = tensors(dtypes=[torch.float32, torch.int64], shapes=st.sampled_from([(2, 3), (4,), ()]))
 
 
-@given(
-    batches()
-    | st.lists(_ALIKE, min_size=11, max_size=40).flatmap(
-        # Many alike tensors, some of them twice, nested: batches that go packed.
-        lambda items: st.builds(
-            lambda picks, split: {"a": items[:split] + picks, "b": tuple(items[split:])},
-            st.lists(st.sampled_from(items), max_size=3),
-            st.integers(0, len(items)),
-        )
+# Batches of every kind, and of many alike tensors, some of them twice, nested: batches
+# that go packed.
+_PACKED_OR_NOT = batches() | st.lists(_ALIKE, min_size=11, max_size=40).flatmap(
+    lambda items: st.builds(
+        lambda picks, split: {"a": items[:split] + picks, "b": tuple(items[split:])},
+        st.lists(st.sampled_from(items), max_size=3),
+        st.integers(0, len(items)),
     )
 )
+
+
+@given(_PACKED_OR_NOT)
 def test_the_accelerator_path_keeps_structure_shapes_dtypes_and_aliases(batch: Any) -> None:
     # meta standing in for an accelerator: the batch is taken apart, its small tensors
-    # packed where that pays, and rebuilt. Not the stand-in accelerator yet: packing
-    # stages in torch.empty(..., pin_memory=True), which it cannot make.
+    # packed where that pays, and rebuilt; compared with the reference move to meta,
+    # which has shapes and no values (the next property has the values, on the stand-in).
     with as_accelerator("meta"):
         moved = dk.to_device(batch, META)
     assert_moved_like(moved, reference_move(batch, META))
@@ -94,6 +95,19 @@ def test_the_accelerator_path_keeps_structure_shapes_dtypes_and_aliases(batch: A
     for source, copy in zip(before, after, strict=True):
         assert copy.device == META
         assert (copy.shape, copy.dtype) == (source.shape, source.dtype)
+        assert copies.setdefault(id(source), copy) is copy  # one copy per source tensor
+
+
+@given(batch=_PACKED_OR_NOT)
+def test_the_accelerator_path_gives_back_every_value(
+    stand_in_device: torch.device, batch: Any
+) -> None:
+    # On the stand-in, with real values: packed or not, every tensor arrives whole, once.
+    moved = dk.to_device(batch, stand_in_device)
+    assert_batches_equal(dk.to_device(moved, "cpu"), batch)
+    copies: dict[int, torch.Tensor] = {}
+    for source, copy in zip(tensor_leaves(batch), tensor_leaves(moved), strict=True):
+        assert copy.device == stand_in_device
         assert copies.setdefault(id(source), copy) is copy  # one copy per source tensor
 
 

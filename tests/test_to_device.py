@@ -50,9 +50,9 @@ def target(request: pytest.FixtureRequest) -> torch.device:
 def meta_standing_in(target: torch.device) -> Iterator[torch.device]:
     """meta, standing in for an accelerator where ``target`` is the stand-in.
 
-    For what the stand-in cannot carry yet: ``Module.to`` makes new Parameter objects
-    there, where it moves them in place on CUDA (the optimizer tests); a tensor subclass
-    cannot move there, and a Parameter there is not of type nn.Parameter
+    For what the stand-in cannot carry: a tensor subclass cannot move there (its tensors
+    are a wrapper of their own), and a Parameter there is a stand-in tensor marked as
+    one, not of type nn.Parameter
     (:func:`test_parameters_and_tensor_subclasses_move_and_keep_their_type`).
     """
     if target == META:
@@ -614,12 +614,11 @@ def _trained_adam(model: nn.Module, **options: Any) -> torch.optim.Optimizer:
 def test_optimizer_state_follows_the_parameters(target: torch.device) -> None:
     model = nn.Linear(2, 2)
     optimizer = _trained_adam(model)
-    with meta_standing_in(target):  # Module.to keeps no Parameter object on the stand-in
-        dk.to_device(model, META)
-        assert dk.to_device(optimizer, META) is optimizer
+    dk.to_device(model, target)
+    assert dk.to_device(optimizer, target) is optimizer
     state = optimizer.state[model.weight]
-    assert state["exp_avg"].device == META
-    assert state["exp_avg_sq"].device == META
+    assert state["exp_avg"].device == target
+    assert state["exp_avg_sq"].device == target
     # "step" stays on the host unless the optimizer is capturable or fused, as in PyTorch.
     assert state["step"].device == CPU
 
@@ -630,10 +629,9 @@ def test_capturable_optimizer_moves_its_step(target: torch.device) -> None:
     optimizer = _trained_adam(model)
     for group in optimizer.param_groups:
         group["capturable"] = True
-    with meta_standing_in(target):  # Module.to keeps no Parameter object on the stand-in
-        dk.to_device(model, META)
-        dk.to_device(optimizer, META)
-    assert optimizer.state[model.weight]["step"].device == META
+    dk.to_device(model, target)
+    dk.to_device(optimizer, target)
+    assert optimizer.state[model.weight]["step"].device == target
 
 
 def test_optimizer_state_takes_the_dtype_of_its_parameters() -> None:
@@ -668,12 +666,11 @@ def test_an_optimizer_whose_state_is_a_dataclass_moves(target: torch.device) -> 
     model = torch.nn.Linear(2, 2)
     optimizer = FooOptimizer(model.parameters())
     optimizer.step()
-    with meta_standing_in(target):  # Module.to keeps no Parameter object on the stand-in
-        dk.to_device(model, META)
-        dk.to_device(optimizer, META)
+    dk.to_device(model, target)
+    dk.to_device(optimizer, target)
     state = optimizer.state[model.weight]
     assert isinstance(state, FooState)
-    assert state.exp_avg.device == META
+    assert state.exp_avg.device == target
     assert state.step == 1
 
 
