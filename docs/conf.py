@@ -75,6 +75,8 @@ nitpick_ignore = [
     ("py:obj", "devicekit._loader._loader.B"),
     # PyTorch documents no page for the handle its hooks return.
     ("py:class", "torch.utils.hooks.RemovableHandle"),
+    # Nor for torch.OutOfMemoryError (stand_in's memory= raises it).
+    ("py:class", "torch.OutOfMemoryError"),
 ]
 
 # No doctest_global_setup and no testsetup blocks: every page shows its own imports, so

@@ -53,7 +53,8 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 correct += (scores.argmax(dim=1) == labels).sum()
-            print(f"epoch {epoch}: accuracy {correct.item() / len(loader.dataset):.1%}")
+            accuracy = correct.item() / len(loader.dataset)
+            print(f"epoch {epoch}: loss {loss.item():.6f}, accuracy {accuracy:.1%}")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,36 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.slow)
 
 
+# The stand-in accelerator (devicekit.testing.stand_in) stays started once started: it
+# renames PyTorch's PrivateUse1 device for the process, and DeviceManager() then chooses
+# it. So the tests that start it (those asking for stand_in_device, the doctests of its
+# own modules) run last, after every test that expects this machine as it is. A case of
+# a parametrized fixture that asks for stand_in_device as it runs (request.getfixturevalue)
+# says so with the stand_in mark: pytest.param(..., marks=pytest.mark.stand_in).
+_STAND_IN_MODULES = "devicekit/testing/_stand_in/"
+STAND_IN_MARK = "stand_in"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{STAND_IN_MARK}: the case asks for the stand_in_device fixture as it runs (a "
+        "parametrized fixture's case); it runs last, as the tests asking for it do",
+    )
+
+
+def _starts_the_stand_in(item: pytest.Item) -> bool:
+    if "stand_in_device" in getattr(item, "fixturenames", ()):
+        return True
+    if item.get_closest_marker(STAND_IN_MARK) is not None:
+        return True
+    if item.nodeid.startswith(_STAND_IN_MODULES):
+        return True
+    # A docstring's example run by tests/test_docs.py, stand_in()'s own among them.
+    example = getattr(getattr(item, "callspec", None), "params", {}).get("example")
+    return "stand_in(" in str(getattr(example, "docstring", ""))
+
+
 @pytest.fixture(scope="session")
 def fresh_python() -> str:
     """The interpreter a test starts its programs with; asking for it makes the test slow.
@@ -153,6 +183,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+    items.sort(key=_starts_the_stand_in)  # stable: each group keeps its order
 
 
 # How many modules were imported when the collector last froze what was alive.

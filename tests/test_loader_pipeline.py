@@ -5,8 +5,12 @@ and event call goes through one seam (a Prefetcher). Here a stand-in takes its p
 the ``meta`` device and checks how the pipeline uses it, so that every path through the
 pipeline (every prefetch depth and source length, a full epoch, an early break, a source
 or a transform that raises at each position, Ctrl-C in the loop body, the next epoch)
-runs in CI. Each runs under a watchdog, so a hang fails the test with the place it hung,
-and each must leave no thread behind.
+runs in CI. Where what matters is the data that arrives (a source that refills its
+buffer, pinned memory shared by live epochs), the loader runs on the stand-in
+accelerator of devicekit.testing instead, with its real side stream, events and pinned
+slabs, and copies that read host memory as late as a wait allows. Each runs under a
+watchdog, so a hang fails the test with the place it hung, and each must leave no
+thread behind.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import devicekit as dk
 from devicekit._loader import _loader, _pipeline, _staging
+from devicekit.testing import still_pinned
 
 from .conftest import WATCHDOG_S, Hang
-from .helpers import META, HostCopies
+from .helpers import META
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
@@ -868,44 +873,53 @@ class Refilled:
 @pytest.mark.parametrize("numel", [16, 1 << 14], ids=["small", "large"])
 @pytest.mark.parametrize("prefetch", [1, 2, 4])
 def test_a_source_that_refills_one_buffer_gets_every_batch_right(
-    prefetch: int, numel: int, pin: bool, monkeypatch: pytest.MonkeyPatch
+    prefetch: int, numel: int, pin: bool, stand_in_device: torch.device
 ) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
-    monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
+    # On the stand-in each copy reads the host memory when it runs, as late as a wait
+    # allows: a refill before then would give the wrong batch, or poison (NaN).
+    pinned = set(still_pinned())
     source = Refilled(8, numel)
-    plain = [(batch["image"][0].item(), batch["label"][0].item()) for batch in source]
-    loader = dk.DeviceDataLoader(source, META, prefetch=prefetch, pin_memory=pin)
+    plain = [(batch["image"].clone(), batch["label"].clone()) for batch in source]
+    loader = dk.DeviceDataLoader(source, stand_in_device, prefetch=prefetch, pin_memory=pin)
     for _ in range(2):
-        got = []
-        for batch in loader:
-            got.append((batch["image"][0].item(), batch["label"][0].item()))
-            assert torch.all(batch["image"] == batch["image"][0])  # one batch's, whole
-        assert got == plain
+        got = [(batch["image"].cpu(), batch["label"].cpu()) for batch in loader]
+        assert len(got) == len(plain)
+        for (image, label), (expected_image, expected_label) in zip(got, plain, strict=True):
+            assert torch.equal(image, expected_image)  # one batch's, whole
+            assert torch.equal(label, expected_label)
+    loader.close()
+    assert set(still_pinned()) <= pinned  # every slab it registered, unregistered
     _no_thread_left()
 
 
 @pytest.mark.parametrize("loop", ["peek", "nested"])
 def test_live_epochs_of_large_batches_share_the_pinned_memory_without_a_hang(
-    loop: str, monkeypatch: pytest.MonkeyPatch
+    loop: str, stand_in_device: torch.device
 ) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
-    monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
+    pinned = set(still_pinned())
     batches = [torch.full((1 << 14,), float(index)) for index in range(6)]
-    loader = dk.DeviceDataLoader(batches, META)
+    loader = dk.DeviceDataLoader(batches, stand_in_device)
+
+    def value(batch: torch.Tensor) -> float:
+        whole = batch.cpu()
+        assert torch.equal(whole, torch.full_like(whole, whole[0].item()))  # no poison
+        return whole[0].item()
+
     expected = [float(index) for index in range(6)]
     if loop == "peek":
         peek = iter(loader)
         first = next(peek)
         time.sleep(0.05)  # its feed reads ahead, holding slabs, until its loop comes back
-        assert [batch[0].item() for batch in loader] == expected
+        assert [value(batch) for batch in loader] == expected
         assert (
             loader.stats.unpinned_why is None or "another live epoch" in loader.stats.unpinned_why
         )
-        assert [first[0].item()] + [batch[0].item() for batch in peek] == expected
+        assert [value(first)] + [value(batch) for batch in peek] == expected
     else:
-        pairs = [(a[0].item(), b[0].item()) for a in loader for b in loader]
+        pairs = [(value(a), value(b)) for a in loader for b in loader]
         assert pairs == [(a, b) for a in expected for b in expected]
     loader.close()
+    assert set(still_pinned()) <= pinned  # every slab it registered, unregistered
     _no_thread_left()
 
 
@@ -958,23 +972,25 @@ class FailsToPin:
         return self
 
 
-def test_an_epoch_after_a_staging_error_runs_to_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)
-    monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.PAGEABLE)
+def test_an_epoch_after_a_staging_error_runs_to_its_end(
+    monkeypatch: pytest.MonkeyPatch, stand_in_device: torch.device
+) -> None:
     monkeypatch.setattr(FailsToPin, "failed", False)
+    pinned = set(still_pinned())
     large = 1 << 14  # float32 elements: staged in a slab
 
     def batches() -> Iterator[list[Any]]:
         for index in range(6):
             yield [torch.full((large,), float(index)), FailsToPin() if index == 3 else None]
 
-    loader = dk.DeviceDataLoader(batches, META, prefetch=1, pin_memory_limit=4 * large)
+    loader = dk.DeviceDataLoader(batches, stand_in_device, prefetch=1, pin_memory_limit=4 * large)
     with pytest.raises(OSError, match="cannot pin this record"):
         for _ in loader:
             pass
-    got = [batch[0][0].item() for batch in loader]  # no slab kept by the error: no hang
-    assert got == [float(index) for index in range(6)]
+    got = [batch[0].cpu() for batch in loader]  # no slab kept by the error: no hang
+    assert [tensor.tolist() for tensor in got] == [[float(index)] * large for index in range(6)]
     loader.close()
+    assert set(still_pinned()) <= pinned  # every slab it registered, unregistered
     _no_thread_left()
 
 

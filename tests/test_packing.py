@@ -116,6 +116,7 @@ def test_tensors_packing_cannot_take_are_left_out_wherever_they_come(odd: str) -
     _assert_copies(alike, moved)
     if odd == "nested":
         return  # PyTorch moves no nested tensor to meta: to_device is checked with the others
+    # meta stands in for the accelerator: no sparse tensor goes to the stand-in.
     with as_accelerator("meta"):
         batch = dk.to_device({"odd": [first, middle], "alike": alike}, "meta")
     assert [t.device for t in batch["odd"]] == [META, META]
@@ -193,7 +194,9 @@ def test_runs_that_span_chunks_arrive_whole() -> None:
     assert len({copy.untyped_storage().data_ptr() for copy in moved.values()}) == 5
 
 
-# to_device's use of packing, with meta standing in for the accelerator.
+# to_device's use of packing, with meta standing in for the accelerator: these read how
+# the copies share storage, which the stand-in's tensors (wrappers) do not show; its
+# values are checked on the stand-in in tests/test_properties.py.
 
 
 def test_to_device_packs_small_tensors_and_sends_the_rest_alone() -> None:

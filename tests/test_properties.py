@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import devicekit as dk
 from devicekit._core._transfer import as_accelerator
-from devicekit.testing import batches, tensors
+from devicekit.testing import assert_batches_equal, batches, tensors
 
 from .helpers import CPU, META, assert_unchanged, snapshot, tensor_leaves
 from .reference import assert_moved_like, reference_move
@@ -70,20 +70,22 @@ def test_ci_runs_each_property_on_at_least_200_examples() -> None:
 _ALIKE = tensors(dtypes=[torch.float32, torch.int64], shapes=st.sampled_from([(2, 3), (4,), ()]))
 
 
-@given(
-    batches()
-    | st.lists(_ALIKE, min_size=11, max_size=40).flatmap(
-        # Many alike tensors, some of them twice, nested: batches that go packed.
-        lambda items: st.builds(
-            lambda picks, split: {"a": items[:split] + picks, "b": tuple(items[split:])},
-            st.lists(st.sampled_from(items), max_size=3),
-            st.integers(0, len(items)),
-        )
+# Batches of every kind, and of many alike tensors, some of them twice, nested: batches
+# that go packed.
+_PACKED_OR_NOT = batches() | st.lists(_ALIKE, min_size=11, max_size=40).flatmap(
+    lambda items: st.builds(
+        lambda picks, split: {"a": items[:split] + picks, "b": tuple(items[split:])},
+        st.lists(st.sampled_from(items), max_size=3),
+        st.integers(0, len(items)),
     )
 )
+
+
+@given(_PACKED_OR_NOT)
 def test_the_accelerator_path_keeps_structure_shapes_dtypes_and_aliases(batch: Any) -> None:
     # meta standing in for an accelerator: the batch is taken apart, its small tensors
-    # packed where that pays, and rebuilt.
+    # packed where that pays, and rebuilt; compared with the reference move to meta,
+    # which has shapes and no values (the next property has the values, on the stand-in).
     with as_accelerator("meta"):
         moved = dk.to_device(batch, META)
     assert_moved_like(moved, reference_move(batch, META))
@@ -96,13 +98,28 @@ def test_the_accelerator_path_keeps_structure_shapes_dtypes_and_aliases(batch: A
         assert copies.setdefault(id(source), copy) is copy  # one copy per source tensor
 
 
+@given(batch=_PACKED_OR_NOT)
+def test_the_accelerator_path_gives_back_every_value(
+    stand_in_device: torch.device, batch: Any
+) -> None:
+    # On the stand-in, with real values: packed or not, every tensor arrives whole, once.
+    moved = dk.to_device(batch, stand_in_device)
+    assert_batches_equal(dk.to_device(moved, "cpu"), batch)
+    copies: dict[int, torch.Tensor] = {}
+    for source, copy in zip(tensor_leaves(batch), tensor_leaves(moved), strict=True):
+        assert copy.device == stand_in_device
+        assert copies.setdefault(id(source), copy) is copy  # one copy per source tensor
+
+
 @given(batches(), st.sampled_from(["meta", "accelerator"]))
-def test_the_movers_list_form_moves_as_the_mover_does_leaf_by_leaf(batch: Any, how: str) -> None:
+def test_the_movers_list_form_moves_as_the_mover_does_leaf_by_leaf(
+    stand_in_device: torch.device, batch: Any, how: str
+) -> None:
     # move_all is move applied at every active leaf, with fewer calls: compare the two.
     from devicekit._core import _transfer, _tree  # noqa: PLC0415 - the two forms are private
 
-    def both() -> tuple[list[Any], list[Any]]:
-        plan = _transfer._plan(META, _transfer._DEFAULTS)
+    def both(device: torch.device) -> tuple[list[Any], list[Any]]:
+        plan = _transfer._plan(device, _transfer._DEFAULTS)
         flat = _tree.flatten(batch)
         listed = plan.move_all(flat.leaves, flat.active, _transfer.Call(plan, []))
         call = _transfer.Call(plan, [])
@@ -111,11 +128,7 @@ def test_the_movers_list_form_moves_as_the_mover_does_leaf_by_leaf(batch: Any, h
             one_by_one[index] = plan.move(flat.leaves[index], call)
         return listed, one_by_one
 
-    if how == "accelerator":
-        with as_accelerator("meta"):
-            listed, one_by_one = both()
-    else:
-        listed, one_by_one = both()
+    listed, one_by_one = both(stand_in_device if how == "accelerator" else META)
     assert len(listed) == len(one_by_one)
     for mine, theirs in zip(listed, one_by_one, strict=True):
         assert type(mine) is type(theirs)
@@ -125,6 +138,8 @@ def test_the_movers_list_form_moves_as_the_mover_does_leaf_by_leaf(batch: Any, h
                 theirs.dtype,
                 theirs.shape,
             )
+            if not theirs.is_meta:
+                assert torch.equal(mine, theirs)
         else:
             assert mine is theirs
 

@@ -1,7 +1,7 @@
 """skip_keys: values under the named keys stay where they are, at any depth, with any option.
 
-Both of to_device's paths keep them; keys that are not keys are refused. meta is the
-second device on CPU machines.
+Both of to_device's paths keep them (to meta, the second device on CPU machines, and to
+the stand-in accelerator of devicekit.testing); keys that are not keys are refused.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit._core._transfer import as_accelerator
 
 from .helpers import CPU, META
 
@@ -44,7 +43,9 @@ def test_values_under_skipped_keys_stay_where_they_are_at_any_depth() -> None:
 
 
 @pytest.mark.parametrize("options", [{"dtype": torch.float16}, {"copy": True}])
-def test_skip_keys_combine_with_every_option(options: dict[str, Any]) -> None:
+def test_skip_keys_combine_with_every_option(
+    options: dict[str, Any], stand_in_device: torch.device
+) -> None:
     raw = torch.ones(2)
     batch = {"raw": raw, "x": torch.ones(2), "nested": [{"raw": [raw]}]}
     moved = dk.to_device(batch, CPU, skip_keys="raw", **options)
@@ -53,10 +54,15 @@ def test_skip_keys_combine_with_every_option(options: dict[str, Any]) -> None:
     assert moved["x"] is not batch["x"]
     if "dtype" in options:
         assert moved["x"].dtype == torch.float16
-    with as_accelerator("meta"):
-        packed = dk.to_device([{"raw": raw, "x": torch.ones(2)}] * 12, META, skip_keys="raw")
-    assert packed[0]["raw"] is raw
-    assert packed[0]["x"].device == META
+    # The accelerator's walk keeps them too, with every option.
+    moved = dk.to_device(
+        [{"raw": raw, "x": torch.ones(2)}] * 12, stand_in_device, skip_keys="raw", **options
+    )
+    assert moved[0]["raw"] is raw
+    assert moved[0]["x"].device == stand_in_device
+    assert moved[0]["x"].tolist() == [1.0, 1.0]
+    if "dtype" in options:
+        assert moved[0]["x"].dtype == torch.float16
 
 
 def test_skipped_values_are_not_refused_by_strict() -> None:

@@ -2,7 +2,9 @@
 
 The page-locking allocator is replaced by ordinary memory (nothing can be pinned without
 an accelerator), and a copy's end by a timer the test controls, so the pool's accounting
-(exact sizes, reuse, the cap, release, the fallback) and its waits run here.
+(exact sizes, reuse, the cap, release, the fallback) and its waits run here. A loader
+that stages its batches runs on the stand-in accelerator of devicekit.testing, which
+page-locks and copies (as late as a wait allows), the pool's slabs recorded on the way.
 """
 
 from __future__ import annotations
@@ -22,27 +24,38 @@ import devicekit as dk
 from devicekit._core._packing import PACK_MAX_BYTES
 from devicekit._loader import _loader, _staging
 from devicekit._loader._staging import ALIGN, PIECE_MIN_BYTES, Staged, Stager, StagingPool
+from devicekit.testing import still_pinned
 
 from .conftest import WATCHDOG_S
-from .helpers import META, HostCopies
+from .helpers import META
 
 pytestmark = pytest.mark.usefixtures("watchdog")
 
 LARGE = PACK_MAX_BYTES + 4  # a float32 tensor of this many bytes is staged
 
 
+Allocate = Callable[[int], tuple[torch.Tensor, Callable[[], None]]]
+
+
+def _ordinary(size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    return torch.empty(size, dtype=torch.uint8), lambda: None
+
+
 class Memory:
     """Stands in for page-locking: ordinary memory, every slab's life recorded.
 
+    Or records the page-locking of ``pinning`` (a :class:`~devicekit._loader._staging.Pinning`'s
+    ``allocate``, the stand-in accelerator's), which then does the page-locking.
     A slab collected before its release stands for memory freed while still registered
     with the driver (CUDA's next registration of those pages fails): counted in ``lost``.
     """
 
-    def __init__(self, fail_from: int | None = None) -> None:
+    def __init__(self, fail_from: int | None = None, pinning: Allocate = _ordinary) -> None:
         self.sizes: list[int] = []  # each slab asked for, in bytes
         self.live = 0  # bytes not yet given back
         self.most = 0
         self.fail_from = fail_from  # the slab (counted from 0) from which allocation fails
+        self.pinning = pinning
         self.threads: set[str] = set()
         self.lost = 0  # slabs collected while still page-locked
 
@@ -54,13 +67,14 @@ class Memory:
         self.sizes.append(size)
         self.live += size
         self.most = max(self.most, self.live)
-        slab = torch.empty(size, dtype=torch.uint8)
+        slab, unpin = self.pinning(size)
         released = threading.Event()
 
         def release() -> None:
             assert not released.is_set(), "a slab was given back twice"
             released.set()
             self.live -= size
+            unpin()
 
         def collected() -> None:
             if not released.is_set():
@@ -302,14 +316,19 @@ def test_several_pinning_threads_copy_every_byte_in_place() -> None:
 
 
 def test_the_loader_stages_read_ahead_batches_and_reports_the_pool(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, stand_in_device: torch.device
 ) -> None:
-    memory = Memory()
-    monkeypatch.setitem(_loader.PREFETCHERS, "meta", HostCopies)  # copies as issued
-    monkeypatch.setitem(_staging.ALLOCATORS, "meta", _staging.Pinning(memory, _staging.exact))
+    # The stand-in copies as late as its waits allow, and page-locks each slab
+    # (host_register); Memory records each slab on the way. A slab reused before the
+    # copy that reads it ran would give the wrong batch, or poison (NaN).
+    ledger = set(still_pinned())
+    memory = Memory(pinning=_staging.pinning_of(stand_in_device.type).allocate)
+    monkeypatch.setitem(
+        _staging.ALLOCATORS, stand_in_device.type, _staging.Pinning(memory, _staging.exact)
+    )
     batches = [[_floats(LARGE, i)] for i in range(8)]
-    loader = dk.DeviceDataLoader(batches, META, prefetch=2)
-    got = [batch[0].clone() for batch in loader]
+    loader = dk.DeviceDataLoader(batches, stand_in_device, prefetch=2)
+    got = [batch[0].cpu() for batch in loader]
     assert all(torch.equal(g, b[0]) for g, b in zip(got, batches, strict=True))
     stats = loader.stats
     assert stats.pinned_batches == 8  # the first is read, and pinned, in this thread
@@ -317,11 +336,12 @@ def test_the_loader_stages_read_ahead_batches_and_reports_the_pool(
     assert stats.pinned_bytes == memory.most <= stats.pinned_limit
     assert stats.pinned_limit == 3 * _staging.slab_size(LARGE)
     assert stats.unpinned == 0
-    assert stats.copy_bytes == 8 * LARGE
-    assert stats.copy_gbps == pytest.approx(LARGE / 0.001 / 1e9)
+    assert stats.copy_bytes == 8 * LARGE  # bandwidth: in test_loader_stats, where copies take time
     assert memory.threads == {"MainThread", "devicekit-feed"}
+    assert len(set(still_pinned()) - ledger) == len(memory.sizes)  # each slab registered
     loader.close()
     assert memory.live == 0
+    assert set(still_pinned()) <= ledger  # and unregistered
 
 
 def test_the_pool_limit_is_read_as_a_size() -> None:

@@ -1,13 +1,17 @@
-"""Example tests for every to_device rule, with meta as the second device on CPU machines.
+"""Example tests for every to_device rule, on both of to_device's paths.
 
-Every test runs twice: once as a move to meta is (the host path), and once with meta
-standing in for an accelerator (the walk taken apart and rebuilt, small tensors
-packed), so both of to_device's paths keep every rule.
+Every test runs twice (the ``target`` fixture): once to meta, as a move to the host's
+devices goes (the host path), and once to the stand-in accelerator of
+:func:`devicekit.testing.stand_in` (the walk taken apart and rebuilt, asynchronous
+copies), whose values are real: so both paths keep every rule, and on the accelerator
+path what arrives is checked too. The accelerator path runs last (tests/conftest.py):
+the stand-in stays started once started. Packing has tests of its own (test_packing.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import re
@@ -25,19 +29,51 @@ from torch import nn
 
 import devicekit as dk
 from devicekit._core._transfer import as_accelerator
-from devicekit.testing import assert_same_structure
+from devicekit.testing import assert_batches_equal, assert_same_structure
 
 from .helpers import CPU, META, Pair, assert_unchanged, snapshot, tensor_leaves
 
 
-@pytest.fixture(autouse=True, params=["host path", "accelerator path"])
-def to_accelerator(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """Whether meta stands in for an accelerator in this run of the test."""
+@pytest.fixture(
+    autouse=True,
+    params=["host path", pytest.param("accelerator path", marks=pytest.mark.stand_in)],
+)
+def target(request: pytest.FixtureRequest) -> torch.device:
+    """Where this run of the test moves data: meta, or the stand-in accelerator."""
     if request.param == "host path":
-        yield False
+        return META
+    device: torch.device = request.getfixturevalue("stand_in_device")
+    return device
+
+
+@contextlib.contextmanager
+def meta_standing_in(target: torch.device) -> Iterator[torch.device]:
+    """meta, standing in for an accelerator where ``target`` is the stand-in.
+
+    For what the stand-in cannot carry: a tensor subclass cannot move there (its tensors
+    are a wrapper of their own), and a Parameter there is a stand-in tensor marked as
+    one, not of type nn.Parameter
+    (:func:`test_parameters_and_tensor_subclasses_move_and_keep_their_type`).
+    """
+    if target == META:
+        yield META
         return
     with as_accelerator("meta"):
-        yield True
+        yield META
+
+
+def assert_arrived(moved: Any, data: Any, target: torch.device) -> None:
+    """``moved`` is ``data`` on ``target``: its structure, and its values where it has them.
+
+    On the stand-in it is compared on its way back to the host, values included:
+    assert_same_structure takes a stand-in tensor (a StandInTensor) for another type than
+    a CPU tensor.
+    """
+    assert all(t.device == target for t in tensor_leaves(moved))
+    if target == META:
+        assert_same_structure(moved, data)
+    else:
+        assert_batches_equal(dk.to_device(moved, CPU), data)
 
 
 class Encoding(UserDict[str, Any]):
@@ -114,34 +150,36 @@ class Movable:
         "size",
     ],
 )
-def test_containers_keep_their_exact_type(make: Any) -> None:
+def test_containers_keep_their_exact_type(make: Any, target: torch.device) -> None:
     data = make(torch.arange(3.0))
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert type(moved) is type(data)
-    assert_same_structure(moved, data)
-    assert all(t.device == META for t in tensor_leaves(moved))
+    assert_arrived(moved, data, target)
 
 
-def test_defaultdict_keeps_its_factory() -> None:
+def test_defaultdict_keeps_its_factory(target: torch.device) -> None:
     data: defaultdict[str, list[torch.Tensor]] = defaultdict(list, {"a": [torch.ones(1)]})
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert type(moved) is defaultdict
     assert moved.default_factory is list
     assert moved["missing"] == []
     assert "missing" not in data
 
 
-def test_mapping_subclass_keeps_attributes_and_is_not_moved_with_its_own_to() -> None:
+def test_mapping_subclass_keeps_attributes_and_is_not_moved_with_its_own_to(
+    target: torch.device,
+) -> None:
     data = Encoding({"input_ids": torch.ones(2)}, encodings=["tokens"])
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert moved.encodings == ["tokens"]
-    assert moved["input_ids"].device == META
+    assert moved["input_ids"].device == target
+    assert_arrived(moved, data, target)
     assert data["input_ids"].device == CPU
 
 
-def test_ordered_dict_keeps_its_order() -> None:
+def test_ordered_dict_keeps_its_order(target: torch.device) -> None:
     data = OrderedDict([("z", torch.ones(1)), ("a", torch.zeros(1)), ("m", 1)])
-    assert list(dk.to_device(data, META)) == ["z", "a", "m"]
+    assert list(dk.to_device(data, target)) == ["z", "a", "m"]
 
 
 class SortedIter(dict[str, Any]):
@@ -168,10 +206,10 @@ class ReversedKeys(UserDict[str, Any]):
         return reversed(list(self.data))
 
 
-def test_a_user_dict_keeps_its_pairs_and_shares_nothing() -> None:
+def test_a_user_dict_keeps_its_pairs_and_shares_nothing(target: torch.device) -> None:
     batch = ReversedKeys({"ids": torch.arange(3), "mask": torch.ones(3, dtype=torch.bool)})
     batch.extra = "kept"  # type: ignore[attr-defined]
-    moved = dk.to_device(batch, META)
+    moved = dk.to_device(batch, target)
     assert moved.data is not batch.data
     assert moved["ids"].dtype == torch.int64
     assert moved["mask"].dtype == torch.bool
@@ -179,15 +217,16 @@ def test_a_user_dict_keeps_its_pairs_and_shares_nothing() -> None:
     assert batch["ids"].device == CPU
 
 
-def test_deques_and_user_lists_are_rebuilt_and_seen() -> None:
+def test_deques_and_user_lists_are_rebuilt_and_seen(target: torch.device) -> None:
     window: deque[torch.Tensor] = deque([torch.ones(1), torch.zeros(1)], maxlen=5)
     users = UserList([torch.ones(2)])
-    moved = dk.to_device({"window": window, "users": users}, META)
+    moved = dk.to_device({"window": window, "users": users}, target)
     assert type(moved["window"]) is deque
     assert moved["window"].maxlen == 5
-    assert all(t.device == META for t in moved["window"])
+    assert all(t.device == target for t in moved["window"])
     assert type(moved["users"]) is UserList
-    assert moved["users"][0].device == META
+    assert moved["users"][0].device == target
+    assert_arrived(moved, {"window": window, "users": users}, target)
     assert users[0].device == CPU
     found = dk.find_devices({"window": window, "users": users})
     assert found == {CPU: ["['window'][0]", "['window'][1]", "['users'][0]"]}
@@ -196,18 +235,18 @@ def test_deques_and_user_lists_are_rebuilt_and_seen() -> None:
         dk.check_same_device({"window": window}, device="meta")
 
 
-def test_str_and_bytes_are_leaves_not_sequences() -> None:
+def test_str_and_bytes_are_leaves_not_sequences(target: torch.device) -> None:
     data = {"name": "image.png", "raw": b"\x00\x01", "tensor": torch.ones(1)}
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert moved["name"] == "image.png"
     assert moved["raw"] == b"\x00\x01"
 
 
-def test_other_leaves_come_back_unchanged() -> None:
+def test_other_leaves_come_back_unchanged(target: torch.device) -> None:
     array = np.zeros(3)
     marker = object()
     data = [1, 2.5, None, array, marker, True]
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert moved == [1, 2.5, None, array, marker, True]
     assert moved[3] is array
     assert moved[4] is marker
@@ -216,7 +255,9 @@ def test_other_leaves_come_back_unchanged() -> None:
 # Containers it cannot rebuild as the same type are refused, the input left as it was.
 
 
-def test_a_shelf_is_refused_and_its_file_keeps_its_data(tmp_path: Path) -> None:
+def test_a_shelf_is_refused_and_its_file_keeps_its_data(
+    tmp_path: Path, target: torch.device
+) -> None:
     with shelve.open(str(tmp_path / "db")) as shelf:
         shelf["w"] = torch.arange(3.0)
         msg = (
@@ -225,16 +266,16 @@ def test_a_shelf_is_refused_and_its_file_keeps_its_data(tmp_path: Path) -> None:
             "@devicekit.register_transfer(DbfilenameShelf)."
         )
         with pytest.raises(dk.TransferError, match=re.escape(msg)):
-            dk.to_device(shelf, META)
+            dk.to_device(shelf, target)
     with shelve.open(str(tmp_path / "db")) as shelf:
         assert torch.equal(shelf["w"], torch.arange(3.0))
 
 
-def test_a_chain_map_is_refused_and_left_as_it_was() -> None:
+def test_a_chain_map_is_refused_and_left_as_it_was(target: torch.device) -> None:
     first, second = {"a": torch.ones(1)}, {"b": torch.zeros(1)}
     chain = ChainMap(first, second)
     with pytest.raises(dk.TransferError, match=re.escape("Cannot rebuild data['x']: it is a")):
-        dk.to_device({"x": chain}, META)
+        dk.to_device({"x": chain}, target)
     assert chain.maps == [first, second]
     assert first["a"].device == CPU
     assert second["b"].device == CPU
@@ -254,14 +295,14 @@ class Ring(Sequence[Any]):
         return len(self._items)
 
 
-def test_sequences_and_object_arrays_it_cannot_rebuild_are_refused() -> None:
+def test_sequences_and_object_arrays_it_cannot_rebuild_are_refused(target: torch.device) -> None:
     msg = (
         "Cannot rebuild data['ring']: it is a tests.test_to_device.Ring, a "
         "Sequence that devicekit cannot rebuild as the same type. Register how to move it "
         "with @devicekit.register_transfer(Ring)."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({"ring": Ring([torch.ones(1)])}, META)
+        dk.to_device({"ring": Ring([torch.ones(1)])}, target)
     holder = np.empty(2, dtype=object)
     holder[0], holder[1] = torch.ones(1), "label"
     msg = (
@@ -270,10 +311,10 @@ def test_sequences_and_object_arrays_it_cannot_rebuild_are_refused() -> None:
         "to move it with @devicekit.register_transfer(numpy.ndarray)."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({"boxes": holder}, META)
+        dk.to_device({"boxes": holder}, target)
     numbers = np.arange(3)
-    assert dk.to_device({"n": numbers}, META)["n"] is numbers  # plain arrays stay leaves
-    assert dk.to_device([range(3)], META, strict=True) == [range(3)]
+    assert dk.to_device({"n": numbers}, target)["n"] is numbers  # plain arrays stay leaves
+    assert dk.to_device([range(3)], target, strict=True) == [range(3)]
 
 
 class NeedsArgDict(collections.OrderedDict[str, Any]):
@@ -305,13 +346,15 @@ class NeedsArgTuple(tuple[Any, ...]):
     ],
     ids=["OrderedDict", "defaultdict", "tuple"],
 )
-def test_a_subclass_whose_constructor_needs_arguments_is_named(make: Any, why: str) -> None:
+def test_a_subclass_whose_constructor_needs_arguments_is_named(
+    make: Any, why: str, target: torch.device
+) -> None:
     container = make()
     if isinstance(container, dict):
         container["x"] = torch.ones(1)
     name = type(container).__name__
     with pytest.raises(dk.TransferError) as caught:
-        dk.to_device({"k": container}, META)
+        dk.to_device({"k": container}, target)
     message = str(caught.value)
     assert message.startswith(f"Cannot rebuild data['k']: it is a {__name__}.{name}, {why}")
     assert message.endswith(f"Register how to move it with @devicekit.register_transfer({name}).")
@@ -323,21 +366,22 @@ def test_a_subclass_whose_constructor_needs_arguments_is_named(make: Any, why: s
 # __post_init__, or a rebuild that needs the InitVar again, would break.)
 
 
-def test_dataclass_is_copied_with_fields_outside_init() -> None:
+def test_dataclass_is_copied_with_fields_outside_init(target: torch.device) -> None:
     data = Detection(torch.ones(2, 4), torch.tensor([1, 2]))
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert type(moved) is Detection
     assert moved is not data
-    assert (moved.boxes.device, moved.labels.device, moved.area.device) == (META, META, META)
+    assert (moved.boxes.device, moved.labels.device, moved.area.device) == (target, target, target)
+    assert_arrived(moved, data, target)
     assert moved.source == "camera"
     assert data.area.device == CPU
 
 
-def test_frozen_dataclass_is_rebuilt_without_running_its_init_again() -> None:
+def test_frozen_dataclass_is_rebuilt_without_running_its_init_again(target: torch.device) -> None:
     data = Frozen(torch.ones(2))
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert type(moved) is Frozen
-    assert moved.image.device == META
+    assert moved.image.device == target
     assert data.image.device == CPU
     assert moved.calls == [1]  # __post_init__ ran once, when the user made it
 
@@ -405,14 +449,17 @@ def test_dataclasses_are_rebuilt_without_running_user_code_again() -> None:
     assert moved.y is not source.y
 
 
-def test_dataclass_attributes_move_and_cached_values_do_not_stay_stale() -> None:
+def test_dataclass_attributes_move_and_cached_values_do_not_stay_stale(
+    target: torch.device,
+) -> None:
     data = WithCache(torch.ones(2))
     assert data.total.device == CPU  # cached on the input
-    moved = dk.to_device(data, META)
-    assert moved.x.device == META
-    assert moved.norm.device == META  # set in __post_init__: moved too
+    moved = dk.to_device(data, target)
+    assert moved.x.device == target
+    assert moved.norm.device == target  # set in __post_init__: moved too
     assert "total" not in vars(moved)
-    assert moved.total.device == META  # computed afresh from the moved field
+    assert moved.total.device == target  # computed afresh from the moved field
+    assert_arrived(moved.total, data.total, target)
     assert data.x.device == CPU
 
 
@@ -422,9 +469,9 @@ class Later:
     y: torch.Tensor = dataclasses.field(init=False)  # set later, or never
 
 
-def test_a_dataclass_field_never_set_stays_unset() -> None:
-    moved = dk.to_device({"sample": Later(torch.ones(1))}, META)["sample"]
-    assert moved.x.device == META
+def test_a_dataclass_field_never_set_stays_unset(target: torch.device) -> None:
+    moved = dk.to_device({"sample": Later(torch.ones(1))}, target)["sample"]
+    assert moved.x.device == target
     assert not hasattr(moved, "y")
     assert dk.find_devices({"sample": Later(torch.ones(1))}) == {CPU: ["['sample'].x"]}
 
@@ -441,10 +488,11 @@ def test_values_survive_a_cpu_round_trip_through_dtypes() -> None:
     assert moved["mask"] is data["mask"]
 
 
-def test_dtype_casts_floating_point_tensors_only() -> None:
+def test_dtype_casts_floating_point_tensors_only(target: torch.device) -> None:
     data = [torch.ones(2), torch.ones(2, dtype=torch.float64), torch.arange(2), torch.ones(1) > 0]
-    moved = dk.to_device(data, META, dtype=torch.bfloat16)
+    moved = dk.to_device(data, target, dtype=torch.bfloat16)
     assert [t.dtype for t in moved] == [torch.bfloat16, torch.bfloat16, torch.int64, torch.bool]
+    assert_arrived(moved, [data[0].bfloat16(), data[1].bfloat16(), data[2], data[3]], target)
 
 
 def test_a_tensor_already_on_the_target_is_returned_as_is() -> None:
@@ -479,18 +527,19 @@ def test_channels_last_3d_applies_to_five_dimensional_tensors() -> None:
     assert moved.is_contiguous(memory_format=torch.channels_last_3d)
 
 
-def test_aliasing_is_preserved() -> None:
+def test_aliasing_is_preserved(target: torch.device) -> None:
     shared = torch.ones(2)
     data = {"a": shared, "b": [shared, (shared,)], "other": torch.ones(2)}
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert moved["a"] is moved["b"][0] is moved["b"][1][0]
     assert moved["other"] is not moved["a"]
+    assert_arrived(moved, data, target)
 
 
-def test_the_input_is_never_mutated() -> None:
+def test_the_input_is_never_mutated(target: torch.device) -> None:
     data = {"x": torch.ones(2), "nested": [torch.zeros(3), {"y": torch.arange(2)}], "n": 4}
     before = snapshot(data)
-    dk.to_device(data, META, dtype=torch.float16)
+    dk.to_device(data, target, dtype=torch.float16)
     assert_unchanged(data, before)
     assert data["n"] == 4
 
@@ -507,11 +556,14 @@ class Tagged(torch.Tensor):
     """A tensor subclass that keeps its type through PyTorch's ops, as most do."""
 
 
-def test_parameters_and_tensor_subclasses_move_and_keep_their_type() -> None:
+def test_parameters_and_tensor_subclasses_move_and_keep_their_type(target: torch.device) -> None:
     param = nn.Parameter(torch.ones(2))
     tagged = torch.ones(3).as_subclass(Tagged)
     frozen = nn.Parameter(torch.ones(1), requires_grad=False)
-    moved = dk.to_device([param, tagged, frozen, param], META)
+    # Not on the stand-in: a tensor subclass cannot hold its tensors, and a Parameter of
+    # its own is a stand-in tensor marked as one (its type is not nn.Parameter).
+    with meta_standing_in(target):
+        moved = dk.to_device([param, tagged, frozen, param], META)
     assert type(moved[0]) is nn.Parameter
     assert moved[0].device == META
     assert moved[0].requires_grad
@@ -537,10 +589,12 @@ def test_modules_move_in_place_and_are_returned() -> None:
     assert model[1].num_batches_tracked.dtype == torch.int64
 
 
-def test_module_moves_to_meta() -> None:
+def test_a_module_moves_to_the_target(target: torch.device) -> None:
     model = nn.Linear(2, 2)
-    assert dk.to_device(model, META) is model
-    assert model.weight.device == META
+    weight = model.weight.detach().clone()
+    assert dk.to_device(model, target) is model
+    assert model.weight.device == target
+    assert_arrived(model.weight.detach(), weight, target)
 
 
 def test_module_memory_format() -> None:
@@ -557,27 +611,27 @@ def _trained_adam(model: nn.Module, **options: Any) -> torch.optim.Optimizer:
 
 
 @pytest.mark.usefixtures("swap_module_params")
-def test_optimizer_state_follows_the_parameters() -> None:
+def test_optimizer_state_follows_the_parameters(target: torch.device) -> None:
     model = nn.Linear(2, 2)
     optimizer = _trained_adam(model)
-    dk.to_device(model, META)
-    assert dk.to_device(optimizer, META) is optimizer
+    dk.to_device(model, target)
+    assert dk.to_device(optimizer, target) is optimizer
     state = optimizer.state[model.weight]
-    assert state["exp_avg"].device == META
-    assert state["exp_avg_sq"].device == META
+    assert state["exp_avg"].device == target
+    assert state["exp_avg_sq"].device == target
     # "step" stays on the host unless the optimizer is capturable or fused, as in PyTorch.
     assert state["step"].device == CPU
 
 
 @pytest.mark.usefixtures("swap_module_params")
-def test_capturable_optimizer_moves_its_step() -> None:
+def test_capturable_optimizer_moves_its_step(target: torch.device) -> None:
     model = nn.Linear(2, 2)
     optimizer = _trained_adam(model)
     for group in optimizer.param_groups:
         group["capturable"] = True
-    dk.to_device(model, META)
-    dk.to_device(optimizer, META)
-    assert optimizer.state[model.weight]["step"].device == META
+    dk.to_device(model, target)
+    dk.to_device(optimizer, target)
+    assert optimizer.state[model.weight]["step"].device == target
 
 
 def test_optimizer_state_takes_the_dtype_of_its_parameters() -> None:
@@ -608,15 +662,15 @@ class FooOptimizer(torch.optim.Optimizer):
 
 
 @pytest.mark.usefixtures("swap_module_params")
-def test_an_optimizer_whose_state_is_a_dataclass_moves() -> None:
+def test_an_optimizer_whose_state_is_a_dataclass_moves(target: torch.device) -> None:
     model = torch.nn.Linear(2, 2)
     optimizer = FooOptimizer(model.parameters())
     optimizer.step()
-    dk.to_device(model, META)
-    dk.to_device(optimizer, META)
+    dk.to_device(model, target)
+    dk.to_device(optimizer, target)
     state = optimizer.state[model.weight]
     assert isinstance(state, FooState)
-    assert state.exp_avg.device == META
+    assert state.exp_avg.device == target
     assert state.step == 1
 
 
@@ -655,15 +709,15 @@ def test_dataclass_optimizer_state_follows_its_parameters_dtype_as_dict_state_do
     assert state.step.dtype == torch.float32  # a step keeps its own, as in dict state
 
 
-def test_an_optimizer_whose_model_stayed_behind_is_refused() -> None:
+def test_an_optimizer_whose_model_stayed_behind_is_refused(target: torch.device) -> None:
     model = nn.Linear(2, 2)
     optimizer = _trained_adam(model)
     msg = (
-        "Cannot move data['optimizer'] (an optimizer) to meta: its state follows its parameters, "
-        "and param_groups[0]['params'][0] is on cpu."
+        f"Cannot move data['optimizer'] (an optimizer) to {target}: its state follows its "
+        "parameters, and param_groups[0]['params'][0] is on cpu."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({"optimizer": optimizer}, META)
+        dk.to_device({"optimizer": optimizer}, target)
     assert optimizer.state[model.weight]["exp_avg"].device == CPU
 
 
@@ -679,29 +733,30 @@ def test_copy_of_a_module_is_refused() -> None:
 # Objects with .to() and registered types.
 
 
-def test_objects_with_a_to_method_move_with_it() -> None:
+def test_objects_with_a_to_method_move_with_it(target: torch.device) -> None:
     data = {"thing": Movable(torch.ones(2))}
-    moved = dk.to_device(data, META, non_blocking=True)
-    assert moved["thing"].tensor.device == META
-    assert moved["thing"].received == {"device": META, "non_blocking": True}
+    moved = dk.to_device(data, target, non_blocking=True)
+    assert moved["thing"].tensor.device == target
+    assert moved["thing"].received == {"device": target, "non_blocking": True}
 
 
-def test_packed_sequence_moves_with_its_own_to() -> None:
+def test_packed_sequence_moves_with_its_own_to(target: torch.device) -> None:
     packed = nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
-    moved = dk.to_device({"seq": packed}, META)["seq"]
+    moved = dk.to_device({"seq": packed}, target)["seq"]
     assert type(moved) is nn.utils.rnn.PackedSequence
-    assert moved.data.device == META
+    assert moved.data.device == target
+    assert_arrived(moved.data, packed.data, target)
     assert moved.batch_sizes.device == CPU  # PackedSequence.to keeps these on the host
 
 
-def test_a_packed_sequence_takes_every_option_and_keeps_its_token_ids() -> None:
+def test_a_packed_sequence_takes_every_option_and_keeps_its_token_ids(target: torch.device) -> None:
     tokens = torch.nn.utils.rnn.pack_sequence([torch.tensor([50257, 1]), torch.tensor([7])])
     features = torch.nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
     images = torch.ones(2, 3, 4, 4)
     moved = dk.to_device(
-        {"seq": features, "images": images}, META, memory_format=torch.channels_last
+        {"seq": features, "images": images}, target, memory_format=torch.channels_last
     )
-    assert moved["seq"].data.device == META
+    assert moved["seq"].data.device == target
     assert moved["images"].is_contiguous(memory_format=torch.channels_last)
     # dtype casts floating-point tensors only: token ids stay integers, and exact.
     cast = dk.to_device({"tokens": tokens, "features": features}, CPU, dtype=torch.float16)
@@ -718,7 +773,7 @@ def test_a_packed_sequence_takes_every_option_and_keeps_its_token_ids() -> None:
             assert mine.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
 
 
-def test_the_to_signature_is_read_once_per_type(to_accelerator: bool) -> None:
+def test_the_to_signature_is_read_once_per_type(target: torch.device) -> None:
     calls: list[tuple[Any, ...]] = []
 
     class Counted:
@@ -726,11 +781,11 @@ def test_the_to_signature_is_read_once_per_type(to_accelerator: bool) -> None:
             calls.append((device, options))
             return self
 
-    dk.to_device([Counted(), Counted()], META, dtype=torch.float16)
+    dk.to_device([Counted(), Counted()], target, dtype=torch.float16)
     # Objects that move themselves get non_blocking only where their copies need no wait,
     # and never dtype, which their .to() would apply to every tensor they hold.
-    asked = {"non_blocking": True} if to_accelerator else {}
-    assert calls == [(META, asked)] * 2
+    asked = {"non_blocking": True} if target != META else {}
+    assert calls == [(target, asked)] * 2
 
 
 class Sample:
@@ -744,10 +799,10 @@ class Sample:
         return Sample(self.image.to(*args, **kwargs), self.ids.to(*args, **kwargs))
 
 
-def test_options_a_to_method_does_not_take_are_applied_inside_it() -> None:
+def test_options_a_to_method_does_not_take_are_applied_inside_it(target: torch.device) -> None:
     sample = Sample(torch.ones(1, 3, 2, 2), torch.tensor([70001]))
     moved = dk.to_device(
-        {"sample": sample}, META, dtype=torch.float16, memory_format=torch.channels_last
+        {"sample": sample}, target, dtype=torch.float16, memory_format=torch.channels_last
     )["sample"]
     assert moved.image.dtype == torch.float16
     assert moved.image.is_contiguous(memory_format=torch.channels_last)
@@ -760,7 +815,7 @@ def test_options_a_to_method_does_not_take_are_applied_inside_it() -> None:
     assert copied.image.dtype == torch.float64
 
 
-def test_a_to_method_returning_none_is_refused() -> None:
+def test_a_to_method_returning_none_is_refused(target: torch.device) -> None:
     class InPlace:
         def to(self, device: torch.device) -> None:
             pass
@@ -770,7 +825,7 @@ def test_a_to_method_returning_none_is_refused() -> None:
         "moved object. A method that moves in place must return self."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device([1, InPlace()], META)
+        dk.to_device([1, InPlace()], target)
 
 
 class Distance:
@@ -781,14 +836,14 @@ class Distance:
         return f"{self.metres} {unit}"
 
 
-def test_a_to_method_that_means_something_else_is_not_trusted() -> None:
+def test_a_to_method_that_means_something_else_is_not_trusted(target: torch.device) -> None:
     msg = (
         "Cannot move data['d']: Distance.to() returned a str for the Distance there, not a "
         "Distance, so it is not the moved object. Register how to move it with "
         "@devicekit.register_transfer(Distance), returning a Distance."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({"d": Distance(3.0)}, META)
+        dk.to_device({"d": Distance(3.0)}, target)
 
 
 class Boxes:
@@ -812,7 +867,7 @@ class Counted:
         return self
 
 
-def test_a_to_method_or_rule_runs_once_per_object() -> None:
+def test_a_to_method_or_rule_runs_once_per_object(target: torch.device) -> None:
     counted = Counted()
     shared = torch.ones(2)  # a tensor found twice
     ruled = Boxes(torch.ones(1, 4))
@@ -825,7 +880,7 @@ def test_a_to_method_or_rule_runs_once_per_object() -> None:
 
     batch = {"a": [shared, counted, ruled], "b": (shared, counted, ruled)}
     try:
-        moved = dk.to_device(batch, META)
+        moved = dk.to_device(batch, target)
     finally:
         dk.unregister_transfer(Boxes)
     # .to() ran once, on a copy: the input's own count is untouched.
@@ -837,7 +892,7 @@ def test_a_to_method_or_rule_runs_once_per_object() -> None:
     assert moved["a"][2] is moved["b"][2]
 
 
-def test_registered_rules_win_over_to_and_containers(to_accelerator: bool) -> None:
+def test_registered_rules_win_over_to_and_containers(target: torch.device) -> None:
     seen: list[dict[str, Any]] = []
 
     @dataclasses.dataclass
@@ -856,26 +911,28 @@ def test_registered_rules_win_over_to_and_containers(to_accelerator: bool) -> No
         pass
 
     try:
-        moved = dk.to_device({"b": Boxes(torch.ones(1, 4)), "s": SubBoxes(torch.ones(1, 4))}, META)
+        moved = dk.to_device(
+            {"b": Boxes(torch.ones(1, 4)), "s": SubBoxes(torch.ones(1, 4))}, target
+        )
     finally:
         dk.unregister_transfer(Boxes)
     assert type(moved["b"]) is Boxes
-    assert moved["b"].xyxy.device == META
-    assert moved["s"].xyxy.device == META  # subclasses use their base's rule
+    assert moved["b"].xyxy.device == target
+    assert moved["s"].xyxy.device == target  # subclasses use their base's rule
     assert seen[0] == {
-        "non_blocking": to_accelerator,
+        "non_blocking": target != META,
         "dtype": None,
         "copy": False,
         "memory_format": torch.preserve_format,
     }
 
 
-def test_registering_a_rule_replaces_cached_decisions() -> None:
+def test_registering_a_rule_replaces_cached_decisions(target: torch.device) -> None:
     class Late:
         pass
 
     late = Late()
-    assert dk.to_device([late], META)[0] is late
+    assert dk.to_device([late], target)[0] is late
 
     @dk.register_transfer(Late)
     def move_late(obj: Late, device: torch.device, **options: Any) -> Late:
@@ -884,12 +941,12 @@ def test_registering_a_rule_replaces_cached_decisions() -> None:
         return moved
 
     try:
-        assert dk.to_device([late], META)[0].device == META
+        assert dk.to_device([late], target)[0].device == target
     finally:
         dk.unregister_transfer(Late)
 
 
-def test_a_registered_rule_returning_none_is_refused() -> None:
+def test_a_registered_rule_returning_none_is_refused(target: torch.device) -> None:
     class Broken:
         pass
 
@@ -900,7 +957,7 @@ def test_a_registered_rule_returning_none_is_refused() -> None:
     msg = "Cannot move data['x']: the rule registered for Broken returned None"
     try:
         with pytest.raises(dk.TransferError, match=re.escape(msg)):
-            dk.to_device({"x": Broken()}, META)
+            dk.to_device({"x": Broken()}, target)
     finally:
         dk.unregister_transfer(Broken)
 
@@ -908,13 +965,13 @@ def test_a_registered_rule_returning_none_is_refused() -> None:
 # strict=True.
 
 
-def test_strict_refuses_leaves_it_cannot_move_and_names_their_path() -> None:
+def test_strict_refuses_leaves_it_cannot_move_and_names_their_path(target: torch.device) -> None:
     msg = (
         "Cannot move data['meta'][1]: it is a numpy.ndarray, which is neither a tensor, a "
         "container, a type with a .to() method, a registered type, nor a plain scalar."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({"meta": [1, np.zeros(2)]}, META, strict=True)
+        dk.to_device({"meta": [1, np.zeros(2)]}, target, strict=True)
 
 
 def test_strict_accepts_plain_scalars_modules_and_optimizers() -> None:
@@ -924,16 +981,16 @@ def test_strict_accepts_plain_scalars_modules_and_optimizers() -> None:
     assert moved[:7] == data[:7]
 
 
-def test_strict_takes_dtypes_devices_and_ranges_as_plain_values() -> None:
+def test_strict_takes_dtypes_devices_and_ranges_as_plain_values(target: torch.device) -> None:
     config = {"dtype": torch.float16, "device": torch.device("cpu"), "steps": range(3)}
-    assert dk.to_device(config, META, strict=True) == config
+    assert dk.to_device(config, target, strict=True) == config
 
 
-def test_strict_keeps_numpy_scalars_as_it_keeps_python_numbers() -> None:
+def test_strict_keeps_numpy_scalars_as_it_keeps_python_numbers(target: torch.device) -> None:
     batch = [np.float32(1.0), np.int64(3), np.bool_(True), torch.ones(1)]
-    moved = dk.to_device(batch, META, strict=True)
+    moved = dk.to_device(batch, target, strict=True)
     assert moved[:3] == batch[:3]
-    assert moved[3].device == META
+    assert moved[3].device == target
 
 
 class Unprintable:
@@ -944,7 +1001,7 @@ class Unprintable:
         raise ValueError(msg)
 
 
-def test_a_key_whose_repr_raises_is_shown_and_the_refusal_stands() -> None:
+def test_a_key_whose_repr_raises_is_shown_and_the_refusal_stands(target: torch.device) -> None:
     # Issue 46: the repr's ValueError took the refusal's place.
     msg = (
         "Cannot move data[<unprintable Unprintable: its __repr__ raised ValueError>][1]: it is "
@@ -952,13 +1009,13 @@ def test_a_key_whose_repr_raises_is_shown_and_the_refusal_stands() -> None:
         "a registered type, nor a plain scalar."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({Unprintable(): [1, np.zeros(2)]}, META, strict=True)
+        dk.to_device({Unprintable(): [1, np.zeros(2)]}, target, strict=True)
 
 
 # Structural errors.
 
 
-def test_a_reference_cycle_is_reported_with_its_path() -> None:
+def test_a_reference_cycle_is_reported_with_its_path(target: torch.device) -> None:
     loop: list[Any] = [torch.ones(1)]
     loop.append(loop)
     msg = (
@@ -966,16 +1023,16 @@ def test_a_reference_cycle_is_reported_with_its_path() -> None:
         "data['batch'] itself, which contains it."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device({"batch": loop}, META)
+        dk.to_device({"batch": loop}, target)
 
 
-def test_a_dict_cycle_is_reported_with_its_path() -> None:
+def test_a_dict_cycle_is_reported_with_its_path(target: torch.device) -> None:
     inner: dict[str, Any] = {}
     outer = {"a": [inner]}
     inner["back"] = outer
     msg = "but data['a'][0]['back'] is the dict data itself, which contains it."
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device(outer, META)
+        dk.to_device(outer, target)
 
 
 def _nested(depth: int) -> Any:
@@ -985,20 +1042,22 @@ def _nested(depth: int) -> Any:
     return data
 
 
-def test_ten_thousand_levels_are_fine() -> None:
-    moved = dk.to_device(_nested(10_000), META)
+def test_ten_thousand_levels_are_fine(target: torch.device) -> None:
+    moved = dk.to_device(_nested(10_000), target)
     for _ in range(10_000):
         moved = moved[0]
-    assert moved.device == META
+    assert_arrived(moved, torch.ones(1), target)
 
 
-def test_deeper_than_ten_thousand_levels_is_refused_without_recursion_error() -> None:
+def test_deeper_than_ten_thousand_levels_is_refused_without_recursion_error(
+    target: torch.device,
+) -> None:
     msg = (
         "Expected data nested at most 10,000 containers deep, but "
         "data[0][0][0][0][0][0][0][0]...<9,984 more levels>...[0][0][0][0][0][0][0][0] goes deeper."
     )
     with pytest.raises(dk.TransferError, match=re.escape(msg)):
-        dk.to_device(_nested(10_001), META)
+        dk.to_device(_nested(10_001), target)
 
 
 def test_a_meta_tensor_cannot_move_to_a_real_device() -> None:
@@ -1010,13 +1069,13 @@ def test_a_meta_tensor_cannot_move_to_a_real_device() -> None:
         dk.to_device({"weights": [torch.ones(2, device="meta")]}, CPU)
 
 
-def test_errors_from_user_code_keep_their_type_and_gain_the_path() -> None:
+def test_errors_from_user_code_keep_their_type_and_gain_the_path(target: torch.device) -> None:
     class Exploding:
         def to(self, device: torch.device) -> Exploding:
             raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom") as info:
-        dk.to_device({"x": [Exploding()]}, META)
+        dk.to_device({"x": [Exploding()]}, target)
     assert info.value.__notes__ == ["devicekit: raised while handling data['x'][0] (Exploding)."]
 
 
@@ -1050,15 +1109,15 @@ def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "value"), [("copy", "False"), ("strict", "no"), ("copy", 0)])
-def test_yes_no_options_take_booleans_only(name: str, value: object) -> None:
+def test_yes_no_options_take_booleans_only(name: str, value: object, target: torch.device) -> None:
     msg = f"Expected {name} to be True or False, got {value!r}."
     with pytest.raises(TypeError, match=re.escape(msg)):
-        dk.to_device([torch.ones(1)], META, **{name: value})  # type: ignore[arg-type]
+        dk.to_device([torch.ones(1)], target, **{name: value})  # type: ignore[arg-type]
 
 
-def test_options_of_the_wrong_kind_are_named() -> None:
+def test_options_of_the_wrong_kind_are_named(target: torch.device) -> None:
     with pytest.raises(ValueError, match=re.escape("got array([ True]).")):
-        dk.to_device(torch.ones(1), META, non_blocking=np.array([True]))  # type: ignore[arg-type]
+        dk.to_device(torch.ones(1), target, non_blocking=np.array([True]))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -1099,17 +1158,26 @@ def test_a_device_spec_of_the_wrong_type_is_refused() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
-def test_an_absent_accelerator_is_refused_with_the_devices_that_exist() -> None:
-    with pytest.raises(dk.DeviceUnavailableError, match=r"Available here: .*'cpu', 'meta'\.$"):
+def test_an_absent_accelerator_is_refused_with_the_devices_that_exist(
+    target: torch.device,
+) -> None:
+    if target == META:  # this machine, with no accelerator
+        with pytest.raises(dk.DeviceUnavailableError, match=r"Available here: .*'cpu', 'meta'\.$"):
+            dk.to_device(torch.ones(1), "cuda:7")
+        msg = "Expected an accelerator for the device index 0, but this machine has none."
+        with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
+            dk.to_device(torch.ones(1), 0)
+        return
+    # The stand-in started: its devices are the machine's accelerators, and 0 is its first.
+    there = f"Available here: '{target.type}:0', '{target.type}:1', 'cpu', 'meta'."
+    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(there) + "$"):
         dk.to_device(torch.ones(1), "cuda:7")
-    msg = "Expected an accelerator for the device index 0, but this machine has none."
-    with pytest.raises(dk.DeviceUnavailableError, match=re.escape(msg)):
-        dk.to_device(torch.ones(1), 0)
+    assert dk.to_device(torch.ones(1), 0).device == target
 
 
-def test_device_none_means_the_current_device() -> None:
-    with dk.DeviceManager("meta"):
-        assert dk.to_device({"x": torch.ones(1)})["x"].device == META
+def test_device_none_means_the_current_device(target: torch.device) -> None:
+    with dk.DeviceManager(target):
+        assert dk.to_device({"x": torch.ones(1)})["x"].device == target
 
 
 def test_non_blocking_auto_on_host_targets_is_safe_to_read() -> None:
@@ -1146,46 +1214,52 @@ class _Features(dict[str, Any]):
     ],
 )
 @pytest.mark.parametrize("shared", [False, True], ids=["distinct", "one tensor twice"])
-def test_a_flat_batch_of_tensors_keeps_its_type_and_aliases(make: Any, shared: bool) -> None:
+def test_a_flat_batch_of_tensors_keeps_its_type_and_aliases(
+    make: Any, shared: bool, target: torch.device
+) -> None:
     # Flat batches of plain tensors, which the host walk hands to the mover in one call.
     tensors = [torch.full((2,), float(i)) for i in range(8)]
     if shared:
         tensors[5] = tensors[1]
     data = make(tensors)
     before = snapshot(data)
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert type(moved) is type(data)
-    assert_same_structure(moved, data)
+    assert_arrived(moved, data, target)
     if isinstance(data, defaultdict):
         assert moved.default_factory is list
     leaves = list(tensor_leaves(moved))
-    assert all(t.device == META for t in leaves)
+    assert all(t.device == target for t in leaves)
     if shared and len(leaves) > 5:
         assert leaves[5] is leaves[1]
     assert len({id(t) for t in leaves}) == len({id(t) for t in tensor_leaves(data)})
     assert_unchanged(data, before)
 
 
-def test_a_flat_batch_partly_on_the_target_keeps_what_is_there() -> None:
-    there = torch.ones(2, device=META)
+def test_a_flat_batch_partly_on_the_target_keeps_what_is_there(target: torch.device) -> None:
+    there = torch.ones(2, device=target)
     data = {"there": there, "here": torch.ones(2), "also": torch.zeros(3)}
-    moved = dk.to_device(data, META)
+    moved = dk.to_device(data, target)
     assert moved["there"] is there
-    assert moved["here"].device == moved["also"].device == META
+    assert moved["here"].device == moved["also"].device == target
+    assert_arrived([moved["here"], moved["also"]], [data["here"], data["also"]], target)
     assert moved is not data
 
 
 @pytest.mark.parametrize("non_blocking", ["auto", True, False])
-def test_a_flat_batch_takes_the_options_as_the_walk_does(non_blocking: Any) -> None:
+def test_a_flat_batch_takes_the_options_as_the_walk_does(
+    non_blocking: Any, target: torch.device
+) -> None:
     data = [torch.ones(2, 3, 4, 4), torch.arange(3), torch.ones(2, dtype=torch.float64)]
-    moved = dk.to_device(data, META, non_blocking=non_blocking, dtype=torch.float16)
+    moved = dk.to_device(data, target, non_blocking=non_blocking, dtype=torch.float16)
     assert [t.dtype for t in moved] == [torch.float16, torch.int64, torch.float16]
+    assert_arrived(moved, [data[0].half(), data[1], data[2].half()], target)
     laid_out = dk.to_device(tuple(data), CPU, non_blocking=non_blocking, copy=True)
     assert all(a is not b and torch.equal(a, b) for a, b in zip(laid_out, data, strict=True))
     channels = dk.to_device(data, CPU, memory_format=torch.channels_last)
     assert channels[0].is_contiguous(memory_format=torch.channels_last)
     assert channels[1] is data[1]
-    assert [t.device for t in dk.to_device(data, META, non_blocking=non_blocking)] == [META] * 3
+    assert [t.device for t in dk.to_device(data, target, non_blocking=non_blocking)] == [target] * 3
 
 
 def test_a_meta_tensor_in_a_flat_batch_is_named_by_its_path() -> None:
@@ -1197,10 +1271,15 @@ def test_a_meta_tensor_in_a_flat_batch_is_named_by_its_path() -> None:
         dk.to_device([torch.ones(1), torch.ones(1, device=META)], CPU, non_blocking=True)
 
 
-def test_a_flat_batch_with_other_leaves_is_walked_as_before() -> None:
+def test_a_flat_batch_with_other_leaves_is_walked_as_before(target: torch.device) -> None:
     weight = nn.Parameter(torch.ones(2))
     data = {"x": torch.ones(2), "w": weight, "n": 3, "name": "a"}
-    moved = dk.to_device(data, META, strict=True)
-    assert type(moved["w"]) is nn.Parameter
-    assert moved["w"].device == moved["x"].device == META
+    moved = dk.to_device(data, target, strict=True)
+    # A parameter on the stand-in is a stand-in tensor marked as one, as PyTorch marks a
+    # tensor subclass: nn.Parameter by isinstance, not by type.
+    assert (
+        type(moved["w"]) is nn.Parameter if target == META else isinstance(moved["w"], nn.Parameter)
+    )
+    assert moved["w"].requires_grad
+    assert moved["w"].device == moved["x"].device == target
     assert (moved["n"], moved["name"]) == (3, "a")

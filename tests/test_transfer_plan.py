@@ -1,7 +1,8 @@
 """How to_device carries out one call: its plan, one crossing into the engine, one wait.
 
 The plan says which copies are asynchronous and is made once per resolved device. meta
-is the second device on CPU machines, standing in for an accelerator where a test says.
+is the second device on CPU machines; the stand-in accelerator of devicekit.testing is
+the accelerator where a test asks for it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from torch import nn
 
 import devicekit as dk
 from devicekit._core import _transfer
-from devicekit._core._transfer import as_accelerator
 
 from .helpers import CPU, META, Pair
 
 
-def test_one_call_crosses_into_the_engine_once() -> None:
+def test_one_call_crosses_into_the_engine_once(stand_in_device: torch.device) -> None:
     calls: list[str] = []
 
     def record(frame: Any, event: str, arg: Any) -> None:
@@ -37,22 +37,14 @@ def test_one_call_crosses_into_the_engine_once() -> None:
     batch = {"inputs": Pair(torch.ones(2), torch.ones(2)), "targets": [torch.ones(1)] * 3}
     shared = batch["targets"][0]
     batch["targets"] = [torch.ones(1) for _ in range(3)]
-    for accelerator in (False, True):
+    for device, data in ((META, batch), (stand_in_device, [*[torch.ones(2)] * 12, batch])):
         calls.clear()
-        if accelerator:
-            with as_accelerator("meta"):
-                sys.setprofile(record)
-                try:
-                    dk.to_device([*[torch.ones(2)] * 12, batch], META)
-                finally:
-                    sys.setprofile(None)
-        else:
-            sys.setprofile(record)
-            try:
-                dk.to_device(batch, META)
-            finally:
-                sys.setprofile(None)
-        assert calls == ["map_flat" if accelerator else "map_leaves"], calls
+        sys.setprofile(record)
+        try:
+            dk.to_device(data, device)
+        finally:
+            sys.setprofile(None)
+        assert calls == ["map_flat" if device == stand_in_device else "map_leaves"], calls
     # The one exception: on the host path a batch that holds one tensor twice is only
     # known to do so once walked, and is walked again through the memo (see _Call).
     calls.clear()
@@ -193,7 +185,10 @@ def tensor_values(batch: Any) -> list[torch.Tensor]:
     ],
 )
 def test_a_flat_batch_moves_in_one_call_only_where_each_tensor_would_move_alone(
-    device: torch.device, options: dict[str, Any], in_one_call: bool | None
+    device: torch.device,
+    options: dict[str, Any],
+    in_one_call: bool | None,
+    stand_in_device: torch.device,
 ) -> None:
     plan = _transfer._plan(device, _transfer.Options(**options))
     if in_one_call is None:  # options: every tensor through the call
@@ -201,5 +196,4 @@ def test_a_flat_batch_moves_in_one_call_only_where_each_tensor_would_move_alone(
     else:
         assert plan.kept is not None
         assert (plan.kept[2] is not None) is in_one_call
-    with as_accelerator("meta"):
-        assert _transfer._plan(META, _transfer.Options(**options)).kept is None
+    assert _transfer._plan(stand_in_device, _transfer.Options(**options)).kept is None  # the walk

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import numbers
 from collections.abc import Callable
-from typing import Final, NamedTuple, TypeAlias, cast
+from typing import Any, Final, NamedTuple, TypeAlias, cast
 
 import torch
 
@@ -29,11 +29,15 @@ __all__ = [
     "LinkPeak",
     "accelerator_type",
     "available_devices",
+    "forget_accelerator",
     "has_backend",
     "link_peak",
     "mesh_of",
+    "new_event",
+    "new_stream",
     "no_backend",
     "parse_device",
+    "pinned_bytes",
     "register_link_reader",
     "resolve_device",
     "streams_to",
@@ -50,8 +54,9 @@ Work on them runs on the calling thread (``meta`` only computes shapes), so a co
 them needs no stream to order it and nothing to wait on; every other type is an
 accelerator's. Listed in this order by :func:`available_devices`."""
 
-# Accelerator families in the order devicekit prefers them when nothing is asked for.
-_ACCELERATORS = ("cuda", "xpu", "mps")
+# Accelerator families in the order devicekit prefers them when nothing is asked for; a
+# backend registered from Python or by an extension (accelerator_type()) comes after them.
+_BUILT_IN = ("cuda", "xpu", "mps")
 _EXAMPLES = "'cpu', 'cuda', 'cuda:0', 'mps', 'xpu' or 'meta'"
 
 # Resolutions that cannot change while the process runs: "cpu", "meta", "cuda:1".
@@ -100,6 +105,44 @@ def streams_to(device: torch.device) -> bool:
     return device.type == accelerator_type() and device.type not in _WITHOUT_STREAMS
 
 
+def _own(device: torch.device, kind: str) -> Callable[..., Any] | None:
+    """A backend's own ``Stream`` or ``Event``, where it is registered from Python.
+
+    Such a backend keeps its streams and events in its module: the ones ``torch.Stream``
+    makes for it order nothing (its C++ side has none).
+    """
+    if device.type != torch._C._get_privateuse1_backend_name():
+        return None
+    found = getattr(getattr(torch, device.type, None), kind, None)
+    return found if callable(found) else None
+
+
+def new_stream(device: torch.device) -> torch.Stream:
+    """A new stream of an accelerator ``device``, for copies that overlap compute."""
+    own = _own(device, "Stream")
+    return torch.Stream(device=device) if own is None else cast("torch.Stream", own(device))
+
+
+def new_event(device: torch.device, *, enable_timing: bool = False) -> torch.Event:
+    """A new event of an accelerator ``device``, to record on its streams."""
+    own = _own(device, "Event")
+    if own is None:
+        return torch.Event(device=device, enable_timing=enable_timing)
+    return cast("torch.Event", own(device, enable_timing=enable_timing))
+
+
+def pinned_bytes(size: int) -> torch.Tensor:
+    """``size`` bytes of page-locked host memory, for copies to the build's accelerator.
+
+    A backend registered from Python has no pinned allocator for ``torch.empty(...,
+    pin_memory=True)`` to ask: its memory is pinned by ``pin_memory()``.
+    """
+    accelerator = accelerator_type()
+    if accelerator is not None and _own(torch.device(accelerator), "host_register"):
+        return torch.empty(size, dtype=torch.uint8).pin_memory()
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+
 def available_devices() -> list[str]:
     """The devices this machine offers, as strings, for error messages and listings.
 
@@ -107,7 +150,7 @@ def available_devices() -> list[str]:
     ['cpu', 'meta']
     """
     found = [
-        f"{kind}:{index}" for kind in _ACCELERATORS for index in range(_device_count(kind) or 0)
+        f"{kind}:{index}" for kind in _accelerators() for index in range(_device_count(kind) or 0)
     ]
     return [*found, *HOST_TYPES]
 
@@ -152,7 +195,25 @@ def no_backend(spec: str, device_type: str) -> str:
 @functools.cache
 def _default_family() -> str:
     """The accelerator family a bare index refers to: the first found, else cpu."""
-    return next((kind for kind in _ACCELERATORS if _device_count(kind)), "cpu")
+    return next((kind for kind in _accelerators() if _device_count(kind)), "cpu")
+
+
+def _accelerators() -> tuple[str, ...]:
+    """The accelerator families to look for: the built-in ones and the build's own."""
+    other = accelerator_type()
+    return _BUILT_IN if other is None or other in _BUILT_IN else (*_BUILT_IN, other)
+
+
+def forget_accelerator() -> None:
+    """Read the accelerator again: a backend was registered while the process ran.
+
+    devicekit reads the build's accelerator once, as fixed; a Python backend (the
+    stand-in of :mod:`devicekit.testing`) changes it.
+    """
+    for cached in (accelerator_type, _device_count, _default_family):
+        cached.cache_clear()
+    _resolved.clear()
+    _links.clear()
 
 
 def _did_you_mean(spec: str) -> str:

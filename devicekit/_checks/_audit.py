@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devicekit._base import DispatchMode, TransferError, nbytes, user_frame
+from devicekit._base import DispatchMode, TransferError, nbytes, new_event, user_frame
 
 __all__ = [
     "NON_CONTIGUOUS",
@@ -167,7 +167,7 @@ def _has_streams(device: torch.device) -> bool:
 
 
 def _record_event(device: torch.device) -> Callable[[], bool]:
-    event = torch.Event(device=device)
+    event = new_event(device)
     event.record(torch.accelerator.current_stream(device))
     return event.query
 

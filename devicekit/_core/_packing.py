@@ -44,7 +44,7 @@ from typing import Final, TypeAlias
 
 import torch
 
-from devicekit._base import independent_pieces, streams_to
+from devicekit._base import independent_pieces, pinned_bytes, streams_to
 
 __all__ = [
     "CHUNK_BYTES",
@@ -301,7 +301,7 @@ def _staged(
     nbytes = sum(run.nbytes for run in gathers)
     if not _pays(count, nbytes // count, len(gathers) + len(pieces), len(bounds) - 1):
         return None
-    staging = torch.empty(bounds[-1], dtype=torch.uint8, pin_memory=pin)
+    staging = pinned_bytes(bounds[-1]) if pin else torch.empty(bounds[-1], dtype=torch.uint8)
     for run in gathers:
         region = staging[run.offset : run.offset + run.nbytes].view(run.dtype)
         if run.trailing is None:

@@ -29,6 +29,7 @@ from devicekit._base import (
     TransferError,
     current_device,
     mesh_of,
+    new_event,
     one_graph,
     raise_past_the_compiler,
     resolve_device,
@@ -624,7 +625,7 @@ class Call:
     def finish(self) -> None:
         """Wait once per source device for the asynchronous copies that need it."""
         for device in self.waits or ():
-            event = torch.Event(device=device)
+            event = new_event(device)
             event.record(torch.accelerator.current_stream(device))
             event.synchronize()
 

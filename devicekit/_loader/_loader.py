@@ -67,7 +67,7 @@ from devicekit._loader._cpus import machine_cpus
 from devicekit._loader._feed import BackgroundFeed
 from devicekit._loader._pipeline import Prefetcher, StreamPrefetcher, ahead, profiling
 from devicekit._loader._recorder import EpochRecorder
-from devicekit._loader._staging import ALLOCATORS, BY_TORCH, Stager, StagingPool, pin_threads
+from devicekit._loader._staging import Stager, StagingPool, pin_threads, pinning_of
 from devicekit._loader._stats import (
     Counting,
     LoaderStats,
@@ -383,7 +383,7 @@ class DeviceDataLoader(Generic[B]):
     def _staging(self) -> Stager:
         """The loader's pinned memory and pinning threads, made at its first pinned epoch."""
         if self._stager is None:
-            pinning = ALLOCATORS.get(self._device.type, BY_TORCH)
+            pinning = pinning_of(self._device.type)
             pool = StagingPool(
                 self._pin_memory_limit, self._prefetch + 1, pinning.allocate, pinning.kept
             )

@@ -18,7 +18,7 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from devicekit._base import profiler_running
+from devicekit._base import new_event, new_stream, profiler_running
 from devicekit._core import NonBlocking, to_device
 from devicekit._loader._feed import NOT_READY, STOP_POLL_S, BackgroundFeed
 from devicekit._loader._recorder import CopyTimer, EpochRecorder
@@ -103,11 +103,11 @@ class StreamPrefetcher:
     def __init__(self, device: torch.device, non_blocking: NonBlocking) -> None:
         self._device = device
         self._non_blocking = non_blocking
-        self._stream = torch.Stream(device=device)
+        self._stream = new_stream(device)
 
     def start(self, batch: Any) -> tuple[Any, torch.Event, torch.Event]:
         # Timing events, recorded around the copy: its time, read later, costs no wait.
-        begin, ready = (torch.Event(device=self._device, enable_timing=True) for _ in "br")
+        begin, ready = (new_event(self._device, enable_timing=True) for _ in "br")
         with self._stream:
             begin.record(self._stream)
             moved = to_device(batch, self._device, non_blocking=self._non_blocking)

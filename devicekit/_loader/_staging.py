@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import mmap
 import re
 import threading
@@ -61,6 +62,7 @@ __all__ = [
     "exact",
     "measured",
     "pin_threads",
+    "pinning_of",
     "power_of_two",
     "slab_size",
 ]
@@ -183,6 +185,34 @@ BY_TORCH: Final = Pinning(_pinned_by_torch, power_of_two)
 PAGEABLE: Final = Pinning(_pageable, exact)
 """Ordinary memory standing in for page-locked memory where nothing can be pinned: what
 the tests and the benchmarks register for their stand-in device."""
+
+
+def _registered_by(module: Any, size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Ordinary host memory of ``size`` bytes, registered through a backend's own module.
+
+    A backend registered from Python (the stand-in of :mod:`devicekit.testing`) page-locks
+    memory with ``host_register``, as CUDA's ``cudaHostRegister``.
+    """
+    slab = torch.empty(size, dtype=torch.uint8)
+    module.host_register(slab)
+    return slab, functools.partial(module.host_unregister, slab)
+
+
+def pinning_of(device_type: str) -> Pinning:
+    """How slabs for ``device_type`` are page-locked.
+
+    As :data:`ALLOCATORS` says; else with a backend's own ``host_register``; else
+    :data:`BY_TORCH`.
+    """
+    found = ALLOCATORS.get(device_type)
+    if found is not None:
+        return found
+    module = getattr(torch, device_type, None)
+    if callable(getattr(module, "host_register", None)):
+        return Pinning(functools.partial(_registered_by, module), exact)
+    return BY_TORCH
+
+
 ALLOCATORS: dict[str, Pinning] = {
     # ROCm's builds are "cuda" too, but registration is CUDA's: there, PyTorch's allocator.
     "cuda": Pinning(_registered, exact) if torch.version.hip is None else BY_TORCH,

@@ -75,12 +75,16 @@ class DeviceMemory(Protocol):
 class _Readings:
     """A device's memory, through its PyTorch module (``torch.cuda``, ``torch.xpu``).
 
-    Other devices (the CPU, meta) have none here: nothing to read, nothing to release.
+    A backend registered as PrivateUse1 (the stand-in of :mod:`devicekit.testing`) is read
+    through its own module too, where that has CUDA's functions. Other devices (the CPU,
+    meta) have none here: nothing to read, nothing to release.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.module: Any = getattr(torch, device.type) if device.type in ("cuda", "xpu") else None
+        own = device.type == torch._C._get_privateuse1_backend_name()
+        read = device.type in ("cuda", "xpu") or own
+        self.module: Any = getattr(torch, device.type, None) if read else None
 
     def reset_peak(self) -> None:
         reset = getattr(self.module, "reset_peak_memory_stats", None)

@@ -8,6 +8,7 @@ It stands on the base alone: selection never moves data.
 
 from devicekit._select._backends import (
     Backend,
+    CpuBackend,
     DeviceInfo,
     Family,
     GpuProcess,
@@ -28,7 +29,7 @@ from devicekit._select._launch import (
     repeated_visible_device,
     whole_number,
 )
-from devicekit._select._manager import DeviceManager, claim_holders
+from devicekit._select._manager import DeviceManager, claim_holders, forget_process_default
 from devicekit._select._selection import (
     Chosen,
     Outcome,
@@ -47,6 +48,7 @@ __all__ = [
     "BadRank",
     "Build",
     "Chosen",
+    "CpuBackend",
     "DeviceInfo",
     "DeviceManager",
     "Family",
@@ -68,6 +70,7 @@ __all__ = [
     "describe",
     "directory_problem",
     "family_notes",
+    "forget_process_default",
     "parse_visible_devices",
     "probe",
     "repeated_visible_device",

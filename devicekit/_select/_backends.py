@@ -368,10 +368,21 @@ class AcceleratorBackend:
         torch.accelerator.set_device_index(device.index)
 
     def devices(self) -> list[DeviceInfo]:
-        """One record per device ``torch.accelerator`` counts."""
+        """One record per device ``torch.accelerator`` counts, with its memory where it says."""
         count = torch.accelerator.device_count()
         kind = self.device_type
-        return [DeviceInfo(torch.device(kind, i), kind, i) for i in range(count)]
+        name_of = getattr(getattr(torch, kind, None), "get_device_name", None)
+        found = []
+        for index in range(count):
+            free: int | None
+            total: int | None
+            try:
+                free, total = torch.accelerator.get_memory_info(index)
+            except (RuntimeError, NotImplementedError):  # a backend that keeps no figures
+                free = total = None
+            name = str(name_of(index)) if callable(name_of) else None
+            found.append(DeviceInfo(torch.device(kind, index), kind, index, name, total, free))
+        return found
 
 
 def _cpu_name() -> str | None:

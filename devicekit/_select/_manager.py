@@ -27,6 +27,7 @@ from devicekit._base import (
     DeviceLike,
     DeviceUnavailableError,
     Scope,
+    accelerator_type,
     duration,
     enter_block,
     has_backend,
@@ -63,11 +64,19 @@ from devicekit._select._selection import (
     family_notes,
 )
 
-__all__ = ["DeviceManager", "Fallback", "Policy", "claim_holders"]
+__all__ = ["DeviceManager", "Fallback", "Policy", "claim_holders", "forget_process_default"]
 
 _POLICIES = get_args(Policy)
 _FALLBACKS = get_args(Fallback)
 _FAMILIES = ("cuda", "rocm", "xpu", "mps", "cpu")
+
+
+def _default_prefer(backends: Sequence[Backend]) -> tuple[str, ...]:
+    """CUDA, XPU, MPS, the build's own accelerator where a backend finds it, then the CPU."""
+    built_in = ("cuda", "xpu", "mps")
+    other = accelerator_type()
+    found = other is not None and other not in built_in and any(b.name == other for b in backends)
+    return (*built_in, *((other,) if found else ()), "cpu")
 
 
 class _Once:
@@ -159,7 +168,10 @@ class DeviceManager:
         device: A device to use (``"cuda:1"``, ``torch.device``, or an index on the
             preferred accelerator); None lets ``policy`` choose.
         prefer: Families in order of preference; the first with a usable device wins.
-            ``"cuda"`` also matches ROCm GPUs, which PyTorch addresses as ``cuda``.
+            ``"cuda"`` also matches ROCm GPUs, which PyTorch addresses as ``cuda``. None:
+            ``("cuda", "xpu", "mps", "cpu")``, with the build's own accelerator (one
+            registered by an extension or from Python, such as the stand-in of
+            :mod:`devicekit.testing`) before ``"cpu"``.
         policy: ``"auto"`` (a launcher's local rank when set, else the lowest-numbered
             device whose free memory is within 5% of the most free),
             ``"most-free-memory"`` (the most free, exactly), or ``"local-rank"``.
@@ -207,7 +219,7 @@ class DeviceManager:
         self,
         device: DeviceLike | None = None,
         *,
-        prefer: Sequence[str] = ("cuda", "xpu", "mps", "cpu"),
+        prefer: Sequence[str] | None = None,
         policy: Policy = "auto",
         min_free_memory: int | str | None = None,
         max_utilization: float | None = None,
@@ -232,6 +244,8 @@ class DeviceManager:
                     f"{shown(backend)}."
                 )
                 raise TypeError(msg)
+        if prefer is None:
+            prefer = _default_prefer(self._backends)
         known = {*_FAMILIES, *(b.name for b in self._backends)}
         if isinstance(prefer, str) or not prefer or not all(name in known for name in prefer):
             msg = (
@@ -567,6 +581,11 @@ class _ProcessDefault(DeviceManager):
 @functools.cache
 def _process_default() -> DeviceManager:
     return _ProcessDefault.from_env()
+
+
+def forget_process_default() -> None:
+    """Choose the process default again: the accelerator changed (the stand-in started)."""
+    _process_default.cache_clear()
 
 
 # current_device()'s fallback: the process-wide manager, made on first use.

@@ -26,6 +26,7 @@ from devicekit.testing._assertions import (
     assert_same_structure,
 )
 from devicekit.testing._containers import FrozenRecord, Pair, Record
+from devicekit.testing._stand_in import stand_in, still_pinned
 
 if TYPE_CHECKING:
     from devicekit.testing._strategies import batches, devices, tensors
@@ -40,6 +41,8 @@ __all__ = [
     "assert_same_structure",
     "batches",
     "devices",
+    "stand_in",
+    "still_pinned",
     "tensors",
 ]
 

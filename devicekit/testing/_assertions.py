@@ -17,6 +17,7 @@ import torch
 from devicekit._base import DeviceLike, resolve_device, shown
 from devicekit._checks import describe_devices, find_devices
 from devicekit._core import CAST, SET, Leaf, decide, flatten, leaf_how, mapping_items, paths
+from devicekit.testing._stand_in._tensor import StandInTensor
 
 __all__ = ["assert_batches_equal", "assert_on_device", "assert_same_structure"]
 
@@ -158,13 +159,13 @@ def _comparison(actual: Any, expected: Any, *, values: bool) -> _Comparison:
             continue
         where = "data" + path
         got: Any = mine.parts.get(path)
-        if type(got) is not type(want):
-            msg = f"{where}: expected a {type(want).__name__}, got a {type(got).__name__}."
+        if _kind(got) is not _kind(want):
+            msg = f"{where}: expected a {_kind(want).__name__}, got a {_kind(got).__name__}."
             raise AssertionError(msg)
         if path in theirs.leaves:
             _compare_leaves(got, want, where, values=values)
             continue
-        node = decide(type(want)).cast
+        node = decide(_kind(want)).cast
         if node is SET:
             compared_whole.append(path)
             yield from _compare_members(got, want, where, values=values)
@@ -181,9 +182,20 @@ def _comparison(actual: Any, expected: Any, *, values: bool) -> _Comparison:
             raise AssertionError(msg)
 
 
+def _kind(value: object) -> type:
+    """A value's type, as the comparison has it.
+
+    A stand-in tensor is a plain tensor, or a Parameter where it is one (the stand-in's
+    parameters keep their wrapper's type).
+    """
+    if isinstance(value, StandInTensor):
+        return torch.nn.Parameter if isinstance(value, torch.nn.Parameter) else torch.Tensor
+    return type(value)
+
+
 def _compare_leaves(got: Any, want: Any, where: str, *, values: bool) -> None:
     """Two leaves of one type, compared as the table says their kind is."""
-    how = leaf_how(type(want)).leaf
+    how = leaf_how(_kind(want)).leaf
     if how is Leaf.TENSOR or how is Leaf.PARAMETER:
         _compare_tensors(got, want, where, values=values)
         return
@@ -253,7 +265,7 @@ def _compare_members(got: Any, want: Any, where: str, *, values: bool) -> _Compa
 def _digest(member: Any, *, values: bool) -> Any:
     """What two members equal as the comparison has it share, hashable; else something unique."""
     if isinstance(member, torch.Tensor):
-        described = (type(member), tuple(member.shape), member.dtype, member.layout)
+        described = (_kind(member), tuple(member.shape), member.dtype, member.layout)
         if not values or member.is_meta:
             return described
         host = member.detach().cpu()
