@@ -44,6 +44,22 @@ def test_asked_again_alike_it_answers_alike_and_otherwise_refuses(on0: torch.dev
         stand_in(0)
 
 
+def test_it_refuses_a_pytorch_without_python_backends_or_with_another_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.utils import backend_registration  # noqa: PLC0415 - the module patched
+
+    from devicekit.testing._stand_in import _start  # noqa: PLC0415 - the check itself
+
+    monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+    with pytest.raises(dk.DeviceKitError, match="PrivateUse1 device is taken by the 'npu'"):
+        _start._refuse_where_unfit()
+    monkeypatch.delattr(backend_registration, "_setup_privateuseone_for_python_backend")
+    said = f"needs PyTorch 2.9 or later (Python backends); this is PyTorch {torch.__version__}."
+    with pytest.raises(dk.DeviceKitError, match=re.escape(said)):
+        _start._refuse_where_unfit()
+
+
 def test_torch_accelerator_reports_it(on0: torch.device) -> None:
     found = torch.accelerator.current_accelerator()
     assert found is not None
