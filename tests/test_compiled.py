@@ -189,7 +189,7 @@ class Handle:
         (
             lambda b: dk.to_device(b, CPU, non_blocking="yes"),
             torch.ones(1),
-            ValueError,
+            TypeError,
             "Expected non_blocking to be 'auto', True or False, got 'yes'.",
         ),
         (

@@ -311,7 +311,7 @@ def test_closing_the_feed_early_ends_its_thread_over_fifty_epochs() -> None:
         ),
         (
             {"pin_memory": "yes"},
-            ValueError,
+            TypeError,
             "Expected pin_memory to be 'auto', True or False, got 'yes'.",
         ),
         ({"device": "gpu"}, dk.DeviceUnavailableError, "got 'gpu'"),
@@ -322,7 +322,7 @@ def test_closing_the_feed_early_ends_its_thread_over_fifty_epochs() -> None:
         ),
         (
             {"non_blocking": "yes"},
-            ValueError,
+            TypeError,
             "Expected non_blocking to be 'auto', True or False, got 'yes'.",
         ),
     ],

@@ -791,17 +791,17 @@ def test_asyncio_tasks_see_only_their_own_devices() -> None:
 
 
 def test_parse_bytes_units() -> None:
-    assert _units.parse_bytes("500MB") == 500 * 10**6
-    assert _units.parse_bytes("2 kib") == 2048
-    assert _units.parse_bytes("3") == 3
+    assert _units.parse_bytes("500MB", "memory") == 500 * 10**6
+    assert _units.parse_bytes("2 kib", "memory") == 2048
+    assert _units.parse_bytes("3", "memory") == 3
 
 
 @pytest.mark.usefixtures("watchdog")
 def test_parse_bytes_fails_at_once_on_a_long_run_of_spaces() -> None:
     # Backtracking, 200,000 spaces take minutes: the watchdog fails the test instead.
     with pytest.raises(ValueError, match="Expected min_free_memory"):
-        _units.parse_bytes("1" + " " * 200_000 + "!")
-    assert _units.parse_bytes(" 8 GiB ") == 8 * 2**30
+        _units.parse_bytes("1" + " " * 200_000 + "!", "min_free_memory")
+    assert _units.parse_bytes(" 8 GiB ", "min_free_memory") == 8 * 2**30
 
 
 def test_the_default_choice_is_the_first_gpu_within_5_percent_of_the_most_free_memory() -> None:

@@ -1083,12 +1083,21 @@ def test_errors_from_user_code_keep_their_type_and_gain_the_path(target: torch.d
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("options", "error", "message"),
     [
-        ({"non_blocking": "yes"}, "Expected non_blocking to be 'auto', True or False, got 'yes'."),
-        ({"non_blocking": 1}, "Expected non_blocking to be 'auto', True or False, got 1."),
+        (
+            {"non_blocking": "yes"},
+            TypeError,
+            "Expected non_blocking to be 'auto', True or False, got 'yes'.",
+        ),
+        (
+            {"non_blocking": 1},
+            TypeError,
+            "Expected non_blocking to be 'auto', True or False, got 1.",
+        ),
         (
             {"dtype": torch.int64},
+            ValueError,
             (
                 "Expected dtype to be None or a floating-point dtype such as torch.float16 or "
                 "torch.bfloat16, got torch.int64"
@@ -1096,6 +1105,7 @@ def test_errors_from_user_code_keep_their_type_and_gain_the_path(target: torch.d
         ),
         (
             {"memory_format": "channels_last"},
+            ValueError,
             (
                 "Expected memory_format to be None or a torch.memory_format such as "
                 "torch.channels_last, got 'channels_last'."
@@ -1103,8 +1113,10 @@ def test_errors_from_user_code_keep_their_type_and_gain_the_path(target: torch.d
         ),
     ],
 )
-def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
+def test_bad_options_are_refused(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
         dk.to_device(torch.ones(1), CPU, **options)
 
 
@@ -1116,7 +1128,7 @@ def test_yes_no_options_take_booleans_only(name: str, value: object, target: tor
 
 
 def test_options_of_the_wrong_kind_are_named(target: torch.device) -> None:
-    with pytest.raises(ValueError, match=re.escape("got array([ True]).")):
+    with pytest.raises(TypeError, match=re.escape("got array([ True]).")):
         dk.to_device(torch.ones(1), target, non_blocking=np.array([True]))  # type: ignore[arg-type]
 
 

@@ -1,8 +1,8 @@
 """The ground floor: what every other part of devicekit stands on.
 
 Errors, warnings and whose frame is the user's, PyTorch's private names (compat), the
-default device (current), device specs, units, and the words of messages. This part
-imports nothing of devicekit's above it.
+default device (current), device specs, units, the words of messages, and how options
+are checked. This part imports nothing of devicekit's above it.
 """
 
 from devicekit._base._compat import (
@@ -67,7 +67,8 @@ from devicekit._base._errors import (
     TransferError,
 )
 from devicekit._base._frames import is_library, user_frame, warn
-from devicekit._base._text import LISTED, META, listing, meta_fix, shown, whole_number
+from devicekit._base._options import auto_or_flag, flag, whole_number
+from devicekit._base._text import LISTED, META, listing, meta_fix, shown
 from devicekit._base._units import (
     count,
     duration,
@@ -94,6 +95,7 @@ __all__ = [
     "TransferError",
     "accelerator_type",
     "apply_to_own_tensors",
+    "auto_or_flag",
     "available_devices",
     "count",
     "current_accelerator",
@@ -101,6 +103,7 @@ __all__ = [
     "ddp_forward_syncs",
     "duration",
     "enter_block",
+    "flag",
     "forget_accelerator",
     "gib",
     "has_backend",

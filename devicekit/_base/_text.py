@@ -1,21 +1,21 @@
 """The words of devicekit's messages, each rule written once.
 
-How a value is shown (:func:`shown`), how a list is cut short (:func:`listing`), what a
-tensor on the meta device is and what to do with one (:data:`META`, :func:`meta_fix`),
-and how a count given as an option is checked (:func:`whole_number`). A message is built
-from these where it says one of these things, so that every message says it one way.
+How a value is shown (:func:`shown`), how a list is cut short (:func:`listing`), and
+what a tensor on the meta device is and what to do with one (:data:`META`,
+:func:`meta_fix`). A message is built from these where it says one of these things, so
+that every message says it one way. How an option is checked is
+:mod:`devicekit._base._options`'s.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import reprlib
 import sys
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["LISTED", "META", "listing", "meta_fix", "shown", "whole_number"]
+__all__ = ["LISTED", "META", "listing", "meta_fix", "shown"]
 
 LISTED: Final = 3
 """How many items :func:`listing` names before it counts the rest."""
@@ -110,27 +110,3 @@ def meta_fix(device: object = "cuda") -> str:
         f"give the model storage with devicekit.materialize(model, {str(device)!r}), which "
         "initialises it and names whatever no initialiser writes"
     )
-
-
-def whole_number(value: object, least: int, name: str) -> int:
-    """``value`` as an int: a whole number (numpy's too, never a bool) of ``least`` or more.
-
-    >>> whole_number(4, 1, "prefetch")
-    4
-    >>> whole_number(2.5, 1, "prefetch")
-    Traceback (most recent call last):
-    ...
-    TypeError: Expected prefetch to be a whole number of 1 or more, got 2.5.
-
-    Raises:
-        TypeError: ``value`` is no whole number (a bool, a float, a str, ...).
-        ValueError: ``value`` is one below ``least``.
-    """
-    said = f"Expected {name} to be a whole number of {least} or more, got"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        msg = f"{said} {shown(value)}."
-        raise TypeError(msg)
-    if value < least:  # numpy's shown as the number it is: 0, not np.int64(0)
-        msg = f"{said} {int(value)}."
-        raise ValueError(msg)
-    return int(value)

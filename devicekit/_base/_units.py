@@ -7,6 +7,7 @@ transfer log, so that "8GiB", "10m", "1.5 GiB" and "2 epochs" read alike everywh
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from devicekit._base._text import shown
@@ -40,25 +41,33 @@ _UNITS = {
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)", re.IGNORECASE)
 
 
-def parse_bytes(size: int | str, name: str = "min_free_memory") -> int:
-    """Read a memory size: bytes as an int, or a string such as ``"8GiB"`` or ``"500 MB"``.
+def parse_bytes(size: object, name: str) -> int:
+    """Read a memory size: bytes as a whole number, or a string such as ``"8GiB"`` or ``"500 MB"``.
 
-    ``name`` is the option's, for the message.
+    The size checker of every option (:mod:`devicekit._base._options`); ``name`` is the
+    option's, for the message. A whole number is an int, numpy's too, never a bool.
 
-    >>> parse_bytes("8GiB"), parse_bytes("1.5 GB"), parse_bytes(1024)
+    >>> parse_bytes("8GiB", "memory"), parse_bytes("1.5 GB", "memory"), parse_bytes(1024, "memory")
     (8589934592, 1500000000, 1024)
 
     Raises:
-        ValueError: The size is negative or not in one of these forms.
+        TypeError: The size is neither a whole number nor a string (a float, a bool, ...).
+        ValueError: The size is negative, or a string in none of these forms.
     """
-    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
-        return size
-    match = _SIZE.fullmatch(size.strip()) if isinstance(size, str) else None
+    said = (
+        f"Expected {name} as a number of bytes or a size such as '8GiB', '500MB' or '1.5 GB', got"
+    )
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral | str):
+        msg = f"{said} {shown(size)}."
+        raise TypeError(msg)
+    if not isinstance(size, str):
+        if size < 0:  # numpy's shown as the number it is, as whole_number shows it
+            msg = f"{said} {int(size)}."
+            raise ValueError(msg)
+        return int(size)
+    match = _SIZE.fullmatch(size.strip())
     if match is None or match.group(2).lower() not in _UNITS:
-        msg = (
-            f"Expected {name} as a number of bytes or a size such as '8GiB', "
-            f"'500MB' or '1.5 GB', got {shown(size)}."
-        )
+        msg = f"{said} {shown(size)}."
         raise ValueError(msg)
     nbytes = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not nbytes < _MOST_BYTES:  # inf, where the digits outrun a float, included

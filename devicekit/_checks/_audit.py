@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devicekit._base import DispatchMode, TransferError, nbytes, new_event, user_frame
+from devicekit._base import DispatchMode, TransferError, flag, nbytes, new_event, user_frame
 
 __all__ = [
     "NON_CONTIGUOUS",
@@ -536,7 +536,8 @@ def track_transfers(*, strict: bool = False) -> Iterator[TransferLog]:
         TransferError: With ``strict=True``, at the first copy between devices, saying
             also why a copy asked to be non-blocking blocks, or that one to the host
             must be waited for before its result is read.
+        TypeError: On entering the block, ``strict`` is not True or False.
     """
     log = TransferLog()
-    with _Recorder(log, strict=strict):
+    with _Recorder(log, strict=flag(strict, "strict")):
         yield log

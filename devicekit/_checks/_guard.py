@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-from devicekit._base import META, DeviceMismatchError, listing, meta_fix, registered_table, shown
+from devicekit._base import (
+    META,
+    DeviceMismatchError,
+    flag,
+    listing,
+    meta_fix,
+    registered_table,
+    shown,
+)
 from devicekit._checks._checks import describe_devices, input_names, split_model, tensors_of
 from devicekit._checks._forward_error import made_inside
 from devicekit._core import Stray, read_again, strays, tensor_paths
@@ -278,7 +286,8 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
         DeviceMismatchError: From the guarded forward call, before PyTorch fails; or, on
             leaving a ``with`` block, in place of PyTorch's error for mixed devices raised
             inside the forward (its ``__cause__``), naming what the forward made there.
-        TypeError: ``module`` is not a :class:`torch.nn.Module`.
+        TypeError: ``module`` is not a :class:`torch.nn.Module`, or ``recurse`` is not
+            True or False.
         TransferError: The module's attributes, or (from the forward call) its inputs,
             nest containers deeper than :func:`~devicekit.to_device` takes.
     """
@@ -287,6 +296,7 @@ def guard(module: torch.nn.Module, /, *, recurse: bool = False) -> GuardHandle:
             f"Expected a torch.nn.Module to guard, got {type(module).__name__} {shown(module)}."
         )
         raise TypeError(msg)
+    recurse = flag(recurse, "recurse")
     handles = []
     targets = (
         [

@@ -18,7 +18,7 @@ from devicekit._core._kinds import (
 )
 from devicekit._core._nodes import ATTRIBUTE, ITEM, LIST, SET, TUPLE, Key, Node, mapping_items
 from devicekit._core._packing import PACK_MAX_BYTES
-from devicekit._core._transfer import NonBlocking, check_non_blocking, in_line_mover, to_device
+from devicekit._core._transfer import NonBlocking, in_line_mover, to_device
 from devicekit._core._tree import contents, flatten, keys_of, map_flat, map_leaves, paths, walk
 from devicekit._core._unmoved import Stray, read_again, strays, tensor_paths
 
@@ -37,7 +37,6 @@ __all__ = [
     "Node",
     "NonBlocking",
     "Stray",
-    "check_non_blocking",
     "contents",
     "decide",
     "flatten",

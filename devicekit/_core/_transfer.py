@@ -27,7 +27,9 @@ from devicekit._base import (
     DeviceUnavailableError,
     LeafError,
     TransferError,
+    auto_or_flag,
     current_device,
+    flag,
     mesh_of,
     new_event,
     one_graph,
@@ -67,22 +69,15 @@ class Options(NamedTuple):
 _DEFAULTS: Final = Options()
 
 
-def check_non_blocking(value: object) -> None:
-    """Refuse a ``non_blocking`` other than ``"auto"``, True or False: every caller's check."""
-    if not (value is True or value is False or (value == "auto") is True):
-        msg = f"Expected non_blocking to be 'auto', True or False, got {value!r}."
-        raise ValueError(msg)
-
-
 def _check(options: Options) -> Options:
-    """The options, checked; ``preserve_format`` is the same as no memory format."""
+    """The options, checked, each flag as Python's; ``preserve_format`` is no memory format."""
     given: tuple[object, ...] = options  # as objects: untyped callers pass anything
     non_blocking, dtype, copy, memory_format, strict = given
-    for name, value in (("copy", copy), ("strict", strict)):
-        if value is not True and value is not False:
-            msg = f"Expected {name} to be True or False, got {value!r}."
-            raise TypeError(msg)
-    check_non_blocking(non_blocking)
+    options = options._replace(
+        non_blocking=auto_or_flag(non_blocking, "non_blocking"),
+        copy=flag(copy, "copy"),
+        strict=flag(strict, "strict"),
+    )
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         msg = (
             "Expected dtype to be None or a floating-point dtype such as torch.float16 or "
@@ -294,9 +289,10 @@ def to_device(
             ``.to()`` that returned None, a leaf ``strict`` refuses), named by its path,
             such as ``data['x'][2]``.
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
-        ValueError: An option has a value outside those above.
-        TypeError: ``device``, ``copy``, ``strict`` or ``skip_keys`` has a value of the
-            wrong type.
+        ValueError: ``dtype`` or ``memory_format`` has a value outside those above.
+        TypeError: ``non_blocking`` is not ``"auto"``, True or False; ``copy`` or
+            ``strict`` is not True or False; ``device`` or ``skip_keys`` has a value of
+            the wrong type.
     """
     options = (
         _DEFAULTS  # identity, not truth: copy="False" is a mistake, not True

@@ -27,6 +27,7 @@ from devicekit._base import (
     DeviceLike,
     TransferError,
     current_device,
+    flag,
     is_unreadable_archive,
     listing,
     resolve_device,
@@ -109,9 +110,7 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], *, weights_only: bool 
             writable, or the disk is full: the message names the path, never the
             temporary, and the file that was there is unchanged.
     """
-    _check_weights_only(
-        weights_only, "False writes a pickle that only a load running its code reads"
-    )
+    weights_only = flag(weights_only, "weights_only")
     _check_binary(f, "save to")
     if isinstance(f, str | os.PathLike):
         write = functools.partial(_torch_save, obj, checks=weights_only)
@@ -120,15 +119,6 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], *, weights_only: bool 
         _torch_save(obj, lambda: f, "the file object", checks=weights_only)
     else:
         raise TypeError(_not_a_file(f, "save to"))
-
-
-def _check_weights_only(weights_only: object, why: str) -> None:
-    if weights_only is not True and weights_only is not False:  # for untyped callers
-        msg = (
-            f"Expected weights_only to be True or False, got {weights_only!r}: {why}, so "
-            "devicekit takes nothing else for it."
-        )
-        raise TypeError(msg)
 
 
 def _path_of(f: str | os.PathLike[str], doing: str) -> str:
@@ -260,10 +250,11 @@ def load(
         What was saved, its tensors on ``device``.
 
     Raises:
-        TypeError: ``weights_only`` is not True or False: anything else could be read as
-            permission to run the pickle's code; ``f`` was opened in text mode, or is
-            bytes or a file descriptor; ``device`` and ``map_location`` disagree;
-            ``map_location`` is a dict or a function; a device is of the wrong type.
+        TypeError: ``weights_only`` is not True or False (anything else could be read
+            as permission to run the pickle's code); ``mmap`` is not True, False or
+            None; ``f`` was opened in text mode, or is bytes or a file descriptor;
+            ``device`` and ``map_location`` disagree; ``map_location`` is a dict or a
+            function; a device is of the wrong type.
         ValueError: The file is empty, not one written by ``torch.save`` (a zip archive:
             the message names the records it lacks; a TorchScript archive, loaded weights
             only: it names ``torch.jit.load``), cut short or damaged, or a device; or
@@ -277,7 +268,8 @@ def load(
         TransferError: The checkpoint holds tensors on the meta device, which no
             map_location can give data to; the message names them.
     """
-    _check_weights_only(weights_only, "False runs the code a pickle holds")
+    weights_only = flag(weights_only, "weights_only")
+    mmap = None if mmap is None else flag(mmap, "mmap")
     _check_binary(f, "load from")
     target = _load_device(device, map_location)
     source, name = _source(f, mmap)

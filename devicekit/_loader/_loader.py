@@ -56,13 +56,14 @@ import torch
 
 from devicekit._base import (
     DeviceLike,
+    auto_or_flag,
     current_device,
     parse_bytes,
     resolve_device,
     streams_to,
     whole_number,
 )
-from devicekit._core import NonBlocking, check_non_blocking, in_line_mover, to_device
+from devicekit._core import NonBlocking, in_line_mover, to_device
 from devicekit._loader._cpus import machine_cpus
 from devicekit._loader._feed import BackgroundFeed
 from devicekit._loader._pipeline import Prefetcher, StreamPrefetcher, ahead, profiling
@@ -154,15 +155,17 @@ class DeviceDataLoader(Generic[B]):
             memory, and ``stats.unpinned`` counts it.
 
     Raises:
-        ValueError: ``prefetch`` is negative, ``pin_memory`` or ``non_blocking`` is
-            not True, False or "auto", ``samples`` is an integer below 1 or a
-            string other than ``"dim=N"``, or ``pin_memory_limit`` is not a size.
-        TypeError: ``loader`` is neither iterable nor a function, ``prefetch`` is no
-            whole number, ``transform`` is not a function, ``samples`` is none of an
-            int, a string or a function, or
-            ``device`` is of the wrong type. While iterating: a ``samples`` function
-            returned something other than an int (ValueError: a negative one), or a
-            wrapped iterator, used up or left early, is asked for another epoch.
+        ValueError: ``prefetch`` is negative, ``samples`` is an integer below 1 or a
+            string other than ``"dim=N"``, or ``pin_memory_limit`` is negative or a
+            string that is no size.
+        TypeError: ``loader`` is neither iterable nor a function, ``pin_memory`` or
+            ``non_blocking`` is not ``"auto"``, True or False, ``prefetch`` is no whole
+            number, ``pin_memory_limit`` is neither a whole number nor a string,
+            ``transform`` is not a function, ``samples`` is none of an int, a string or
+            a function, or ``device`` is of the wrong type. While iterating: a
+            ``samples`` function returned something other than an int (ValueError: a
+            negative one), or a wrapped iterator, used up or left early, is asked for
+            another epoch.
         DeviceUnavailableError: ``device`` does not parse or is not on this machine.
         TransferError: While iterating, a batch cannot move (see :func:`~devicekit.to_device`).
         RuntimeError: A new epoch of a DataLoader with persistent workers, where a live
@@ -185,10 +188,8 @@ class DeviceDataLoader(Generic[B]):
         limit = (
             None if pin_memory_limit is None else parse_bytes(pin_memory_limit, "pin_memory_limit")
         )
-        if pin_memory not in ("auto", True, False):
-            msg = f"Expected pin_memory to be 'auto', True or False, got {pin_memory!r}."
-            raise ValueError(msg)
-        check_non_blocking(non_blocking)
+        pin_memory = auto_or_flag(pin_memory, "pin_memory")
+        non_blocking = auto_or_flag(non_blocking, "non_blocking")
         if transform is not None and not callable(transform):  # for untyped callers
             msg = (  # type: ignore[unreachable]
                 "Expected transform to be a function of a batch (or None), got "

@@ -273,7 +273,7 @@ def fit_batch(
     }
     kept, wrappers, where, refusal = None, [], None, None
     try:
-        _check(step, start, limit, target, headroom)
+        options.update(_checked(step, start, limit, target, headroom))
         entries = restorable(restore)
         where = current_device() if device is None else resolve_device(device)
         wrappers = ddp_wrappers(entries)
@@ -319,20 +319,25 @@ def _search(search: _Search, options: dict[str, Any]) -> BatchFit:
     return BatchFit(best, accumulation, tuple(search.tries), search.device, reason)
 
 
-def _check(step: object, start: object, limit: object, target: object, headroom: object) -> None:
+def _checked(
+    step: object, start: object, limit: object, target: object, headroom: object
+) -> dict[str, int | None]:
+    """The batch sizes asked for, each an int (None: not given), once every option passed."""
     if not callable(step):
         msg = f"Expected step to be a function of a batch size, got {type(step).__name__}."
         raise TypeError(msg)
-    for name, value in (("start", start), ("limit", limit), ("target", target)):
-        if value is None and name != "start":
-            continue
-        whole_number(value, 1, name)
-    if isinstance(limit, int) and isinstance(start, int) and limit < start:
-        msg = f"Expected limit to be at least start ({start}), got {limit}."
+    sizes = {
+        name: None if value is None and name != "start" else whole_number(value, 1, name)
+        for name, value in (("start", start), ("limit", limit), ("target", target))
+    }
+    first, most = sizes["start"], sizes["limit"]
+    if first is not None and most is not None and most < first:
+        msg = f"Expected limit to be at least start ({first}), got {most}."
         raise ValueError(msg)
     if not isinstance(headroom, int | float) or isinstance(headroom, bool) or not 0 <= headroom < 1:
         msg = f"Expected headroom to be a share between 0 and 1 (0.1: 10%), got {shown(headroom)}."
         raise ValueError(msg)
+    return sizes
 
 
 class _Search:

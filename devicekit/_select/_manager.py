@@ -30,6 +30,7 @@ from devicekit._base import (
     accelerator_type,
     duration,
     enter_block,
+    flag,
     has_backend,
     leave_block,
     mark_closed,
@@ -207,7 +208,8 @@ class DeviceManager:
             not on this machine, or nothing usable was found with ``fallback="error"``;
             or, entering ``with manager:`` again, another holder claimed the GPU it gave back.
         TypeError: ``device`` is no string, torch.device or index; ``claim`` is not True
-            or False; or a backend lacks the :class:`~devicekit.Backend` protocol.
+            or False; ``min_free_memory`` is neither a whole number nor a string; or a
+            backend lacks the :class:`~devicekit.Backend` protocol.
         ValueError: An option has a value outside those listed above, or the launcher's
             local rank, where it is used, is no whole number.
         OSError: ``claim=True`` where the claim directory cannot be made or used
@@ -253,13 +255,12 @@ class DeviceManager:
                 f"of preference, got {prefer!r}."
             )
             raise ValueError(msg)
-        min_free = None if min_free_memory is None else parse_bytes(min_free_memory)
+        min_free = (
+            None if min_free_memory is None else parse_bytes(min_free_memory, "min_free_memory")
+        )
         max_busy = _share(max_utilization)
         self._wait = None if wait is None else parse_seconds(wait)
-        if claim is not True and claim is not False:
-            msg = f"Expected claim to be True or False, got {shown(claim)}."  # type: ignore[unreachable]
-            raise TypeError(msg)
-        self._claiming = claim
+        self._claiming = flag(claim, "claim")
         self._claim: _claims.Claim | None = None
         self._claim_name: str | None = None  # what names the claim, to take it again
         self._claim_shared = False  # its device named: this process's claim is shared

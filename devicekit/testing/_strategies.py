@@ -14,7 +14,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from devicekit._base import HOST_TYPES, available_devices, whole_number
+from devicekit._base import HOST_TYPES, available_devices, flag, whole_number
 from devicekit.testing._containers import CONTAINER_KINDS, FrozenRecord, Pair, Record
 
 __all__ = ["batches", "devices", "tensors"]
@@ -151,7 +151,7 @@ def batches(
         msg = f"Expected containers among {CONTAINER_KINDS}, got {kinds!r}."
         raise ValueError(msg)
     try:
-        whole_number(max_leaves, 1, "max_leaves")
+        max_leaves = whole_number(max_leaves, 1, "max_leaves")
     except (TypeError, ValueError) as err:  # as Hypothesis's own strategies say it
         raise InvalidArgument(str(err)) from None
     if leaves is not None and not isinstance(leaves, st.SearchStrategy):  # untyped callers
@@ -197,10 +197,10 @@ def devices(*, meta: bool = True, host: bool = True) -> st.SearchStrategy[torch.
     Raises:
         hypothesis.errors.InvalidArgument: ``meta`` or ``host`` is not True or False.
     """
-    for name, value in (("meta", meta), ("host", host)):
-        if value is not True and value is not False:  # for untyped callers
-            msg = f"Expected {name} to be True or False, got {value!r}."  # type: ignore[unreachable]
-            raise InvalidArgument(msg)
+    try:
+        meta, host = flag(meta, "meta"), flag(host, "host")
+    except TypeError as err:  # as Hypothesis's own strategies say it
+        raise InvalidArgument(str(err)) from None
     found = [torch.device(name) for name in available_devices()]
     wanted = [
         device

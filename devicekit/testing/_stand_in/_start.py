@@ -81,10 +81,12 @@ def stand_in(devices: int = 2, *, memory: int | str | None = None) -> str:
     Raises:
         DeviceKitError: Started before with other arguments; another PrivateUse1 backend
             is registered; or this PyTorch has no Python backends (before 2.9).
+        TypeError: ``devices`` is no whole number, or ``memory`` is neither a whole
+            number nor a string.
+        ValueError: ``devices`` is below 1, or ``memory`` is negative or a string that is
+            no size.
     """
-    count = whole_number(devices, 1, "devices")
-    capacity = None if memory is None else parse_bytes(memory, "memory")
-    asked = _device.Started(NAME, count, capacity)
+    asked = _asked(devices, memory)
     if _device._started:
         if _device.started() != asked:
             msg = (
@@ -96,6 +98,13 @@ def stand_in(devices: int = 2, *, memory: int | str | None = None) -> str:
     _refuse_where_unfit()
     _register(asked)
     return NAME
+
+
+def _asked(devices: object, memory: object) -> _device.Started:
+    """The stand-in ``stand_in(devices, memory=memory)`` asks for, its options checked."""
+    count = whole_number(devices, 1, "devices")
+    capacity = None if memory is None else parse_bytes(memory, "memory")
+    return _device.Started(NAME, count, capacity)
 
 
 def _said(record: _device.Started) -> str:
