@@ -81,6 +81,8 @@ def flag(value: object, name: str) -> bool:
     Raises:
         TypeError: ``value`` is no flag (0 or 1, a float, a string, None, ...).
     """
+    if value is True or value is False:  # first: to_device checks on every call, 0.1 us
+        return value
     if not _is_flag(value):
         msg = f"Expected {name} to be True or False, got {shown(value)}."
         raise TypeError(msg)
@@ -96,6 +98,8 @@ def auto_or_flag(value: object, name: str) -> Literal["auto"] | bool:
     Raises:
         TypeError: ``value`` is neither ``"auto"`` nor a flag (another string, 0 or 1, ...).
     """
+    if value is True or value is False:  # first, as in flag()
+        return value
     if isinstance(value, str) and value == "auto":
         return "auto"
     if not _is_flag(value):

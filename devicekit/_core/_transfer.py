@@ -73,11 +73,14 @@ def _check(options: Options) -> Options:
     """The options, checked, each flag as Python's; ``preserve_format`` is no memory format."""
     given: tuple[object, ...] = options  # as objects: untyped callers pass anything
     non_blocking, dtype, copy, memory_format, strict = given
-    options = options._replace(
-        non_blocking=auto_or_flag(non_blocking, "non_blocking"),
-        copy=flag(copy, "copy"),
-        strict=flag(strict, "strict"),
+    checked = (
+        auto_or_flag(non_blocking, "non_blocking"),
+        flag(copy, "copy"),
+        flag(strict, "strict"),
     )
+    if checked[0] is not non_blocking or checked[1] is not copy or checked[2] is not strict:
+        # numpy's bools, made Python's: rebuilt only then, as _replace costs 1 us a call
+        options = options._replace(non_blocking=checked[0], copy=checked[1], strict=checked[2])
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         msg = (
             "Expected dtype to be None or a floating-point dtype such as torch.float16 or "
