@@ -69,6 +69,24 @@ def test_torch_accelerator_reports_it(on0: torch.device) -> None:
     assert dk.DeviceManager().device == on0
 
 
+def test_a_launcher_s_local_rank_selects_its_device_and_makes_it_current(
+    on1: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    try:
+        manager = dk.DeviceManager()
+        assert manager.device == on1
+        assert manager.explain().startswith(
+            "Selected standin:1 (devicekit stand-in (CPU-backed)): LOCAL_RANK=1"
+        )
+        assert torch.accelerator.current_device_index() == 1  # as set_device is on a GPU
+        assert torch.ones(1, device=NAME).device == on1  # "standin" is the current one
+        manager.close()
+    finally:
+        torch.accelerator.set_device_index(0)
+
+
 def test_devicekit_info_and_doctor_show_it(
     on0: torch.device, capsys: pytest.CaptureFixture[str]
 ) -> None:
