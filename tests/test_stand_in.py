@@ -301,6 +301,24 @@ def test_a_mix_cuda_takes_is_taken(
     assert result.tolist() == values
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("case", "run", "devices"), MIXES_REFUSED, ids=[m[0] for m in MIXES_REFUSED]
+)
+def test_cuda_refuses_the_mixes_the_stand_in_refuses(case: str, run, devices: str) -> None:
+    if case == "another index" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    with pytest.raises(RuntimeError, match="device"):
+        run(torch.device("cuda", 0), torch.device("cuda", 1 % torch.cuda.device_count()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("case", "run", "values"), MIXES_TAKEN, ids=[m[0] for m in MIXES_TAKEN])
+def test_cuda_takes_the_mixes_the_stand_in_takes(case: str, run, values: list[float]) -> None:
+    other = torch.device("cuda", 1 % torch.cuda.device_count())
+    assert run(torch.device("cuda", 0), other).tolist() == values
+
+
 def test_devicekit_reads_its_mismatch_as_one(on0: torch.device) -> None:
     with pytest.raises(RuntimeError) as raised:
         _vector(on0) + _vector("cpu")

@@ -9,7 +9,11 @@ allow (``_streams``), and wraps what comes out. A factory given the device
 :func:`factory` instead. The values are the CPU's, so a loop on the stand-in computes
 what it computes on the CPU, bit for bit.
 
-Mixing devices, as CUDA allows it (each row checked against PyTorch's CUDA kernels):
+Mixing devices, as CUDA allows it. Each row is read from PyTorch's own checks:
+TensorIterator takes a 0-dim CPU tensor as a number; indexing takes CPU indices ("indices
+should be either on cpu or on the same device as the indexed tensor"); a ``_foreach_`` op
+pairs its lists' tensors position by position. ``tests/test_stand_in.py`` runs the same
+cases on CUDA where a GPU is visible (marked ``cuda``):
 
 =========================================  =============================================
 Operation                                  Tensors it takes from another device
