@@ -6,6 +6,7 @@ runs them after every test that expects this machine without it.
 
 from __future__ import annotations
 
+import copy
 import io
 import re
 import warnings
@@ -130,6 +131,20 @@ def test_an_in_place_operation_returns_the_same_tensor(on0: torch.device) -> Non
 def test_it_prints_as_a_gpu_tensor_does(on1: torch.device) -> None:
     assert repr(torch.tensor([1.5, 2.0]).to(on1)) == "tensor([1.5000, 2.0000], device='standin:1')"
     assert f"{torch.tensor(2.5).to(on1):.1f}" == "2.5"
+
+
+def test_a_deep_copy_is_a_tensor_of_its_own_and_counted(on1: torch.device) -> None:
+    source = torch.arange(4.0).to(on1).requires_grad_()
+    source.grad = torch.ones(4).to(on1)
+    before = torch.accelerator.memory_allocated(on1)
+    copied = copy.deepcopy(source)
+    assert torch.accelerator.memory_allocated(on1) == before + 2 * 16  # values and gradient
+    copied.data.add_(1)
+    assert source.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert copied.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert copied.requires_grad
+    assert copied.grad is not None
+    assert copied.grad.tolist() == [1.0] * 4
 
 
 def test_numpy_is_refused_as_on_cuda(on0: torch.device) -> None:

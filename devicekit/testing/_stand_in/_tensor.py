@@ -29,6 +29,7 @@ indexing (``index``, ``index_put_``)       also CPU index tensors ("indices shou
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar, Final
 
 import torch
@@ -111,6 +112,21 @@ class StandInTensor(torch.Tensor):
             "copy the tensor to host memory first."
         )
         raise TypeError(msg)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        # Tensor.__deepcopy__ clones, then deep-copies the attributes over the clone's:
+        # the CPU tensor inside too, which would leave the copy's memory uncounted.
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[no-any-return]
+        with torch.no_grad():  # a StandInTensor: clone() runs through __torch_dispatch__
+            copied = self.clone().requires_grad_(self.requires_grad)
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            if name != "_data":
+                setattr(copied, name, copy.deepcopy(value, memo))
+        if self.grad is not None:
+            copied.grad = copy.deepcopy(self.grad, memo)
+        return copied
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Saved as its values on the host, their storage tagged with this device, so that
