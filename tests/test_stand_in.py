@@ -114,6 +114,20 @@ def test_tensors_hold_the_values_the_cpu_computes(on0: torch.device, on1: torch.
     assert torch.full((2,), 7, device=on0).sum().item() == 14
 
 
+def test_tensors_made_from_python_data_go_to_the_device(on1: torch.device) -> None:
+    made = torch.tensor([[1, 2], [3, 4]], device=on1)
+    assert (made.device, made.tolist()) == (on1, [[1, 2], [3, 4]])
+    leaf = torch.tensor(2.0, device=on1, requires_grad=True)
+    assert leaf.is_leaf
+    assert leaf.requires_grad
+    assert leaf.device == on1
+    assert torch.as_tensor([1, 2], device=on1, dtype=torch.float16).dtype == torch.float16
+    assert torch.asarray([1.0], device=on1).device == on1
+    assert made.new_tensor([5]).device == on1  # new_tensor: its tensor's device and dtype
+    with torch.device(on1):
+        assert torch.tensor([1.0]).device == on1
+
+
 def test_a_view_writes_through_to_its_base(on0: torch.device) -> None:
     base = torch.zeros(4, device=on0)
     base[1:3].add_(5)
@@ -414,6 +428,27 @@ def test_work_on_a_side_stream_reads_its_inputs_when_it_runs(on0: torch.device) 
     source.fill_(5.0)  # the default stream writes it first, since nothing ordered them
     side.synchronize()
     assert doubled.tolist() == [10.0, 10.0]
+
+
+def test_a_side_stream_as_in_cuda_s_docs_gives_the_values(on0: torch.device) -> None:
+    source = torch.arange(4.0, device=on0)
+    side = torch.standin.Stream(on0)
+    side.wait_stream(torch.accelerator.current_stream(on0))
+    with side:
+        doubled = source * 2
+    torch.accelerator.current_stream(on0).wait_stream(side)
+    doubled.record_stream(side)  # the allocator's note: accepted, as on CUDA
+    assert (doubled + 0).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_a_read_to_the_host_on_a_side_stream_waits_for_its_work(on0: torch.device) -> None:
+    source = torch.tensor([0.0, 1.0, 2.0], device=on0)
+    side = torch.standin.Stream(on0)
+    side.wait_stream(torch.accelerator.current_stream(on0))
+    with side:  # CUDA synchronizes the current stream for these
+        assert (source * 2).sum().item() == 6.0
+        assert source[source > 0].tolist() == [1.0, 2.0]
+        assert source.nonzero().tolist() == [[1], [2]]
 
 
 def test_an_allocation_reads_as_poison_and_waits_for_no_work(on0: torch.device) -> None:

@@ -161,6 +161,12 @@ def _register(record: _device.Started) -> None:
     # internal assert. Backward passes run in the calling thread instead, as on the CPU.
     torch.autograd.backward = _in_calling_thread(torch.autograd.backward)
     torch.autograd.grad = _in_calling_thread(torch.autograd.grad)
+    # torch.tensor(data, device=...) and its kin, given Python data (a list, a number),
+    # fill a host tensor and copy it to the device with PyTorch's Python dispatch turned
+    # off, which a Python backend's tensors cannot run without (an internal assert
+    # fails). They fill it on the host here; the copy then runs as any .to() does.
+    for owner, name in _BUILT_FROM_DATA:
+        setattr(owner, name, _built_on_host(getattr(owner, name), method=owner is torch.Tensor))
     # Module.to keeps each Parameter object, as on CUDA, only where it can set the moved
     # tensor into it (a CPU and a CUDA tensor can; a Python backend's cannot) or swaps
     # the two, which it does for wrapper tensors it may trace. The stand-in's are not
@@ -177,6 +183,32 @@ def _register(record: _device.Started) -> None:
             setattr(torch.accelerator.memory, name, function)
     _forget_what_devicekit_read()
     atexit.register(_memory.registered_at_exit)
+
+
+_BUILT_FROM_DATA: Final = (
+    (torch, "tensor"),
+    (torch, "as_tensor"),
+    (torch, "asarray"),
+    (torch.Tensor, "new_tensor"),
+)
+
+
+def _built_on_host(function: Callable[..., Any], *, method: bool) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        given = args[1:] if method else args
+        data = given[0] if given else kwargs.get("data", kwargs.get("obj"))  # asarray's: obj
+        device = kwargs.get("device")
+        if device is None:  # new_tensor's default is its tensor's device
+            device = args[0].device if method else torch.get_default_device()
+        where = torch.device(device)
+        if where.type != NAME or isinstance(data, torch.Tensor):
+            return function(*args, **kwargs)  # a tensor's own copy to the device runs as .to()
+        requires_grad = kwargs.pop("requires_grad", False)
+        made = function(*args, **{**kwargs, "device": "cpu"})
+        return made.to(where).requires_grad_(requires_grad)
+
+    return build
 
 
 def _in_calling_thread(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -51,6 +51,22 @@ _INDEXING: Final = frozenset(
     }
 )
 
+# Operations whose result the host reads before they return: a number (``item()``,
+# ``equal``), or a tensor whose shape its input's values decide (``nonzero``, a boolean
+# mask's selection). CUDA synchronizes the current stream for them.
+_SHAPED_BY_VALUES: Final = frozenset(
+    {
+        _aten.nonzero.default,
+        _aten.masked_select.default,
+        _aten._unique2.default,
+        _aten.unique_dim.default,
+        _aten.unique_consecutive.default,
+        _aten.repeat_interleave.Tensor,
+        _aten.bincount.default,
+    }
+)
+_NUMBERS: Final = frozenset({"NumberType", "BoolType", "IntType", "FloatType", "ComplexType"})
+
 MIXES: Final = {
     "copies": "any device",
     "indexing": "0-dim CPU tensors and CPU index tensors",
@@ -147,6 +163,10 @@ class StandInTensor(torch.Tensor):
 
 @torch._disable_dynamo  # type: ignore[attr-defined]  # the device's kernels: not the program's to trace
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if func is _aten.record_stream.default:
+        # Tells a caching allocator not to reuse the memory before the stream's work is
+        # done; here queued work holds the memory it uses until it runs: nothing to note.
+        return None
     with _streams.LOCK:
         if func in _COPIES:
             return _copy(func, args, kwargs)
@@ -255,6 +275,16 @@ def _is_view(func: Any) -> bool:
     )
 
 
+def _reads_values(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``func`` hands the host what its inputs' values decide (it synchronizes)."""
+    if func in _SHAPED_BY_VALUES:
+        return True
+    if func is _aten.index.Tensor:  # a boolean mask selects as many as it holds True
+        masks = (torch.bool, torch.uint8)
+        return any(isinstance(i, torch.Tensor) and i.dtype in masks for i in args[1])
+    return any(ret.type.kind() in _NUMBERS for ret in func._schema.returns)
+
+
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     flat, spec = tree_flatten((args, kwargs))
     _check_mix(func, flat, args)
@@ -265,7 +295,7 @@ def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if index is None:
         return _wrap(func(*host_args, **host_kwargs), inputs, index)
     queue = _streams.current_queue(index)
-    if queue.stream_id != 0 and not _is_view(func):
+    if queue.stream_id != 0 and not _is_view(func) and not _reads_values(func, args):
         return _later(func, (host_args, host_kwargs), inputs, index, queue)
     queue.run_all()  # what was issued to this stream before runs first
     return _wrap(func(*host_args, **host_kwargs), inputs, index)
