@@ -9,48 +9,57 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from .programs import run_program
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
-# Runs examples/cnn.py as `python examples/cnn.py --device ...` would, the stand-in
-# started first where the device is one of its own; argv[1] is the device, argv[2] a
-# line of the source to take out.
-_RUN_CNN = """
-import runpy, sys
-device, removed = sys.argv[1], sys.argv[2]
+# Runs an example as `python examples/NAME --epochs 2 --device ...` would, the stand-in
+# started first where the device is one of its own; argv[1:] are the example's path, the
+# device, and a line of its source to take out ("" for none).
+_RUN_EXAMPLE = """
+import sys
+path, device, removed = sys.argv[1:]
 if device.startswith("standin"):
     import devicekit.testing
     devicekit.testing.stand_in()
-path = {path!r}
 source = open(path).read()
 if removed:
     assert removed in source
     source = source.replace(removed, "pass")
 sys.argv = [path, "--epochs", "2", "--device", device]
-exec(compile(source, path, "exec"), {{"__name__": "__main__", "__file__": path}})
+exec(compile(source, path, "exec"), {"__name__": "__main__", "__file__": path})
 """
 
 
-def _cnn(python: str, device: str, removed: str = "") -> tuple[int, str, str]:
-    code = _RUN_CNN.format(path=str(EXAMPLES / "cnn.py"))
-    result = run_program([python, "-c", code, device, removed], timeout=300)
+def _example(python: str, name: str, device: str, removed: str = "") -> tuple[int, str, str]:
+    command = [python, "-c", _RUN_EXAMPLE, str(EXAMPLES / name), device, removed]
+    result = run_program(command, timeout=300)
     return result.returncode, result.stdout, result.stderr
 
 
-def test_the_cnn_example_trains_on_the_stand_in_as_on_the_cpu(fresh_python: str) -> None:
-    status, on_cpu, _ = _cnn(fresh_python, "cpu")
+@pytest.mark.parametrize("name", ["cnn.py", "linear_regression.py"])
+def test_an_example_trains_on_the_stand_in_as_on_the_cpu(fresh_python: str, name: str) -> None:
+    status, on_cpu, _ = _example(fresh_python, name, "cpu")
     assert status == 0
-    status, on_stand_in, said = _cnn(fresh_python, "standin:1")
+    status, on_stand_in, said = _example(fresh_python, name, "standin:1")
     assert status == 0, said[-3000:]
-    assert re.fullmatch(r"(epoch \d: loss \d\.\d{6}, accuracy \d+\.\d%\n){2}", on_cpu)
-    assert on_stand_in == on_cpu
+    assert on_cpu.count("loss") >= 2  # each epoch's loss, printed
+    assert on_stand_in.replace("standin:1", "cpu") == on_cpu  # a line may name the device
+
+
+def test_the_cnn_example_prints_each_epoch_s_loss_and_accuracy(fresh_python: str) -> None:
+    status, out, said = _example(fresh_python, "cnn.py", "standin:0")
+    assert status == 0, said[-3000:]
+    assert re.fullmatch(r"(epoch \d: loss \d\.\d{6}, accuracy \d+\.\d%\n){2}", out)
 
 
 def test_the_cnn_example_without_its_model_move_fails_naming_both_devices(
     fresh_python: str,
 ) -> None:
-    status, _, said = _cnn(fresh_python, "standin:0", "model = dk.to_device(model, manager.device)")
+    removed = "model = dk.to_device(model, manager.device)"
+    status, _, said = _example(fresh_python, "cnn.py", "standin:0", removed)
     assert status != 0
     assert "input is on standin:0 but the parameters of Sequential (e.g. 0.weight" in said
     assert "are on cpu" in said
