@@ -438,3 +438,57 @@ def test_a_sparse_tensor_s_bytes_are_its_parts_as_a_copy_moves_them(layout: torc
             _ = sparse.nbytes
     else:
         assert sparse.nbytes == torch.eye(4).nbytes != _compat.stored_bytes(sparse)
+
+
+# A device type registered from Python: what the stand-in of devicekit.testing reads.
+
+
+def test_this_pytorch_takes_python_backends_and_names_privateuse1() -> None:
+    assert _compat.python_backends()  # PyTorch 2.13, as CI installs it
+    assert _compat.privateuse1_name() in ("privateuseone", "standin")  # renamed once started
+    assert int(torch._C._autograd.DeviceType.PrivateUse1) == _compat.privateuse1_number()
+
+
+def test_an_operator_s_arguments_come_apart_and_back_with_their_schema() -> None:
+    x = torch.ones(2)
+    leaves, spec = _compat.op_leaves(((x, [x, 2]), {"alpha": 3}))
+    assert leaves[0] is x
+    assert len(leaves) == 4
+    assert _compat.op_rebuilt(leaves, spec) == ((x, [x, 2]), {"alpha": 3})
+    schema = _compat.op_schema(torch.ops.aten.add_.Tensor)
+    assert [arg.name for arg in schema.arguments] == ["self", "other", "alpha"]
+    assert schema.returns[0].alias_info.is_write
+
+
+def test_a_tensor_s_text_is_pytorch_s_with_values_read_elsewhere() -> None:
+    shown = torch.tensor([1.5, 2.0], requires_grad=True) * 1
+    assert _compat.tensor_text(shown, torch.tensor([3.0, 4.0])) == (
+        "tensor([3., 4.], grad_fn=<MulBackward0>)"
+    )
+
+
+def test_a_wrapper_tensor_takes_its_shape_strides_and_device() -> None:
+    class Shaped(torch.Tensor):
+        __torch_dispatch__ = classmethod(lambda cls, *args, **kwargs: NotImplemented)
+
+    like = torch.ones(2, 3).t()
+    made = _compat.wrapper_tensor(Shaped, like, torch.device("meta"))
+    assert (type(made), made.shape, made.stride(), made.device) == (
+        Shaped,
+        like.shape,
+        like.stride(),
+        torch.device("meta"),
+    )
+
+
+def test_a_function_not_traced_runs_eagerly_inside_a_compiled_one() -> None:
+    seen: list[bool] = []
+
+    @_compat.not_traced
+    def body(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    compiled = torch.compile(lambda x: body(x) * 2, backend="eager")
+    assert compiled(torch.ones(1)).tolist() == [4.0]
+    assert seen == [False]  # run, not traced into the graph

@@ -14,7 +14,7 @@ import re
 import sys
 import types
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar, cast
 
 import torch
 
@@ -35,21 +35,32 @@ __all__ = [
     "is_device_mismatch",
     "is_out_of_memory",
     "is_unreadable_archive",
+    "not_traced",
     "one_graph",
+    "op_leaves",
+    "op_rebuilt",
+    "op_schema",
     "own_tensors",
+    "privateuse1_name",
+    "privateuse1_number",
     "profiler_running",
+    "python_backends",
     "raise_past_the_compiler",
     "recomputed_attributes",
+    "register_python_backend",
     "registered_table",
     "run_while_tracing",
     "scaler_between_steps",
     "scaler_marks_kept",
     "stored_bytes",
+    "swap_on_module_conversion",
+    "tensor_text",
     "version_of",
     "weights_only_build_refusal",
     "weights_only_refusal",
     "weights_only_refused_globals",
     "weights_only_said",
+    "wrapper_tensor",
 ]
 
 
@@ -655,3 +666,128 @@ def stored_bytes(tensor: torch.Tensor) -> int:
     if parts is None:
         return tensor.nbytes
     return sum(getattr(tensor, part)().nbytes for part in parts)
+
+
+# A device type registered from Python (PrivateUse1): what devicekit.testing's stand-in
+# accelerator is built on. PyTorch calls this API experimental (2.9 and later).
+
+
+def privateuse1_name() -> str:
+    """The device type PrivateUse1 goes by: ``"privateuseone"`` until a backend renames it.
+
+    >>> privateuse1_name() in ("privateuseone", "standin")
+    True
+    """
+    return str(torch._C._get_privateuse1_backend_name())
+
+
+def privateuse1_number() -> int:
+    """PrivateUse1's number in PyTorch's device types, as a ``torch.Stream`` is made with.
+
+    >>> privateuse1_number() > 1  # after the CPU's 0 and CUDA's 1
+    True
+    """
+    kind: Any = torch._C._autograd.DeviceType.PrivateUse1
+    return int(kind)
+
+
+def python_backends() -> bool:
+    """Whether this PyTorch can take a backend registered from Python (2.9 and later).
+
+    >>> python_backends() == (torch.__version__ >= "2.9")
+    True
+    """
+    from torch.utils import backend_registration  # noqa: PLC0415 - read where asked
+
+    return hasattr(backend_registration, "_setup_privateuseone_for_python_backend")
+
+
+def register_python_backend(name: str, module: types.ModuleType) -> None:
+    """Rename PrivateUse1 to ``name`` and register ``module`` as its device module, for good."""
+    from torch.utils import backend_registration  # noqa: PLC0415 - read where asked
+
+    backend_registration._setup_privateuseone_for_python_backend(name, backend_module=module)
+
+
+def wrapper_tensor(cls: type[torch.Tensor], like: torch.Tensor, device: torch.device) -> Any:
+    """A tensor of ``cls`` shaped as ``like`` on ``device``, holding no memory of its own.
+
+    >>> class Shaped(torch.Tensor):  # a subclass that runs no operation
+    ...     __torch_dispatch__ = classmethod(lambda cls, *args, **kwargs: NotImplemented)
+    >>> made = wrapper_tensor(Shaped, torch.ones(2, 3), torch.device("meta"))
+    >>> made.shape, made.device
+    (torch.Size([2, 3]), device(type='meta'))
+    """
+    return torch.Tensor._make_wrapper_subclass(
+        cls,
+        like.size(),
+        strides=like.stride(),
+        storage_offset=like.storage_offset(),
+        dtype=like.dtype,
+        layout=like.layout,
+        device=device,
+        requires_grad=like.requires_grad,
+    )
+
+
+def op_leaves(value: Any) -> tuple[list[Any], Any]:
+    """An operator's arguments as a flat list, and what rebuilds them (:func:`op_rebuilt`).
+
+    For the arguments of one ATen operator (tuples, lists and dicts of tensors), not user
+    data, which devicekit's own flatten reads through its table.
+
+    >>> leaves, spec = op_leaves(((1, [2, 3]), {"alpha": 4}))
+    >>> leaves, op_rebuilt([x * 10 for x in leaves], spec)
+    ([1, 2, 3, 4], ((10, [20, 30]), {'alpha': 40}))
+    """
+    from torch.utils import _pytree  # noqa: PLC0415 - loaded by torch already
+
+    return _pytree.tree_flatten(value)
+
+
+def op_rebuilt(leaves: list[Any], spec: Any) -> Any:
+    """The arguments :func:`op_leaves` took apart, with ``leaves`` in their places."""
+    from torch.utils import _pytree  # noqa: PLC0415 - loaded by torch already
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tensor_text(tensor: torch.Tensor, values: torch.Tensor) -> str:
+    """How PyTorch prints ``tensor`` (device, dtype, grad_fn), its values read from ``values``.
+
+    >>> tensor_text(torch.ones(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    'tensor([1, 1], dtype=torch.int32)'
+    """
+    shown = torch._tensor_str._tensor_str(values, len("tensor("))  # type: ignore[no-untyped-call]
+    return str(torch._tensor_str._str(tensor, tensor_contents=shown))  # type: ignore[no-untyped-call]
+
+
+def not_traced(fn: F) -> F:
+    """``fn``, run as it is inside ``torch.compile``: its body is not the program's to trace.
+
+    >>> not_traced(lambda x: x + 1)(1)
+    2
+    """
+    disable: Any = torch._disable_dynamo  # type: ignore[attr-defined]
+    return cast("F", disable(fn))
+
+
+def swap_on_module_conversion(wanted: Callable[[torch.Tensor], bool]) -> None:
+    """Make ``Module.to`` swap a parameter into the tensor it moved to where ``wanted`` says.
+
+    It keeps the Parameter object: by setting the new tensor into it where their kinds
+    allow, else by swapping the two, which it does for the wrapper tensors it may trace
+    (a module-level name of ``torch.nn.modules.module``, read at each conversion).
+    """
+    modules: Any = torch.nn.modules.module
+    traced = modules.is_traceable_wrapper_subclass
+    modules.is_traceable_wrapper_subclass = lambda tensor: wanted(tensor) or traced(tensor)
+
+
+def op_schema(op: Any) -> Any:
+    """An ATen operator's schema: its arguments, returns and what each aliases or writes.
+
+    >>> op_schema(torch.ops.aten.add_.Tensor).arguments[0].alias_info.is_write
+    True
+    """
+    return op._schema

@@ -111,7 +111,7 @@ def _own(device: torch.device, kind: str) -> Callable[..., Any] | None:
     Such a backend keeps its streams and events in its module: the ones ``torch.Stream``
     makes for it order nothing (its C++ side has none).
     """
-    if device.type != torch._C._get_privateuse1_backend_name():
+    if device.type != _compat.privateuse1_name():
         return None
     found = getattr(getattr(torch, device.type, None), kind, None)
     return found if callable(found) else None

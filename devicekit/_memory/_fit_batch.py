@@ -39,6 +39,7 @@ from devicekit._base import (
     current_device,
     is_out_of_memory,
     nbytes,
+    privateuse1_name,
     resolve_device,
     shown,
     whole_number,
@@ -82,7 +83,7 @@ class _Readings:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        own = device.type == torch._C._get_privateuse1_backend_name()
+        own = device.type == privateuse1_name()
         read = device.type in ("cuda", "xpu") or own
         self.module: Any = getattr(torch, device.type, None) if read else None
 

@@ -16,7 +16,15 @@ from typing import Any, Final
 
 import torch
 
-from devicekit._base import DeviceKitError, parse_bytes, whole_number
+from devicekit._base import (
+    DeviceKitError,
+    parse_bytes,
+    privateuse1_name,
+    python_backends,
+    register_python_backend,
+    swap_on_module_conversion,
+    whole_number,
+)
 from devicekit.testing._stand_in import _device, _memory, _module, _saving, _tensor
 
 __all__ = ["NAME", "stand_in"]
@@ -113,15 +121,13 @@ def _said(record: _device.Started) -> str:
 
 
 def _refuse_where_unfit() -> None:
-    from torch.utils import backend_registration  # noqa: PLC0415 - only where started
-
-    if not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"):
+    if not python_backends():
         msg = (
             f"The stand-in accelerator needs PyTorch {_FIRST_RELEASE} or later (Python "
             f"backends); this is PyTorch {torch.__version__}."
         )
         raise DeviceKitError(msg)
-    taken = torch._C._get_privateuse1_backend_name()
+    taken = privateuse1_name()
     if taken != "privateuseone":
         msg = (
             f"The stand-in accelerator cannot start: PyTorch's PrivateUse1 device is taken "
@@ -131,14 +137,10 @@ def _refuse_where_unfit() -> None:
 
 
 def _register(record: _device.Started) -> None:
-    from torch.utils import backend_registration  # noqa: PLC0415 - only where started
-
     capacity = record.capacity if record.capacity is not None else _host_memory()
     _device.start(record)
     _memory.start(record.count, capacity)
-    backend_registration._setup_privateuseone_for_python_backend(
-        NAME, backend_module=sys.modules[_module.__name__]
-    )
+    register_python_backend(NAME, sys.modules[_module.__name__])
     found = torch.accelerator.current_accelerator()
     if found is None or found.type != NAME:
         msg = (
@@ -172,11 +174,7 @@ def _register(record: _device.Started) -> None:
     # the two, which it does for wrapper tensors it may trace. The stand-in's are not
     # for tracing (torch.compile runs its kernels eagerly), so it is named to the module
     # alone: an optimizer made before model.to() then holds the moved parameters.
-    modules: Any = torch.nn.modules.module
-    traced = modules.is_traceable_wrapper_subclass
-    modules.is_traceable_wrapper_subclass = lambda tensor: (
-        isinstance(tensor, _tensor.StandInTensor) or traced(tensor)
-    )
+    swap_on_module_conversion(lambda tensor: isinstance(tensor, _tensor.StandInTensor))
     for name, function in _ACCELERATOR_FUNCTIONS.items():
         setattr(torch.accelerator, name, function)
         if hasattr(torch.accelerator.memory, name):

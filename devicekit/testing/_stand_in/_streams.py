@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from devicekit._base import privateuse1_number
 from devicekit._memory import fill, filler_of
 
 __all__ = ["LOCK", "Event", "Queue", "Stream", "poison", "queue_of", "streams_of"]
@@ -268,8 +269,7 @@ def current_stream(device: int) -> Stream:
 
 def _device_type() -> int:
     # PrivateUse1's number in torch's DeviceType enum: what a torch.Stream is made with.
-    kind: Any = torch._C._autograd.DeviceType.PrivateUse1
-    return int(kind)
+    return privateuse1_number()
 
 
 def pending_count() -> Iterator[Queue]:

@@ -30,11 +30,18 @@ indexing (``index``, ``index_put_``)       also CPU index tensors ("indices shou
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from devicekit._base import (
+    not_traced,
+    op_leaves,
+    op_rebuilt,
+    op_schema,
+    tensor_text,
+    wrapper_tensor,
+)
 from devicekit.testing._stand_in import _memory, _saving, _streams
 from devicekit.testing._stand_in._device import index_of, started
 
@@ -80,22 +87,11 @@ class StandInTensor(torch.Tensor):
     """A tensor of the stand-in device: a CPU tensor (``_data``) under a device of its own."""
 
     _data: torch.Tensor
-    # Below autograd only: torch functions on it run as on any tensor, then dispatch here.
-    __torch_function__: ClassVar = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls: type[StandInTensor], data: torch.Tensor, index: int) -> StandInTensor:
         """Wrap ``data`` as a tensor of device ``index``, counted against its memory."""
-        wrapper = torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.size(),
-            strides=data.stride(),
-            storage_offset=data.storage_offset(),
-            dtype=data.dtype,
-            layout=data.layout,
-            device=torch.device(started().name, index),
-            requires_grad=data.requires_grad,
-        )
+        wrapper: StandInTensor = wrapper_tensor(cls, data, torch.device(started().name, index))
         wrapper._data = data
         _memory.charge(index, data)
         return wrapper
@@ -103,10 +99,7 @@ class StandInTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         # As a GPU tensor prints: its values read to the host (a blocking copy), then
         # PyTorch's own suffixes (device, dtype, grad_fn).
-        if tensor_contents is None:
-            values = self.detach().cpu()
-            tensor_contents = torch._tensor_str._tensor_str(values, len("tensor("))  # type: ignore[no-untyped-call]
-        text: str = torch._tensor_str._str(self, tensor_contents=tensor_contents)  # type: ignore[no-untyped-call]
+        text = tensor_text(self, self.detach().cpu())
         return text.replace(f"{type(self).__name__}(", "tensor(", 1)
 
     def tolist(self) -> Any:
@@ -161,7 +154,7 @@ class StandInTensor(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
-@torch._disable_dynamo  # type: ignore[attr-defined]  # the device's kernels: not the program's to trace
+@not_traced  # the device's kernels: not the program's to trace
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if func is _aten.record_stream.default:
         # Tells a caching allocator not to reuse the memory before the stream's work is
@@ -250,8 +243,8 @@ def _host_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _wrap(result: Any, inputs: dict[int, StandInTensor], index: int | None) -> Any:
     """Put results on the stand-in: an input's own data comes back as that input."""
-    flat, spec = tree_flatten(result)
-    return tree_unflatten([_placed(value, inputs, index) for value in flat], spec)
+    flat, spec = op_leaves(result)
+    return op_rebuilt([_placed(value, inputs, index) for value in flat], spec)
 
 
 def _placed(value: Any, inputs: dict[int, StandInTensor], index: int | None) -> Any:
@@ -265,13 +258,14 @@ def _placed(value: Any, inputs: dict[int, StandInTensor], index: int | None) -> 
 
 def _writes(func: Any) -> bool:
     return any(
-        arg.alias_info is not None and arg.alias_info.is_write for arg in func._schema.arguments
+        arg.alias_info is not None and arg.alias_info.is_write for arg in op_schema(func).arguments
     )
 
 
 def _is_view(func: Any) -> bool:
     return any(
-        ret.alias_info is not None and not ret.alias_info.is_write for ret in func._schema.returns
+        ret.alias_info is not None and not ret.alias_info.is_write
+        for ret in op_schema(func).returns
     )
 
 
@@ -282,15 +276,15 @@ def _reads_values(func: Any, args: tuple[Any, ...]) -> bool:
     if func is _aten.index.Tensor:  # a boolean mask selects as many as it holds True
         masks = (torch.bool, torch.uint8)
         return any(isinstance(i, torch.Tensor) and i.dtype in masks for i in args[1])
-    return any(ret.type.kind() in _NUMBERS for ret in func._schema.returns)
+    return any(ret.type.kind() in _NUMBERS for ret in op_schema(func).returns)
 
 
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    flat, spec = tree_flatten((args, kwargs))
+    flat, spec = op_leaves((args, kwargs))
     _check_mix(func, flat, args)
     index = _target(flat, kwargs)
     inputs = {id(value._data): value for value in flat if isinstance(value, StandInTensor)}
-    host_args, host_kwargs = tree_unflatten([_unwrap(value) for value in flat], spec)
+    host_args, host_kwargs = op_rebuilt([_unwrap(value) for value in flat], spec)
     host_kwargs = _host_kwargs(host_kwargs)
     if index is None:
         return _wrap(func(*host_args, **host_kwargs), inputs, index)
@@ -318,17 +312,17 @@ def _later(
         queue.issue(lambda: func(*host_args, **host_kwargs))
         return _wrap(_written_results(func, host_args, host_kwargs), inputs, index)
     shaped = func(*host_args, **host_kwargs)
-    flat, spec = tree_flatten(shaped)
+    flat, spec = op_leaves(shaped)
     poisoned = [_poisoned_like(value) for value in flat]
 
     def work() -> None:
-        results, _ = tree_flatten(func(*host_args, **host_kwargs))
+        results, _ = op_leaves(func(*host_args, **host_kwargs))
         for into, value in zip(poisoned, results, strict=True):
             if isinstance(into, torch.Tensor):
                 into.copy_(value)
 
     queue.issue(work)
-    return _wrap(tree_unflatten(poisoned, spec), inputs, index)
+    return _wrap(op_rebuilt(poisoned, spec), inputs, index)
 
 
 def _poisoned_like(value: Any) -> Any:
@@ -341,7 +335,7 @@ def _poisoned_like(value: Any) -> Any:
 
 def _written_results(func: Any, host_args: tuple[Any, ...], host_kwargs: dict[str, Any]) -> Any:
     """What an operation that writes its arguments returns: those arguments."""
-    schema = func._schema
+    schema = op_schema(func)
     named = dict(zip([arg.name for arg in schema.arguments], host_args, strict=False))
     named.update(host_kwargs)
     results = []
@@ -467,7 +461,7 @@ def factory(op: Any, *args: Any, **kwargs: Any) -> Any:
     host = {**kwargs, "device": torch.device("cpu")}
     host.pop("pin_memory", None)
     with _streams.LOCK:
-        if op._schema.name.startswith("aten::empty"):
+        if op_schema(op).name.startswith("aten::empty"):
             return StandInTensor(_poisoned_like(op(*args, **host)), index)
         queue = _streams.current_queue(index)
         if queue.stream_id == 0:
