@@ -300,6 +300,15 @@ def _check_epoch(loader: dk.DeviceDataLoader[Any], reads: str, sizes: str) -> No
         assert stats.pinned_reused > 0
 
 
+def _loading(
+    device: str, prefetch: int, reads: str, sizes: str
+) -> tuple[list[dict[str, Any]], dk.DeviceDataLoader]:
+    """BATCHES batches of ``sizes``, and a loader of them onto ``device``."""
+    source = [_batch(index, sizes) for index in range(BATCHES)]
+    batches = Batches(source, draws=reads != "read ahead")
+    return source, dk.DeviceDataLoader(batches, device, prefetch=prefetch)
+
+
 @pytest.mark.parametrize("sizes", ["staged", "large", "packed"])
 @pytest.mark.parametrize("reads", READS)
 @pytest.mark.parametrize("prefetch", [1, 2, 4])
@@ -308,10 +317,7 @@ def test_every_batch_is_handed_over_whole(
     stand_in_device: torch.device, device: str, prefetch: int, reads: str, sizes: str
 ) -> None:
     """Each batch is read on the default stream as it is handed over: the hand-over's wait."""
-    source = [_batch(index, sizes) for index in range(BATCHES)]
-    loader = dk.DeviceDataLoader(
-        Batches(source, draws=reads != "read ahead"), device, prefetch=prefetch
-    )
+    source, loader = _loading(device, prefetch, reads, sizes)
     try:
         for epoch in range(EPOCHS):
             count = 0
@@ -341,10 +347,7 @@ def test_batches_kept_and_read_after_the_epoch_are_whole(
 ) -> None:
     """A loop may keep its batches (a list of them, a queue): a slab reused before its
     copy ran would leave them poisoned, however late they are read."""
-    source = [_batch(index, sizes) for index in range(BATCHES)]
-    loader = dk.DeviceDataLoader(
-        Batches(source, draws=reads != "read ahead"), device, prefetch=prefetch
-    )
+    source, loader = _loading(device, prefetch, reads, sizes)
     try:
         for epoch in range(EPOCHS):
             kept = list(loader)

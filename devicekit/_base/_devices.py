@@ -27,6 +27,7 @@ __all__ = [
     "HOST_TYPES",
     "DeviceLike",
     "LinkPeak",
+    "accelerator_families",
     "accelerator_type",
     "available_devices",
     "forget_accelerator",
@@ -150,7 +151,9 @@ def available_devices() -> list[str]:
     ['cpu', 'meta']
     """
     found = [
-        f"{kind}:{index}" for kind in _accelerators() for index in range(_device_count(kind) or 0)
+        f"{kind}:{index}"
+        for kind in accelerator_families()
+        for index in range(_device_count(kind) or 0)
     ]
     return [*found, *HOST_TYPES]
 
@@ -195,11 +198,15 @@ def no_backend(spec: str, device_type: str) -> str:
 @functools.cache
 def _default_family() -> str:
     """The accelerator family a bare index refers to: the first found, else cpu."""
-    return next((kind for kind in _accelerators() if _device_count(kind)), "cpu")
+    return next((kind for kind in accelerator_families() if _device_count(kind)), "cpu")
 
 
-def _accelerators() -> tuple[str, ...]:
-    """The accelerator families to look for: the built-in ones and the build's own."""
+def accelerator_families() -> tuple[str, ...]:
+    """The accelerator families devicekit looks for, in its order: built-in, then the build's own.
+
+    >>> accelerator_families()[:3]
+    ('cuda', 'xpu', 'mps')
+    """
     other = accelerator_type()
     return _BUILT_IN if other is None or other in _BUILT_IN else (*_BUILT_IN, other)
 

@@ -27,7 +27,7 @@ from devicekit._base import (
     DeviceLike,
     DeviceUnavailableError,
     Scope,
-    accelerator_type,
+    accelerator_families,
     duration,
     enter_block,
     flag,
@@ -73,11 +73,13 @@ _FAMILIES = ("cuda", "rocm", "xpu", "mps", "cpu")
 
 
 def _default_prefer(backends: Sequence[Backend]) -> tuple[str, ...]:
-    """CUDA, XPU, MPS, the build's own accelerator where a backend finds it, then the CPU."""
-    built_in = ("cuda", "xpu", "mps")
-    other = accelerator_type()
-    found = other is not None and other not in built_in and any(b.name == other for b in backends)
-    return (*built_in, *((other,) if found else ()), "cpu")
+    """The accelerator families devicekit looks for, then the CPU.
+
+    The build's own accelerator (a Python backend's, an extension's) only where one of
+    ``backends`` finds it: a user's list may have none for it.
+    """
+    ours = {*_FAMILIES, *(backend.name for backend in backends)}
+    return (*(family for family in accelerator_families() if family in ours), "cpu")
 
 
 class _Once:
